@@ -1,0 +1,3 @@
+from slime_async.cli import main
+
+raise SystemExit(main())

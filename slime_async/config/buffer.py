@@ -1,0 +1,49 @@
+"""`[buffer]`: the ZeroMQ trajectory buffer (slime_async/queue/)."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from slime_async.config.base import Section
+
+
+class CurveConfig(Section):
+    """CurveZMQ keys for cross-node runs; empty means no encryption (loopback only)."""
+
+    server_secret_key: str | None = None
+    """Path of the buffer's secret key file (written by `slime-async keygen`)."""
+    server_public_key: str | None = None
+    """Path of the buffer's public key file; clients need it to connect."""
+    client_secret_key: str | None = None
+    """Path of this client's secret key file."""
+    client_public_key: str | None = None
+    """Path of this client's public key file."""
+    authorized_clients_dir: str | None = None
+    """Directory of client public keys the buffer accepts; others are refused."""
+
+
+class BufferConfig(Section):
+    producer_endpoint: str = "tcp://127.0.0.1:5555"
+    """Where generators send trajectories (ZeroMQ endpoint, tcp:// or ipc://)."""
+    consumer_endpoint: str = "tcp://127.0.0.1:5556"
+    """Where the learner requests batches and commits them."""
+    allow_non_loopback: bool = False
+    """Bind to a non-loopback address without CURVE keys (off: refuse)."""
+    max_staleness: int = Field(4, ge=0)
+    """Groups older than this many policy versions (current - oldest token version) are dropped."""
+    order: Literal["oldest_first", "freshest_first"] = "oldest_first"
+    """Which ready groups are delivered first."""
+    capacity_trajectories: int = Field(8192, ge=1)
+    """Most trajectories held at once; producers are told to wait beyond it."""
+    capacity_bytes: int = Field(1 << 30, ge=1)
+    """Most payload bytes held at once; producers are told to wait beyond it."""
+    max_message_bytes: int = Field(64 << 20, ge=1024)
+    """Largest message accepted; bigger ones are rejected with an error."""
+    wal_dir: str | None = None
+    """Write-ahead log directory; None disables durability (relative paths are under the run dir)."""
+    wal_sync: Literal["none", "flush", "fsync"] = "flush"
+    """When an appended record is made durable before its ack: OS buffer flush or fsync."""
+    wal_segment_bytes: int = Field(64 << 20, ge=1 << 16)
+    """Size at which the log rolls to a new segment (old fully-committed segments are deleted)."""
+    curve: CurveConfig = CurveConfig()
+    """CurveZMQ authentication and encryption."""

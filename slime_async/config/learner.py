@@ -1,0 +1,52 @@
+"""`[learner]`: the Megatron-core learner."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from slime_async.config.base import Section
+
+
+class LearnerConfig(Section):
+    model_path: str | None = None
+    """HF model directory to start from (config, safetensors, tokenizer)."""
+    load: str | None = None
+    """Megatron torch_dist checkpoint directory to resume from (overrides model_path weights)."""
+    save: str | None = None
+    """Checkpoint directory (relative paths are under the run dir; None: <run_dir>/checkpoints)."""
+    save_interval: int = Field(0, ge=0)
+    """Save every this many optimizer steps (0: only at the end)."""
+    tensor_parallel: int = Field(1, ge=1)
+    """Tensor-parallel size (data parallel = world size / tensor_parallel)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and compute dtype (bfloat16 on GPU; fp32 master weights in the optimizer)."""
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate."""
+    min_lr: float = Field(0.0, ge=0)
+    """Learning rate at the end of the cosine decay."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+    lr_decay_steps: int | None = None
+    """Cosine decay length in steps (None: constant after warm-up)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = Field(1.0, ge=0)
+    """Global gradient-norm clip (0: off)."""
+    groups_per_step: int = Field(8, ge=1)
+    """Groups (prompts x group_size trajectories) consumed per optimizer step."""
+    micro_batch_tokens: int = Field(4096, ge=1)
+    """Most tokens in one micro-batch (after padding); micro-batches accumulate gradients."""
+    push_interval: int = Field(1, ge=1)
+    """Push weights to the engines every this many optimizer steps."""
+    push_bucket_bytes: int = Field(256 << 20, ge=1 << 10)
+    """Size of a weight-push bucket."""
+    num_steps: int = Field(100, ge=1)
+    """Optimizer steps to train."""
+    seed: int = 1234
+    """Seed of parameter init and dropout."""

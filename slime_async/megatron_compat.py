@@ -1,0 +1,142 @@
+"""Let megatron-core run on a CPU-only torch. Applied only when CUDA is absent.
+
+megatron-core assumes CUDA in a few places even with every fusion off. The fixes, measured on
+megatron-core 0.16.1 (Python 3.11) and needed the same way on 0.19.x (Python 3.12):
+
+1. `torch.cuda.current_device()` is used as a device for the attention buffers and RoPE's
+   inv_freq: it must return the CPU device.
+2. `attention_mask=None` makes GPTModel build a causal mask on "cuda": callers pass an explicit
+   `[1, 1, s, s]` bool mask (True = masked); `causal_mask()` builds it.
+3. The RNG tracker: `model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)`, dropout 0.
+   `seed_model_parallel()` does this on any device.
+4. `torch.cuda.synchronize()` must be a no-op for `dist_checkpointing.save`.
+5. `psutil` must be installed or `dist_checkpointing.save` hangs (a declared dependency of ours),
+   and the calling script needs a `__main__` guard because the writer spawns.
+6. megatron-core >= 0.17 imports triton unconditionally from a MoE module: a stub module stands
+   in where triton is absent (no triton kernel runs on the CPU path).
+
+Megatron's DDP and DistributedOptimizer allocate on "cuda" and check `torch.cuda.FloatTensor`
+type strings, so on CPU the learner uses torch's AdamW with a data-parallel gradient all-reduce.
+
+Call `apply()` before importing megatron.core; it is idempotent and a no-op when CUDA exists.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+
+import torch
+
+_applied = False
+
+
+def cpu_mode() -> bool:
+    """True when megatron-core must run on the CPU (no usable CUDA device)."""
+    return not torch.cuda.is_available()
+
+
+class _Anything:
+    """Stands for any triton attribute: callable, decorator, subscriptable, attribute-rich."""
+
+    def __init__(self, name: str = "triton"):
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]  # used as a bare decorator: @triton.jit
+        return self
+
+    def __getattr__(self, item: str) -> _Anything:
+        if item.startswith("__"):
+            raise AttributeError(item)
+        return _Anything(f"{self._name}.{item}")
+
+    def __getitem__(self, item) -> _Anything:
+        return self
+
+    def __repr__(self) -> str:
+        return f"<triton stub {self._name}>"
+
+
+_STUB_SUBMODULES = ("language", "runtime", "testing", "language.extra", "runtime.jit")
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, item: str):
+        if item.startswith("__"):
+            raise AttributeError(item)
+        return _Anything(f"{self.__name__}.{item}")
+
+
+def _megatron_needs_triton_stub() -> bool:
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is not None:
+        return False
+    from importlib.metadata import version
+
+    major, minor = (int(x) for x in version("megatron-core").split(".")[:2])
+    return (major, minor) >= (0, 17)
+
+
+def _import_megatron_with_triton_stub() -> None:
+    """Import megatron's GPT stack with a triton stub in place, then take the stub away again.
+
+    Only the modules imported meanwhile hold the stub; torch's own triton probe (inductor)
+    must keep seeing no triton afterwards, or it tries to use it.
+    """
+    names = ["triton"] + [f"triton.{s}" for s in _STUB_SUBMODULES]
+    root = _StubModule("triton")
+    root.__path__ = []  # a package, so `import triton.language` resolves below
+    root.__version__ = "0.0.0-slime-async-stub"
+    sys.modules["triton"] = root
+    for sub in _STUB_SUBMODULES:
+        mod = _StubModule(f"triton.{sub}")
+        mod.__path__ = []
+        sys.modules[f"triton.{sub}"] = mod
+        parent, _, leaf = f"triton.{sub}".rpartition(".")
+        setattr(sys.modules[parent], leaf, mod)
+    try:
+        import megatron.core.models.gpt  # noqa: F401
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
+def apply() -> bool:
+    """Patch torch so megatron-core runs on the CPU; returns True if patches are active."""
+    global _applied
+    if not cpu_mode():
+        return False
+    if _applied:
+        return True
+    cpu = torch.device("cpu")
+    torch.cuda.current_device = lambda: cpu  # (1)
+    torch.cuda.synchronize = lambda device=None: None  # (4)
+    if _megatron_needs_triton_stub():
+        _import_megatron_with_triton_stub()  # (6)
+    _applied = True
+    return True
+
+
+def device() -> torch.device:
+    """The device megatron modules live on in this process."""
+    if cpu_mode():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def causal_mask(seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """`[1, 1, s, s]` bool mask, True above the diagonal (masked), as GPTModel expects (2)."""
+    return torch.triu(
+        torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1
+    ).view(1, 1, seq_len, seq_len)
+
+
+def seed_model_parallel(seed: int) -> None:
+    """Seed torch and megatron's RNG tracker; works on CPU and GPU (3)."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    kwargs = {"inference_rng_tracker": True} if cpu_mode() else {}
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, **kwargs)

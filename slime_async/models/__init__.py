@@ -1,0 +1,1 @@
+"""Model helpers: tiny offline models for tests and examples; HF <-> Megatron live beside it."""

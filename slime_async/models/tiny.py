@@ -1,0 +1,123 @@
+"""Tiny Hugging Face models made offline: a character-level tokenizer and a random-init causal LM.
+
+No model hub is reachable on these machines, so tests and examples build their own models.
+`make_tiny_model(dir, family="qwen3")` writes a complete HF directory (config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json) that `AutoModelForCausalLM` and
+`AutoTokenizer` load with `local_files_only=True`.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Literal
+
+PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
+# Role markers for the examples' chat template (single tokens, so masks stay token-exact).
+SPECIAL_TOKENS = [PAD, EOS, BOS, "<user>", "<assistant>", "<tool>", "<call>", "</call>"]
+CHARS = string.digits + string.ascii_letters + " +-*/=()?.,:;!<>_#\n'\"%"
+
+# A chat template over the special tokens: every message is `<role>content<eos>`.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+Family = Literal["llama", "qwen2", "qwen3"]
+
+
+def char_tokenizer():
+    """A PreTrainedTokenizerFast with one token per character plus SPECIAL_TOKENS."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARS:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        bos_token=BOS,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_config(
+    family: Family = "qwen3",
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+):
+    """An HF config of `family` with the given shape (GQA when num_kv_heads < num_heads)."""
+    from transformers import AutoConfig
+
+    model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[family]
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        dtype="float32",
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    if family == "qwen3":
+        kwargs["head_dim"] = hidden_size // num_heads
+    cfg = AutoConfig.for_model(model_type, **kwargs)
+    # transformers 5 keeps RoPE settings in rope_parameters; older versions in rope_theta.
+    if getattr(cfg, "rope_parameters", None) is not None:
+        cfg.rope_parameters = {**cfg.rope_parameters, "rope_theta": rope_theta, "rope_type": "default"}
+    else:
+        cfg.rope_theta = rope_theta
+    return cfg
+
+
+def make_tiny_model(out_dir: str | Path, family: Family = "qwen3", seed: int = 0, **shape) -> Path:
+    """Write a random-init tiny HF causal LM plus the char tokenizer into `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = char_tokenizer()
+    shape.setdefault("vocab_size", max(128, len(tok)))
+    cfg = tiny_config(family, **shape)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    save_tokenizer(tok, out)
+    return out
+
+
+def save_tokenizer(tok, out_dir: str | Path) -> None:
+    """Save the char tokenizer so AutoTokenizer loads it as is, whatever the model family.
+
+    transformers 5 otherwise picks the family's own tokenizer class (Qwen2Tokenizer, ...),
+    which adds tokens and normalises text.
+    """
+    import json
+
+    out = Path(out_dir)
+    tok.save_pretrained(out)
+    path = out / "tokenizer_config.json"
+    data = json.loads(path.read_text())
+    data["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,111 @@
+"""The one plug-in mechanism: named registries for what ships, import paths for the user's own.
+
+    LOSSES = Registry("loss")
+    @LOSSES.register("ppo_clip")
+    def ppo_clip(...): ...
+
+    fn = LOSSES.resolve("ppo_clip")                  # a registered name
+    fn = LOSSES.resolve("my_pkg.losses:my_loss")     # or `package.module:attribute`
+
+`check_signature` makes a wrong user function fail at start-up with a message naming it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class PluginError(ValueError):
+    """A plug-in cannot be found or has the wrong shape; the message names it."""
+
+
+def import_object(path: str) -> Any:
+    """Import `package.module:attribute` (dots after the colon walk attributes)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise PluginError(f"{path!r}: expected an import path of the form 'package.module:name'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise PluginError(f"{path!r}: cannot import module {module_name!r}: {e}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise PluginError(
+                f"{path!r}: module {module_name!r} has no attribute {attr!r}"
+            ) from None
+    return obj
+
+
+def check_signature(
+    fn: Callable,
+    name: str,
+    params: Sequence[str],
+    *,
+    is_async: bool | None = None,
+) -> None:
+    """Check that `fn` can be called with the positional `params` (extra ones must have defaults).
+
+    `is_async=True` requires a coroutine function, `False` forbids one, `None` allows both.
+    """
+    if not callable(fn):
+        raise PluginError(f"{name}: {fn!r} is not callable")
+    if is_async is True and not inspect.iscoroutinefunction(fn):
+        raise PluginError(f"{name}: must be an `async def` function")
+    if is_async is False and inspect.iscoroutinefunction(fn):
+        raise PluginError(f"{name}: must be a plain (not async) function")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*params)
+    except TypeError as e:
+        want = ", ".join(params)
+        raise PluginError(f"{name}: signature {sig} does not accept ({want}): {e}") from None
+    for p in sig.parameters.values():
+        if p.kind is p.KEYWORD_ONLY and p.default is p.empty:
+            raise PluginError(f"{name}: required keyword-only parameter {p.name!r} is never passed")
+
+
+class Registry:
+    """Named functions of one kind, plus import paths for the user's own."""
+
+    def __init__(self, kind: str, params: Sequence[str] = (), is_async: bool | None = None):
+        self.kind = kind
+        self.params = tuple(params)
+        self.is_async = is_async
+        self._items: dict[str, Callable] = {}
+
+    def register(self, name: str) -> Callable[[Callable], Callable]:
+        def deco(fn: Callable) -> Callable:
+            if name in self._items:
+                raise PluginError(f"{self.kind} {name!r} is registered twice")
+            self._items[name] = fn
+            return fn
+
+        return deco
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def resolve(self, name_or_path: str) -> Callable:
+        """A registered name or an import path; the result's signature is checked."""
+        if ":" in name_or_path:
+            fn = import_object(name_or_path)
+        elif name_or_path in self._items:
+            fn = self._items[name_or_path]
+        else:
+            raise PluginError(
+                f"unknown {self.kind} {name_or_path!r}: registered are {self.names()}, "
+                "or give an import path 'package.module:function'"
+            )
+        if self.params:
+            check_signature(
+                fn, f"{self.kind} {name_or_path!r}", self.params, is_async=self.is_async
+            )
+        return fn
