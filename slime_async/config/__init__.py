@@ -2,7 +2,7 @@
 
     slime-async run configs/quickstart.toml configs/big.toml learner.lr=1e-5 run.mode=sync
 
-Files compose left to right, later keys overriding earlier ones; `key=value` arguments come last.
+Files (TOML, or a run's resolved config.json) compose left to right, later keys overriding earlier ones; `key=value` arguments come last.
 A value is read as TOML (`1e-5`, `true`, `[1, 2]`, `"text"`) and falls back to a plain string.
 Unknown keys and wrong types raise `ConfigError` naming the key and the file (or "command line")
 that set it. Importing this module imports neither torch nor megatron.
@@ -140,10 +140,16 @@ def load_config(
         path = Path(f)
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        if path.suffix == ".json":  # a resolved config.json written by a run
+            try:
+                data = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: not valid JSON: {e}") from None
+        else:
+            try:
+                data = tomllib.loads(path.read_text())
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{path}: not valid TOML: {e}") from None
         _merge(tree, data, str(path), origins)
     for item in overrides:
         key, sep, raw = item.partition("=")

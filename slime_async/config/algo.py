@@ -14,3 +14,7 @@ class AlgoConfig(Section):
     """Lower PPO clip: ratio >= 1 - eps_clip_low."""
     eps_clip_high: float = Field(0.2, ge=0)
     """Upper PPO clip: ratio <= 1 + eps_clip_high."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty against the reference (initial) policy; 0 disables it."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus; 0 disables it (and the entropy computation)."""
