@@ -14,7 +14,15 @@ from collections.abc import Sequence
 
 # Subcommand -> module. A command is listed here only once it works.
 COMMANDS: dict[str, str] = {
+    "run": "slime_async.commands.run",
     "config": "slime_async.commands.config",
+    "engine": "slime_async.commands.engine",
+    "generator": "slime_async.commands.generator",
+    "learner": "slime_async.commands.learner",
+    "buffer": "slime_async.commands.buffer",
+    "keygen": "slime_async.commands.keygen",
+    "plot": "slime_async.commands.plot",
+    "convert": "slime_async.commands.convert",
 }
 
 

@@ -126,3 +126,16 @@ def test_cli_reports_config_errors(tmp_path):
     )
     assert r.returncode == 2
     assert "buffer.max_stalenes" in r.stderr and str(bad) in r.stderr
+
+
+def test_sync_mode_means_no_staleness_and_push_every_step():
+    cfg = load_config([], ["run.mode=sync", "buffer.max_staleness=3", "learner.push_interval=4"])
+    assert cfg.buffer.max_staleness == 0 and cfg.learner.push_interval == 1
+    cfg = load_config([], ["buffer.max_staleness=3", "learner.push_interval=4"])
+    assert cfg.buffer.max_staleness == 3 and cfg.learner.push_interval == 4
+
+
+def test_buffer_step_size_follows_the_learner_unless_set():
+    assert load_config([], ["learner.groups_per_step=5"]).buffer.groups_per_step == 5
+    cfg = load_config([], ["learner.groups_per_step=5", "buffer.groups_per_step=7"])
+    assert cfg.buffer.groups_per_step == 7

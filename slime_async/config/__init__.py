@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import ValidationError, model_validator
 
 from slime_async.config.algo import AlgoConfig
 from slime_async.config.base import Section
@@ -59,6 +59,21 @@ class SlimeConfig(Section):
     """The learner."""
     algo: AlgoConfig = AlgoConfig()
     """Advantages and the policy loss."""
+
+    @model_validator(mode="after")
+    def _derived(self) -> SlimeConfig:
+        # The buffer sizes admission by the learner's step until the learner announces it.
+        if "groups_per_step" not in self.buffer.model_fields_set:
+            self.buffer.groups_per_step = self.learner.groups_per_step
+            self.buffer.model_fields_set.discard("groups_per_step")
+        # Synchronous RL is the same pipeline with no staleness allowed and a push every step:
+        # the buffer then admits one batch per policy version, so generation waits for training.
+        if self.run.mode == "sync":
+            if self.buffer.max_staleness != 0:
+                self.buffer.max_staleness = 0
+            if self.learner.push_interval != 1:
+                self.learner.push_interval = 1
+        return self
 
     def write_json(self, path: str | Path) -> None:
         """Write the resolved config (every field, defaults included) as JSON."""

@@ -1,20 +1,82 @@
-"""`[algo]`: advantage estimator and policy loss (slime_async/algos/)."""
+"""`[algo]`: advantage estimator, reward shaping and the policy loss (slime_async/algos/).
 
-from pydantic import Field
+The defaults are for asynchronous GRPO on stale data: group-normalised advantages and the
+decoupled PPO objective (AReaL), whose behaviour weight pi_prox/mu corrects for the policy that
+sampled each token, truncated at 2 so a few very stale tokens cannot dominate a step.
+"""
+
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from slime_async.config.base import Section
 
 
 class AlgoConfig(Section):
     advantage: str = "grpo"
-    """Advantage estimator: a registered name or `package.module:function`."""
-    loss: str = "ppo_clip"
-    """Policy loss: a registered name or `package.module:function`."""
+    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce, or `package.module:fn`."""
+    advantage_std_norm: bool = True
+    """grpo: divide by the group's reward std (Dr.GRPO argues against it: use advantage=dr_grpo)."""
+    advantage_eps: float = Field(1e-6, gt=0)
+    """Added to a reward std before dividing by it (grpo, reinforce_pp)."""
+    baseline_decay: float = Field(0.9, ge=0, lt=1)
+    """reinforce: running baseline b <- decay * b + (1 - decay) * batch mean reward."""
+    loss: str = "decoupled_ppo"
+    """Policy loss: ppo_clip, decoupled_ppo, tis, mis, aipo, gspo, or `package.module:fn`."""
     eps_clip_low: float = Field(0.2, ge=0)
     """Lower PPO clip: ratio >= 1 - eps_clip_low."""
     eps_clip_high: float = Field(0.2, ge=0)
-    """Upper PPO clip: ratio <= 1 + eps_clip_high."""
+    """Upper PPO clip: ratio <= 1 + eps_clip_high (DAPO's clip-higher uses 0.28)."""
+    dual_clip_c: float | None = Field(None, gt=1)
+    """Dual clip: for negative advantages the loss is at most -c * A (None: off; 3 is usual)."""
+    ppo_old_policy: Literal["behavior", "prox"] = "behavior"
+    """ppo_clip/gspo ratio denominator: the engine's policy mu (naive PPO) or pi_prox."""
+    gspo_eps_clip_low: float = Field(3e-4, ge=0)
+    """gspo: lower clip of the sequence-level ratio (GSPO's clip ranges are tiny)."""
+    gspo_eps_clip_high: float = Field(4e-4, ge=0)
+    """gspo: upper clip of the sequence-level ratio."""
+    prox_source: Literal["forward", "interpolate"] = "forward"
+    """pi_prox: the learner's no-grad forward (or logp.detach()), or log-linear in versions."""
+    is_level: Literal["token", "sequence", "geometric"] = "token"
+    """Importance weight per token, per sequence (product), or the sequence's geometric mean."""
+    is_mode: Literal["none", "truncate", "mask"] = "truncate"
+    """decoupled_ppo/aipo weight bound: none, clamp to [is_low, is_high], or zero outside it."""
+    is_low: float = Field(0.0, ge=0)
+    """Lower bound of the importance weight (0: none)."""
+    is_high: float | None = Field(2.0, gt=0)
+    """Upper bound of the importance weight, also AIPO's rho (None: none)."""
+    is_veto: float | None = Field(None, gt=0, lt=1)
+    """Drop a whole sequence if any token's weight is below this (catastrophic tokens; None: off)."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
+        "token_mean"
+    )
+    """token_mean (default: each token weighs the same), seq_mean_token_mean, or Dr.GRPO's sum."""
+    aggregation_constant: float = Field(1024.0, gt=0)
+    """seq_mean_token_sum_norm (Dr.GRPO): token sum / (sequences * this), e.g. the max length."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty against the reference (initial) policy; 0 disables it."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator of the penalty: k1 = log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
     entropy_coef: float = Field(0.0, ge=0)
     """Weight of the entropy bonus; 0 disables it (and the entropy computation)."""
+    overlong_max_len: int | None = Field(None, ge=1)
+    """DAPO overlong penalty: responses longer than this get the full penalty (None: off)."""
+    overlong_buffer_len: int = Field(0, ge=0)
+    """Penalty ramps linearly over the last this many tokens before overlong_max_len."""
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    """Size of the full overlong penalty (subtracted from the reward)."""
+    filter_zero_variance: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (their advantage is 0)."""
+    filter_eps: float = Field(1e-6, ge=0)
+    """A group whose reward std is at most this counts as zero-variance."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AlgoConfig":
+        if self.is_high is not None and self.is_low > self.is_high:
+            raise ValueError(f"is_low ({self.is_low}) must not exceed is_high ({self.is_high})")
+        if self.overlong_max_len is not None and self.overlong_buffer_len > self.overlong_max_len:
+            raise ValueError(
+                f"overlong_buffer_len ({self.overlong_buffer_len}) must not exceed "
+                f"overlong_max_len ({self.overlong_max_len})"
+            )
+        return self

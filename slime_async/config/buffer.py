@@ -45,5 +45,13 @@ class BufferConfig(Section):
     """When an appended record is made durable before its ack: OS buffer flush or fsync."""
     wal_segment_bytes: int = Field(64 << 20, ge=1 << 16)
     """Size at which the log rolls to a new segment (old fully-committed segments are deleted)."""
+    groups_per_step: int = Field(8, ge=1)
+    """Groups per learner step assumed by admission until the learner announces its own."""
+    grant_timeout_s: float = Field(30.0, gt=0)
+    """Admission grants of a producer silent for this long are released (it vanished)."""
+    request_timeout_s: float = Field(5.0, gt=0)
+    """Clients resend a request not answered within this (reconnecting first)."""
+    give_up_s: float = Field(300.0, gt=0)
+    """Clients raise BufferUnavailable after trying this long without any answer."""
     curve: CurveConfig = CurveConfig()
     """CurveZMQ authentication and encryption."""

@@ -26,6 +26,16 @@ class EngineConfig(Section):
     """Weights and KV-cache dtype of the embedded engine."""
     max_running_requests: int = Field(64, ge=1)
     """Most requests decoded together (continuous batching); others wait in the queue."""
+    max_context_len: int = Field(2048, ge=2)
+    """Longest prompt + output of one request (capped by the model's max positions); sizes the KV cache."""
+    cuda_graphs: bool = True
+    """Replay the embedded engine's decode step from CUDA graphs (GPU only): far fewer launches."""
+    seed: int = 0
+    """Seed of the embedded engine's sampler."""
+    torch_threads: int = Field(0, ge=0)
+    """CPU threads of the embedded engine's torch (0: torch's default)."""
+    weight_sync_timeout_s: float = Field(300.0, gt=0)
+    """How long a weight-update group waits for its peers (handshake and each broadcast)."""
     api_key: str | None = None
     """If set, every endpoint needs `Authorization: Bearer <key>`."""
     router_policy: Literal["round_robin", "cache_aware", "random", "power_of_two"] = "round_robin"

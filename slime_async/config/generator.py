@@ -23,10 +23,14 @@ class GeneratorConfig(Section):
     """JSONL file of prompts, one JSON object per line."""
     prompt_key: str = "prompt"
     """Field of each JSONL record that holds the prompt (the rest is task metadata)."""
+    apply_chat_template: bool = True
+    """Wrap a text prompt as one user message with the tokenizer's chat template."""
+    tokenizer_path: str | None = None
+    """Model directory whose tokenizer is used (None: engine.model_path, then learner.model_path)."""
     rollout: str = "slime_async.actors.rollout:single_turn"
     """Rollout plugin, an async function, by import path `package.module:function`."""
     reward: str = "slime_async.actors.rewards:exact_match"
-    """Reward function (sync or async) by import path."""
+    """Reward function (sync or async) by registered name or import path."""
     group_size: int = Field(8, ge=1)
     """Rollouts per prompt (n samples of one prompt form a group)."""
     max_inflight: int = Field(64, ge=1)
@@ -36,4 +40,24 @@ class GeneratorConfig(Section):
     producer_id: str = "gen0"
     """Identity of this generator towards the buffer (sequence numbers are per producer)."""
     seed: int = 0
-    """Shuffling seed of the dataset."""
+    """Shuffling seed of the dataset (each epoch is a new permutation)."""
+    num_epochs: int | None = Field(None, ge=1)
+    """Passes over the dataset before the generator finishes (None: run until stopped)."""
+    num_shards: int = Field(1, ge=1)
+    """Generators sharing one dataset; each takes every num_shards-th prompt of a permutation."""
+    shard_index: int = Field(0, ge=0)
+    """This generator's shard (0 <= shard_index < num_shards)."""
+    state_path: str | None = None
+    """Cursor file, rewritten after each acknowledged group (None: <run_dir>/state/<producer_id>.json)."""
+    max_plugin_errors: int = Field(10, ge=0)
+    """Groups dropped for plugin/reward errors before the generator stops (0: stop at the first)."""
+    rollout_max_attempts: int = Field(0, ge=0)
+    """Attempts of one rollout whose engine calls keep failing (0: retry forever, with back-off)."""
+    retry_backoff_s: float = Field(1.0, gt=0)
+    """First back-off after an engine failure; doubles per attempt up to 30 s."""
+    admission_poll_s: float = Field(0.05, gt=0)
+    """Wait between admission requests while the buffer grants nothing."""
+    max_resumes: int = Field(64, ge=0)
+    """Times one generate call is resumed after an engine abort (weight update) before failing."""
+    log_interval_s: float = Field(10.0, gt=0)
+    """Seconds between metric log lines."""

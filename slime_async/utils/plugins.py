@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,13 +24,27 @@ class PluginError(ValueError):
     """A plug-in cannot be found or has the wrong shape; the message names it."""
 
 
+def _import_module(name: str) -> Any:
+    """Import `name`; user plug-ins live in the working directory (`examples.x:fn`), which the
+    `slime-async` console script does not put on sys.path the way `python -m` does."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        top = name.split(".", 1)[0]
+        if e.name != top or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(name)
+
+
 def import_object(path: str) -> Any:
     """Import `package.module:attribute` (dots after the colon walk attributes)."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise PluginError(f"{path!r}: expected an import path of the form 'package.module:name'")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = _import_module(module_name)
     except ImportError as e:
         raise PluginError(f"{path!r}: cannot import module {module_name!r}: {e}") from None
     for part in attr.split("."):

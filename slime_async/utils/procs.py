@@ -76,15 +76,22 @@ class Child:
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM the process group, then SIGKILL after `timeout`; return the exit code."""
         if self.alive():
+            deadline = time.monotonic() + timeout
             self.signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.signal(signal.SIGKILL)
-                self.proc.wait(5)
+            # The leader may exit while processes it started in its group ignore SIGTERM.
+            while group_alive(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.signal(signal.SIGKILL)
+            self.proc.wait(5)
         else:
             # The leader is gone; make sure nothing it started lingers in its group.
             self.signal(signal.SIGKILL)
+        # SIGKILL is delivered asynchronously: return only once the group is really gone.
+        gone_by = time.monotonic() + 5
+        while group_alive(self.proc.pid) and time.monotonic() < gone_by:
+            time.sleep(0.02)
         if self._log:
             self._log.close()
             self._log = None
@@ -101,6 +108,26 @@ class Child:
             return ""
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
+
+
+def group_alive(pgid: int) -> bool:
+    """True while process group `pgid` holds a live (not zombie) process."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # kill(0) also succeeds on zombies that nobody reaps (pid 1 of a container may not): look.
+    import psutil
+
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False
 
 
 def python_module(module: str, *args: str) -> list[str]:

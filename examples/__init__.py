@@ -1,0 +1,1 @@
+"""Example tasks, rollout plugins and rewards (importable as `examples.<name>.<module>`)."""

@@ -1,0 +1,1 @@
+"""Single-turn multi-operand addition with worked running sums; the quickstart task."""

@@ -1,0 +1,73 @@
+"""A synthetic task for throughput runs of randomly initialised models (no learning expected).
+
+Prompts are short random strings; each record names a target response length drawn from a
+log-normal distribution (median ~`median_len`, a long tail to `max_len`), and the rollout
+generates exactly that many tokens (`ignore_eos`), so response lengths vary as in reasoning runs
+even though a random model never emits EOS on purpose. The reward is a cheap function of the
+sampled token ids (the fraction of even ids), so the learner has a real gradient to follow.
+
+    generator.rollout = "examples.synthetic.task:rollout"
+    run.prepare = "examples.synthetic.task:prepare"     # dataset + random-init model, cached
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+# Qwen3-0.6B's shape (tied embeddings): about 0.5B parameters with the 151,936-token vocabulary.
+QWEN3_05B = dict(
+    hidden_size=1024,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    intermediate_size=3072,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+    rope_theta=1_000_000.0,
+)
+
+
+def make_dataset(
+    path: str | Path, n: int, seed: int, median_len: int = 128, max_len: int = 1024
+) -> Path:
+    """`n` records {prompt, length}: random prompts, log-normal target lengths."""
+    rng = random.Random(seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for _ in range(n):
+            prompt = "".join(
+                rng.choice("abcdefghij0123456789+ ") for _ in range(rng.randint(8, 32))
+            )
+            length = min(max_len, max(8, int(rng.lognormvariate(math.log(median_len), 0.8))))
+            f.write(json.dumps({"prompt": prompt, "length": length}) + "\n")
+    return path
+
+
+async def rollout(ctx: Any, sample: Any):
+    """One generation of exactly `sample.metadata["length"]` tokens, scored by its token ids."""
+    t = ctx.new_transcript(ctx.prompt_ids(sample))
+    n = int(sample.metadata["length"])
+    gen = await ctx.generate(t.ids, {"max_new_tokens": n, "ignore_eos": True})
+    t.add_model(gen)
+    ids = gen.token_ids
+    t.reward = sum(1 for i in ids if i % 2 == 0) / max(len(ids), 1)
+    return t
+
+
+def prepare(cfg: Any) -> None:
+    """`run.prepare` hook: the dataset and a random-init Qwen3-shaped ~0.5B model, cached."""
+    from slime_async.models.tiny import make_tiny_model
+
+    data = Path(cfg.generator.dataset)
+    if not data.exists():
+        make_dataset(data, 20000, seed=0, max_len=cfg.generator.sampling.max_new_tokens)
+    model = Path(cfg.learner.model_path)
+    if not (model / "config.json").exists():
+        print(f"writing a random-init Qwen3-shaped ~0.5B model to {model}")
+        make_tiny_model(model, "qwen3", seed=0, **QWEN3_05B)

@@ -1,0 +1,1 @@
+"""The roles: generator and rollout plugins, engines and their clients, learner, supervisor."""

@@ -1,0 +1,330 @@
+"""Asyncio client for SGLang's native HTTP API (real SGLang servers, sglang-router, or the embedded
+engine). Only SGLang's own field names are sent, since sglang-router drops unknown ones.
+
+Every call has a timeout and is retried with exponential back-off on connection errors, timeouts
+and 5xx answers; a 4xx answer is the caller's fault and raises `EngineRequestError` at once.
+Errors name the engine URL and the call.
+
+Per-token versions: the embedded engine adds `meta_info.output_token_weight_versions`; a real SGLang
+server does not, and then every token is taken to be of the response's `weight_version`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+class EngineError(RuntimeError):
+    """A call to an engine failed (after retries, where they apply)."""
+
+    def __init__(self, url: str, call: str, message: str, status: int | None = None):
+        super().__init__(f"{call} to {url} failed: {message}")
+        self.url, self.call, self.status, self.message = url, call, status, message
+
+
+class EngineRequestError(EngineError):
+    """The engine rejected the request (4xx): retrying it elsewhere would not help."""
+
+
+@dataclass
+class GenerateOutput:
+    """One /generate result. logprobs and versions are per output token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    weight_version: int
+    prompt_tokens: int
+    completion_tokens: int
+    engine_url: str
+    text: str = ""
+    finish_message: str | None = None
+    meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def parse_weight_version(value: object) -> int:
+    """SGLang reports weight_version as a string ("default" before the first update): -> int."""
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return 0
+
+
+def parse_generate_response(body: dict[str, Any], url: str) -> GenerateOutput:
+    """A /generate response (SGLang's shape) -> GenerateOutput; raises EngineError if malformed."""
+    try:
+        meta = body["meta_info"]
+        pairs = meta.get("output_token_logprobs") or []
+        ids = body.get("output_ids")
+        token_ids = [int(i) for i in ids] if ids is not None else [int(p[1]) for p in pairs]
+        logprobs = [float(p[0]) for p in pairs]
+        if pairs and len(logprobs) != len(token_ids):
+            raise ValueError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
+        version = parse_weight_version(meta.get("weight_version"))
+        versions = meta.get("output_token_weight_versions")
+        versions = (
+            [int(v) for v in versions] if versions is not None else [version] * len(token_ids)
+        )
+        if len(versions) != len(token_ids):
+            raise ValueError(f"{len(versions)} token versions for {len(token_ids)} tokens")
+        fr = meta.get("finish_reason") or {}
+        if isinstance(fr, str):
+            fr = {"type": fr}
+        return GenerateOutput(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            versions=versions,
+            finish_reason=str(fr.get("type", "unknown")),
+            weight_version=version,
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            completion_tokens=int(meta.get("completion_tokens", len(token_ids))),
+            engine_url=url,
+            text=body.get("text", ""),
+            finish_message=fr.get("message"),
+            meta_info=meta,
+        )
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise EngineError(url, "POST /generate", f"malformed response: {e!r}") from None
+
+
+class EngineClient:
+    """One engine (or one router) at `url`. Use as `async with EngineClient(url) as c:`."""
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 5,
+        backoff_s: float = 0.2,
+        connect_timeout_s: float = 10.0,
+    ):
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            # No per-host connection cap: concurrency is the caller's (admission, pool).
+            connector = aiohttp.TCPConnector(limit=0)
+            self._session = aiohttp.ClientSession(headers=headers, connector=connector)
+        return self._session
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        max_retries: int | None = None,
+    ) -> Any:
+        """One API call with retries; returns the decoded JSON (None for an empty 200 body)."""
+        name = f"{method} {path}"
+        retries = self.max_retries if max_retries is None else max_retries
+        timeout = aiohttp.ClientTimeout(
+            total=timeout_s or self.timeout_s, connect=self.connect_timeout_s
+        )
+        attempt = 0
+        while True:
+            try:
+                async with self._get_session().request(
+                    method, self.url + path, json=body, timeout=timeout
+                ) as resp:
+                    raw = await resp.read()
+                    if resp.status < 400:
+                        return _decode(raw) if raw else None
+                    message = _error_message(raw) or resp.reason or ""
+                    if 400 <= resp.status < 500:
+                        raise EngineRequestError(
+                            self.url, name, f"HTTP {resp.status}: {message}", resp.status
+                        )
+                    error = EngineError(
+                        self.url, name, f"HTTP {resp.status}: {message}", resp.status
+                    )
+            except EngineError:
+                raise
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                error = EngineError(self.url, name, f"{type(e).__name__}: {e}")
+            if attempt >= retries:
+                raise error
+            attempt += 1
+            await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1) * (1 + random.random() / 2))
+
+    # ---- generation --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        rid: str | None = None,
+        return_logprob: bool = True,
+        max_retries: int | None = None,
+    ) -> GenerateOutput:
+        """POST /generate for one prompt of token ids."""
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        out = await self.call("POST", "/generate", body, max_retries=max_retries)
+        if not isinstance(out, dict):
+            raise EngineError(
+                self.url, "POST /generate", f"expected a JSON object, got {type(out).__name__}"
+            )
+        return parse_generate_response(out, self.url)
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        """True when GET /health answers 200 (no retries)."""
+        try:
+            await self.call("GET", "/health", timeout_s=timeout_s, max_retries=0)
+            return True
+        except EngineError:
+            return False
+
+    async def health_generate(self, timeout_s: float = 30.0) -> bool:
+        try:
+            await self.call("GET", "/health_generate", timeout_s=timeout_s, max_retries=0)
+            return True
+        except EngineError:
+            return False
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self.call("GET", "/get_model_info")
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self.call("GET", "/get_server_info")
+
+    async def get_weight_version(self) -> int:
+        """The served weight version: `weight_version` of /model_info (SGLang 0.5.23 has no
+        /get_weight_version route), else /get_weight_version (older servers)."""
+        try:
+            info = await self.call("GET", "/model_info")
+            if isinstance(info, dict) and "weight_version" in info:
+                return parse_weight_version(info["weight_version"])
+        except EngineRequestError:
+            pass
+        info = await self.call("GET", "/get_weight_version")
+        return parse_weight_version(info.get("weight_version") if isinstance(info, dict) else info)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """mode: abort | retract | in_place."""
+        await self.call("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self.call("POST", "/continue_generation", {})
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort requests whose rid starts with `rid`, or all of them."""
+        body: dict[str, Any] = {"abort_all": abort_all}
+        if rid is not None:
+            body["rid"] = rid
+        await self.call("POST", "/abort_request", body)
+
+    async def flush_cache(self) -> None:
+        await self.call("POST", "/flush_cache", {})
+
+    # ---- weight sync -------------------------------------------------------------------------
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> dict[str, Any]:
+        return await self._weights_call(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: int | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._weights_call("/update_weights_from_distributed", body)
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        return await self._weights_call("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: int | None = None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._weights_call("/update_weights_from_disk", body)
+
+    async def _weights_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        # Never retried: the peer side of a collective cannot be replayed.
+        out = await self.call("POST", path, body, max_retries=0)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineRequestError(self.url, f"POST {path}", str(out.get("message")))
+        return out or {}
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")[:500]
+    if isinstance(body, dict):
+        err = body.get("error", body.get("message", body))
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(err)
+    return str(body)[:500]

@@ -1,0 +1,145 @@
+"""A pool of engines behind one `generate`: least in-flight first, fail-over, health probing.
+
+A failed request (connection error, timeout, 5xx) marks its engine down and is retried at once on
+another engine that is up, or after exponential back-off when none is; a 4xx is the request's own
+fault and is raised. A down engine is probed with GET /health every `probe_interval_s` and used
+again as soon as it answers. With one URL (e.g. a sglang-router) the pool is a retrying client.
+Memory: one client and one counter per engine, plus one probe task per down engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from typing import Any
+
+from slime_async.actors.engines.client import (
+    EngineClient,
+    EngineError,
+    EngineRequestError,
+    GenerateOutput,
+)
+
+
+class EnginePool:
+    """Use as `async with EnginePool(urls) as pool: await pool.generate(ids, params)`."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 5,
+        backoff_s: float = 0.2,
+        probe_interval_s: float = 1.0,
+    ):
+        if not urls:
+            raise ValueError("EnginePool needs at least one engine URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"duplicate engine URLs: {urls}")
+        self.clients = {u: EngineClient(u, api_key, timeout_s, max_retries=0) for u in self.urls}
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.probe_interval_s = probe_interval_s
+        self.in_flight = dict.fromkeys(self.urls, 0)
+        self.down: set[str] = set()
+        self.failures = dict.fromkeys(self.urls, 0)
+        self._probes: dict[str, asyncio.Task] = {}
+
+    @classmethod
+    def from_config(cls, cfg, urls: list[str] | None = None) -> EnginePool:
+        """From an `EngineConfig` (its `urls` unless `urls` is given)."""
+        return cls(
+            urls or cfg.urls,
+            api_key=cfg.api_key,
+            timeout_s=cfg.request_timeout_s,
+            max_retries=cfg.max_retries,
+        )
+
+    async def __aenter__(self) -> EnginePool:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for task in self._probes.values():
+            task.cancel()
+        for task in self._probes.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._probes.clear()
+        await asyncio.gather(*(c.close() for c in self.clients.values()))
+
+    def _pick(self) -> str | None:
+        up = [u for u in self.urls if u not in self.down]
+        if not up:
+            return None
+        least = min(self.in_flight[u] for u in up)
+        return random.choice([u for u in up if self.in_flight[u] == least])
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateOutput:
+        """/generate on the least busy engine that is up, failing over as described above."""
+        attempt, last_error = 0, None
+        while True:
+            url = self._pick()
+            if url is not None:
+                self.in_flight[url] += 1
+                try:
+                    return await self.clients[url].generate(
+                        input_ids, sampling_params, rid, return_logprob, max_retries=0
+                    )
+                except EngineRequestError:
+                    raise
+                except EngineError as e:
+                    last_error = e
+                    self._mark_down(url)
+                finally:
+                    self.in_flight[url] -= 1
+            attempt += 1
+            if attempt > self.max_retries:
+                raise EngineError(
+                    ",".join(self.urls),
+                    "POST /generate",
+                    f"no engine succeeded in {attempt} attempts; last error: {last_error}",
+                )
+            if self._pick() is None:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+
+    def _mark_down(self, url: str) -> None:
+        self.failures[url] += 1
+        self.down.add(url)
+        if url not in self._probes or self._probes[url].done():
+            self._probes[url] = asyncio.get_running_loop().create_task(self._probe(url))
+
+    async def _probe(self, url: str) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            if await self.clients[url].health(timeout_s=max(1.0, self.probe_interval_s)):
+                self.down.discard(url)
+                return
+
+    async def for_all(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Call `EngineClient.<method>` on every engine concurrently; url -> result or exception."""
+        urls = self.urls
+        results = await asyncio.gather(
+            *(getattr(self.clients[u], method)(*args, **kwargs) for u in urls),
+            return_exceptions=True,
+        )
+        return dict(zip(urls, results, strict=True))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "engines": len(self.urls),
+            "down": sorted(self.down),
+            "in_flight": dict(self.in_flight),
+            "failures": dict(self.failures),
+        }

@@ -1,0 +1,97 @@
+"""The weight-update process group shared by the learner (rank 0) and the engines.
+
+Both sides build it with the same recipe as SGLang (otherwise the handshake hangs): rank 0 hosts a
+TCPStore at master_address:master_port, every rank wraps it in `PrefixStore(group_name, store)`
+and passes that to torch's process-group constructor under the name `group_name`; gloo on CPU,
+NCCL on GPU. No default process group is needed, so a learner that already runs under torchrun
+keeps its own world untouched. Engine ranks are `rank_offset + tp_rank`.
+
+The engine receives every tensor of an update by `broadcast(src=0)` in the order of `names`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class WeightGroup:
+    """One member's handle on a weight-update group."""
+
+    pg: dist.ProcessGroup
+    name: str
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast `tensor` from rank 0 in place (rank 0 sends, the others receive)."""
+        dist.broadcast(tensor, src=0, group=self.pg)
+
+    def destroy(self) -> None:
+        dist.destroy_process_group(self.pg)
+
+
+def init_weight_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    device: str | torch.device = "cpu",
+    timeout_s: float = 300.0,
+) -> WeightGroup:
+    """Join (rank > 0) or host (rank 0) the group; blocks until all `world_size` ranks are in."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+    )
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"weight-update backend must be gloo or nccl, got {backend!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside a group of {world_size}")
+    if group_name in _world.pg_names.values():
+        raise ValueError(f"a weight-update group named {group_name!r} already exists here")
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout
+    )
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
+    )
+    # Group-local ranks are the global ranks of this private group (used by broadcast's src).
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return WeightGroup(pg, group_name, rank, world_size, backend, torch.device(device))
+
+
+def receive_tensors(
+    group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]]
+) -> list[tuple[str, torch.Tensor]]:
+    """Engine side of one update: receive each tensor by broadcast(src=0), in `names` order."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(
+            f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})"
+        )
+    # Check every entry before the first broadcast, so a bad request fails without a half-read.
+    specs = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        torch_dtype = getattr(torch, str(dtype).removeprefix("torch."), None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"{name}: unknown dtype {dtype!r}")
+        specs.append((name, torch_dtype, [int(s) for s in shape]))
+    out = []
+    for name, torch_dtype, shape in specs:
+        t = torch.empty(shape, dtype=torch_dtype, device=group.device)
+        group.broadcast(t)
+        out.append((name, t))
+    return out

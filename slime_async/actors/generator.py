@@ -1,0 +1,433 @@
+"""The generator: prompts -> groups of rollouts (asyncio plugins) -> rewards -> the buffer.
+
+    dataset (JSONL) --cursor--> start group k  <-- producer.admission(want): the staleness budget
+                                    |  group_size rollouts, each `await plugin(ctx, sample)`
+                                    v
+                     ctx.generate --HTTP--> engines (EnginePool or one sglang-router URL)
+                                    |  transcripts: token-exact, versions per token
+                                    v
+                     reward(sample, text, info) -> checks -> Trajectory x n
+                                    |
+                                    v
+                     producer.put_group(group)  --ack-->  cursor.mark_done(k), state file
+
+Connects to: the buffer's producer endpoint (ProducerClient: ZeroMQ) and the engines (HTTP).
+Sends: whole groups only. Waits on: admission grants, engine responses, buffer acks; never on
+the learner. Memory is bounded by `max_inflight` rollouts (max_inflight // group_size groups)
+plus the dataset held in memory.
+
+Failures: an engine call that fails after the engine client's retries (`EngineFailure`) makes
+the rollout run again after a back-off (forever, or `rollout_max_attempts`); nothing is lost.
+A plugin or reward that breaks its contract (or raises) drops its group: the group is not
+pushed, the error is logged with the plugin's name and counted, its prompt is marked done, and
+after `max_plugin_errors` such groups the generator stops with `GeneratorError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from slime_async.actors.dataset import Cursor, CursorStore, Item, PromptDataset, PromptStream
+from slime_async.actors.rewards import RewardFn, check_own_reward, resolve_reward
+from slime_async.actors.rollout import (
+    ROLLOUTS,
+    EngineFailure,
+    EngineLike,
+    PluginContractError,
+    RolloutContext,
+    RolloutStats,
+    Sample,
+    Transcript,
+    check_rollout_result,
+)
+from slime_async.config.generator import GeneratorConfig
+from slime_async.metrics import GEN_TOKENS_PER_S, GENERATOR_IDLE_PCT, IdleMeter, MetricsLogger
+from slime_async.queue.client import BufferRejected
+from slime_async.queue.schema import Trajectory
+
+log = logging.getLogger("slime_async.generator")
+
+MAX_BACKOFF_S = 30.0
+
+
+class GeneratorError(RuntimeError):
+    """The generator cannot go on (too many plugin errors, an engine that never answers)."""
+
+
+class Producer(Protocol):
+    """What the generator needs from `slime_async.queue.client.ProducerClient`."""
+
+    async def admission(self, want: int) -> int: ...
+
+    async def put_group(self, trajs: list[Trajectory]) -> Any: ...
+
+
+class Generator:
+    """One generator: a loop that keeps admitted groups in flight and pushes them whole.
+
+    gen = Generator(cfg, EnginePool(urls), tokenizer)    # resolves and checks the plugins
+    async with ProducerClient(buffer_cfg, cfg.producer_id) as producer:
+        stats = await gen.run(producer)
+    """
+
+    def __init__(
+        self,
+        cfg: GeneratorConfig,
+        engine: EngineLike,
+        tokenizer: Any,
+        *,
+        dataset: PromptDataset | None = None,
+        metrics: MetricsLogger | None = None,
+    ):
+        self.cfg = cfg
+        self.engine = engine
+        self.producer: Producer | None = None
+        self.tokenizer = tokenizer
+        self.rollout_fn: Callable = ROLLOUTS.resolve(cfg.rollout)
+        self.reward: RewardFn = resolve_reward(cfg.reward)
+        self.dataset = dataset or PromptDataset(cfg.dataset, cfg.prompt_key)
+        self.stream = PromptStream(
+            self.dataset, cfg.seed, cfg.num_shards, cfg.shard_index, cfg.num_epochs
+        )
+        self.store = CursorStore(cfg.state_path, self.stream)
+        self.cursor: Cursor = self.store.load()
+        self.metrics = metrics
+        self.max_groups = max(1, cfg.max_inflight // cfg.group_size)
+        self.version = 0
+        self.rollout_stats = RolloutStats()
+        self._idle = IdleMeter()
+        self._stop = asyncio.Event()
+        self._fatal: BaseException | None = None
+        self._spare_grants = 0  # grants of dropped groups, reused before asking again
+        self._pushing: set[int] = set()
+        self._inflight_rollouts = 0
+        self._totals: dict[str, float] = dict.fromkeys(
+            (
+                "groups_started",
+                "groups_pushed",
+                "trajectories_pushed",
+                "groups_dropped",
+                "plugin_errors",
+                "rollout_retries",
+                "admission_requests",
+                "admission_wait_s",
+            ),
+            0,
+        )
+        self._window: dict[str, list[float]] = {"reward": [], "response_len": []}
+        self._window_t0 = time.perf_counter()
+        self._window_tokens = 0
+
+    # ----- the loop ---------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop starting groups; in-flight rollouts are cancelled (redone after a restart)."""
+        self._stop.set()
+
+    async def run(self, producer: Producer) -> dict[str, float]:
+        """Push groups through `producer` until the epochs are done or `stop()`; return stats.
+
+        Plugins, dataset and cursor were checked in the constructor, before any connection.
+        """
+        self.producer = producer
+        inflight: dict[int, asyncio.Task] = {}
+        pending = self.cursor.pending()
+        next_item: Item | None = self.stream.at(next(pending))
+        logger = asyncio.create_task(self._log_periodically())
+        log.info(
+            "generator %s: %d prompts, resuming at item %d, %d groups of %d in flight at most",
+            self.cfg.producer_id,
+            len(self.dataset),
+            self.cursor.next,
+            self.max_groups,
+            self.cfg.group_size,
+        )
+        try:
+            while not self._stop.is_set() and self._fatal is None:
+                if next_item is None and not inflight:
+                    break
+                free = self.max_groups - len(inflight)
+                if next_item is not None and free > 0:
+                    granted = await self._admit(free, idle=not inflight)
+                    for _ in range(granted):
+                        if next_item is None:
+                            self._spare_grants += 1
+                            continue
+                        inflight[next_item.k] = asyncio.create_task(self._group(next_item))
+                        self._totals["groups_started"] += 1
+                        next_item = self.stream.at(next(pending))
+                    if granted == 0:
+                        await self._wait_any(inflight, self.cfg.admission_poll_s)
+                else:
+                    await self._wait_any(inflight, None)
+                for k in [k for k, t in inflight.items() if t.done()]:
+                    inflight.pop(k).result()  # errors are handled inside; re-raise the unexpected
+        finally:
+            await self._shutdown(inflight)
+            logger.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await logger
+            self._log_metrics()
+        if self._fatal is not None:
+            raise GeneratorError(str(self._fatal)) from self._fatal
+        return self.stats()
+
+    async def _admit(self, want: int, idle: bool) -> int:
+        """Groups that may start now: spare grants first, then the buffer's admission."""
+        spare = min(self._spare_grants, want)
+        self._spare_grants -= spare
+        if spare == want:
+            return spare
+        t0 = time.perf_counter()
+        self._totals["admission_requests"] += 1
+        if idle:
+            with self._idle.waiting():
+                granted = await self.producer.admission(want - spare)
+        else:
+            granted = await self.producer.admission(want - spare)
+        self._totals["admission_wait_s"] += time.perf_counter() - t0
+        return spare + max(0, min(int(granted), want - spare))
+
+    async def _wait_any(self, inflight: dict[int, asyncio.Task], timeout: float | None) -> None:
+        t0 = time.perf_counter()
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            if inflight:
+                await asyncio.wait(
+                    [*inflight.values(), stop], timeout=timeout, return_when="FIRST_COMPLETED"
+                )
+            else:
+                with self._idle.waiting():
+                    await asyncio.wait([stop], timeout=timeout)
+        finally:
+            stop.cancel()
+        if timeout is not None:
+            self._totals["admission_wait_s"] += time.perf_counter() - t0
+
+    async def _shutdown(self, inflight: dict[int, asyncio.Task]) -> None:
+        # A group being pushed finishes (it may already be in the buffer); the rest is redone.
+        for k, task in inflight.items():
+            if k not in self._pushing:
+                task.cancel()
+        if inflight:
+            await asyncio.wait(list(inflight.values()), timeout=60)
+
+    # ----- one group --------------------------------------------------------------------------
+
+    def group_id(self, item: Item) -> str:
+        """Deterministic from (producer, epoch, offset): a restart re-creates the same ids."""
+        return f"{self.cfg.producer_id}/e{item.epoch}/o{item.offset}"
+
+    async def _group(self, item: Item) -> None:
+        gid = self.group_id(item)
+        try:
+            trajs = await self._build_group(item, gid)
+        except Exception as e:
+            if self._fatal is None:
+                self._drop(item, gid, _first_leaf(e))
+            return
+        self._pushing.add(item.k)
+        try:
+            now = time.time()
+            for t in trajs:
+                t.enqueued_at = now
+            await self.producer.put_group(trajs)
+        except asyncio.CancelledError:
+            raise
+        except BufferRejected as e:  # the buffer refused the group's content
+            if "already complete" not in str(e):
+                self._drop(item, gid, e)
+                return
+            # A resend after a crash between the buffer's ack and our state write: it is stored.
+            log.info("group %s was already in the buffer", gid)
+        except Exception as e:  # BufferUnavailable: nothing this generator can fix
+            self._fatal = e
+            self._stop.set()
+            return
+        finally:
+            self._pushing.discard(item.k)
+        self._totals["groups_pushed"] += 1
+        self._totals["trajectories_pushed"] += len(trajs)
+        for t in trajs:
+            self._window["reward"].append(t.reward)
+            self._window["response_len"].append(len(t.response_ids))
+            if t.versions.size:
+                self.version = max(self.version, int(t.versions.max()))
+        self.cursor.mark_done(item.k)
+        self.store.save(self.cursor)
+
+    async def _build_group(self, item: Item, gid: str) -> list[Trajectory]:
+        """Run the group's rollouts concurrently, score them, convert them to trajectories."""
+        record = self.dataset.records[item.row]
+        metadata = {k: v for k, v in record.items() if k != self.cfg.prompt_key}
+        prompt = record[self.cfg.prompt_key]
+        created_at = time.time()
+        async with asyncio.TaskGroup() as tg:  # one failing rollout cancels its siblings
+            tasks = [
+                tg.create_task(
+                    self._rollout(Sample(prompt, metadata, gid, item.row, item.epoch, i))
+                )
+                for i in range(self.cfg.group_size)
+            ]
+        transcripts = [(sample, tr) for t in tasks for sample, trs in [t.result()] for tr in trs]
+        trajs = []
+        for n, (sample, tr) in enumerate(transcripts):
+            await self._score(sample, tr)
+            tr.metadata.update(_scalars(metadata))
+            tr.metadata.update(
+                epoch=item.epoch, offset=item.offset, row=item.row,
+                sample_index=sample.sample_index, turns=tr.turns,
+            )  # fmt: skip
+            trajs.append(tr.to_trajectory(f"{gid}/{n}", gid, len(transcripts), created_at))
+        return trajs
+
+    async def _rollout(self, sample: Sample) -> tuple[Sample, list[Transcript]]:
+        """Run the plugin for one sample; engine failures retry it after a back-off."""
+        name = self.cfg.rollout
+        attempt = 0
+        while True:
+            ctx = RolloutContext(
+                self.engine,
+                self.tokenizer,
+                self.cfg.sampling,
+                apply_chat_template=self.cfg.apply_chat_template,
+                max_resumes=self.cfg.max_resumes,
+                rid_prefix=f"{sample.group_id}/{sample.sample_index}/a{attempt}/",
+                stats=self.rollout_stats,
+            )
+            self._inflight_rollouts += 1
+            try:
+                result = await self.rollout_fn(ctx, sample)
+                return sample, check_rollout_result(name, result)
+            except EngineFailure as e:
+                attempt += 1
+                self._totals["rollout_retries"] += 1
+                limit = self.cfg.rollout_max_attempts
+                if limit and attempt >= limit:
+                    self._fatal = GeneratorError(
+                        f"rollout of {sample.group_id} failed {attempt} times; last: {e}"
+                    )
+                    self._stop.set()
+                    raise
+                delay = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+                log.warning(
+                    "rollout %s/%d: %s; retry %d in %.1fs",
+                    sample.group_id, sample.sample_index, e, attempt, delay,
+                )  # fmt: skip
+            finally:
+                self._inflight_rollouts -= 1
+            await asyncio.sleep(delay)
+
+    async def _score(self, sample: Sample, tr: Transcript) -> None:
+        tr.finalize(self.cfg.rollout)
+        if tr.reward is not None:  # the plugin scored it itself
+            tr.reward, tr.reward_parts = check_own_reward(self.cfg.rollout, tr)
+            return
+        text = tr.reward_text if tr.reward_text is not None else tr.last_model_text()
+        info = {
+            "full_text": tr.response_text(),
+            "finish_reason": tr.finish_reason,
+            "turns": tr.turns,
+            "response_length": len(tr.response_ids),
+        }
+        tr.reward, tr.reward_parts = await self.reward(sample, text, info)
+
+    def _drop(self, item: Item, gid: str, err: BaseException) -> None:
+        self._totals["plugin_errors"] += 1
+        self._totals["groups_dropped"] += 1
+        self._spare_grants += 1  # the buffer never sees this group, so its grant is still ours
+        self.cursor.mark_done(item.k)
+        self.store.save(self.cursor)
+        n = int(self._totals["plugin_errors"])
+        log.error("group %s dropped (%d/%d): %s", gid, n, self.cfg.max_plugin_errors, err,
+                  exc_info=not isinstance(err, PluginContractError))  # fmt: skip
+        if n > self.cfg.max_plugin_errors:
+            self._fatal = GeneratorError(
+                f"{n} groups dropped for plugin errors (generator.max_plugin_errors = "
+                f"{self.cfg.max_plugin_errors}); last, group {gid}: {err}"
+            )
+            self._stop.set()
+
+    # ----- metrics ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """A snapshot: totals since start and the gauges of now."""
+        return {
+            **self._totals,
+            "inflight_rollouts": self._inflight_rollouts,
+            "tokens_generated": self.rollout_stats.tokens,
+            "engine_requests": self.rollout_stats.requests,
+            "engine_errors": self.rollout_stats.engine_errors,
+            "resumes": self.rollout_stats.resumes,
+            "policy_version": self.version,
+            "cursor_next": self.cursor.next,
+        }
+
+    def _take_window(self) -> dict[str, float]:
+        now = time.perf_counter()
+        dt = max(now - self._window_t0, 1e-9)
+        tokens = self.rollout_stats.tokens - self._window_tokens
+        rewards, lens = self._window["reward"], self._window["response_len"]
+        rec = {
+            GEN_TOKENS_PER_S: tokens / dt,
+            GENERATOR_IDLE_PCT: self._idle.take_pct(),
+            "gen/inflight": self._inflight_rollouts,
+            "gen/reward/mean": _mean(rewards),
+            "gen/reward/std": _std(rewards),
+            "gen/response_len/mean": _mean(lens),
+            "gen/response_len/max": max(lens, default=math.nan),
+            **{f"gen/{k}": v for k, v in self._totals.items()},
+            "gen/resumes": self.rollout_stats.resumes,
+        }
+        self._window_t0, self._window_tokens = now, self.rollout_stats.tokens
+        self._window = {"reward": [], "response_len": []}
+        return rec
+
+    def _log_metrics(self) -> None:
+        rec = self._take_window()
+        log.info(
+            "v%d pushed %d groups | %.0f tok/s | idle %.0f%% | in flight %d | reward %.3f | "
+            "len %.1f | dropped %d | retries %d",
+            self.version, rec["gen/groups_pushed"], rec[GEN_TOKENS_PER_S],
+            rec[GENERATOR_IDLE_PCT], rec["gen/inflight"], rec["gen/reward/mean"],
+            rec["gen/response_len/mean"], rec["gen/groups_dropped"], rec["gen/rollout_retries"],
+        )  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.log(self.version, rec)
+
+    async def _log_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.log_interval_s)
+            self._log_metrics()
+
+
+def _first_leaf(e: BaseException) -> BaseException:
+    """The first real error inside (possibly nested) exception groups."""
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return e
+
+
+def _scalars(d: dict[str, Any]) -> dict[str, str | int | float | bool]:
+    return {
+        k: v
+        for k, v in d.items()
+        if isinstance(v, str | int | bool) or (isinstance(v, float) and math.isfinite(v))
+    }
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _std(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return math.nan
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))

@@ -1,0 +1,244 @@
+"""The launch table of `slime-async run`: which roles a config needs, their command lines, probes.
+
+    stages = plan_roles(cfg, run_dir)     # [[buffer, engine0..], [router], [generator0.., learner]]
+
+Each child gets the run's config.json plus the overrides of its role on the command line, so the
+command line in logs/supervisor.log reruns it by hand. Ports that are 0 in the config are chosen
+here (free now on 127.0.0.1); on --resume they are chosen afresh.
+
+| role        | command                                              | ready when                       |
+| ----------- | ---------------------------------------------------- | -------------------------------- |
+| buffer      | slime_async buffer                                   | stats round-trip (or TCP ports)  |
+| engine<i>   | slime_async engine, engine.port=P_i                  | GET /health is 200               |
+| router      | sglang_router.launch_router (num_engines > 1 only)   | GET /workers: all is_healthy     |
+| generator<i>| slime_async generator, engine.urls=[router or engine]| ready file (announce_ready)      |
+| learner     | slime_async learner (torchrun if learner_procs > 1)  | ready file (announce_ready)      |
+
+engine.kind == "external" starts no engines and no router: generator and learner use engine.urls.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from slime_async.actors.run_dir import RunDir
+from slime_async.actors.supervisor import RoleSpec, ready_file_exists
+from slime_async.config import BufferConfig, ConfigError, SlimeConfig
+from slime_async.utils.procs import free_port, python_module, tcp_ready
+
+LOOPBACK = "127.0.0.1"
+
+
+def _arg(key: str, value: object) -> str:
+    """A `key=value` override whose value reads back as the same TOML value."""
+    return f"{key}={json.dumps(value)}"
+
+
+def _get(url: str, api_key: str | None, timeout_s: float) -> Any:
+    req = urllib.request.Request(url)
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    return urllib.request.urlopen(req, timeout=timeout_s)
+
+
+def http_ok(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> bool:
+    """GET `url` answers 200."""
+    with _get(url, api_key, timeout_s) as resp:
+        return resp.status == 200
+
+
+def router_ready(
+    router_url: str, worker_urls: list[str], api_key: str | None = None, timeout_s: float = 2.0
+) -> bool:
+    """The router's GET /workers lists every worker in `worker_urls` as healthy (with
+    --api-key the router answers 401 without it)."""
+    with _get(f"{router_url}/workers", api_key, timeout_s) as resp:
+        workers = json.loads(resp.read())["workers"]
+    healthy = {w["url"].rstrip("/") for w in workers if w.get("is_healthy")}
+    return all(u.rstrip("/") in healthy for u in worker_urls)
+
+
+def _endpoint_ready(endpoint: str) -> bool:
+    if endpoint.startswith("ipc://"):
+        return Path(endpoint.removeprefix("ipc://")).exists()
+    parsed = urlparse(endpoint)
+    return tcp_ready(parsed.hostname or LOOPBACK, parsed.port or 0)
+
+
+def buffer_ready(cfg: BufferConfig) -> bool:
+    """Both endpoints accept connections and the buffer answers a stats request."""
+    if not (_endpoint_ready(cfg.producer_endpoint) and _endpoint_ready(cfg.consumer_endpoint)):
+        return False
+    try:
+        from slime_async.queue.client import ConsumerClient
+    except ImportError:  # clients not installed in this tree: the port probe has to do
+        return True
+    client = ConsumerClient(cfg, consumer_id="supervisor-probe")
+    try:
+        return isinstance(client.stats(), dict)
+    finally:
+        client.close()
+
+
+def _with_free_port(endpoint: str) -> str:
+    """tcp://host:0 -> tcp://host:<a free port>; anything else unchanged."""
+    parsed = urlparse(endpoint)
+    if parsed.scheme == "tcp" and parsed.port == 0:
+        host = parsed.hostname or LOOPBACK
+        return f"tcp://{host}:{free_port(host)}"
+    return endpoint
+
+
+def _nonempty_dir(save_dir: Path) -> Path | None:
+    return save_dir if save_dir.is_dir() and any(save_dir.iterdir()) else None
+
+
+def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
+    """The launch table for `cfg`, in start stages; the config file the children read is
+    `run_dir.config_json` (written by the caller, with run.run_dir set)."""
+    config = str(run_dir.config_json)
+    py = sys.executable
+
+    # buffer -------------------------------------------------------------------------------
+    buf = cfg.buffer.model_copy(
+        update={
+            "producer_endpoint": _with_free_port(cfg.buffer.producer_endpoint),
+            "consumer_endpoint": _with_free_port(cfg.buffer.consumer_endpoint),
+        }
+    )
+    buffer_args = [
+        _arg("buffer.producer_endpoint", buf.producer_endpoint),
+        _arg("buffer.consumer_endpoint", buf.consumer_endpoint),
+    ]
+    if cfg.buffer.wal_dir is not None:  # the WAL is what lets --resume lose nothing
+        buffer_args.append(_arg("buffer.wal_dir", str(run_dir.under(cfg.buffer.wal_dir))))
+    first = [
+        RoleSpec(
+            name="buffer",
+            argv=lambda resume: python_module("slime_async", "buffer", config, *buffer_args),
+            ready=lambda _path: buffer_ready(buf),
+            ready_what=f"stats from {buf.consumer_endpoint}",
+        )
+    ]
+
+    # engines and router ------------------------------------------------------------------------
+    stages: list[list[RoleSpec]] = [first]
+    eng = cfg.engine
+    if eng.kind == "embedded":
+        ports = [
+            free_port(eng.host) if eng.port == 0 else eng.port + i for i in range(eng.num_engines)
+        ]
+        engine_urls = [f"http://{eng.host}:{p}" for p in ports]
+        model_args = []
+        if eng.model_path is None and cfg.learner.model_path is not None:
+            model_args = [_arg("engine.model_path", cfg.learner.model_path)]
+        for i, (port, url) in enumerate(zip(ports, engine_urls, strict=True)):
+            argv = python_module(
+                "slime_async", "engine", config, _arg("engine.port", port), *model_args
+            )
+            devices = cfg.run.engine_cuda_devices
+            first.append(
+                RoleSpec(
+                    name=f"engine{i}",
+                    argv=lambda resume, argv=argv: argv,
+                    env={"CUDA_VISIBLE_DEVICES": devices[i]} if i < len(devices) else {},
+                    ready=lambda _path, url=url: http_ok(f"{url}/health", eng.api_key),
+                    ready_what=f"GET {url}/health",
+                )
+            )
+        generate_urls = engine_urls
+        if eng.num_engines > 1:
+            rport = free_port(LOOPBACK) if eng.router_port == 0 else eng.router_port
+            router_url = f"http://{LOOPBACK}:{rport}"
+            router_argv = [
+                py, "-m", "sglang_router.launch_router",
+                "--host", LOOPBACK, "--port", str(rport),
+                "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port(LOOPBACK)),
+                "--worker-urls", *engine_urls,
+                "--policy", eng.router_policy,
+            ]  # fmt: skip
+            if eng.api_key:
+                router_argv += ["--api-key", eng.api_key]
+            stages.append(
+                [
+                    RoleSpec(
+                        name="router",
+                        argv=lambda resume: router_argv,
+                        ready=lambda _path: router_ready(router_url, engine_urls, eng.api_key),
+                        ready_what=f"GET {router_url}/workers lists {len(engine_urls)} healthy",
+                    )
+                ]
+            )
+            generate_urls = [router_url]
+    else:
+        if not eng.urls:
+            raise ConfigError("engine.urls: engine.kind = 'external' needs the engines' URLs")
+        engine_urls = generate_urls = list(eng.urls)
+
+    # generators and learner --------------------------------------------------------------------
+    last: list[RoleSpec] = []
+    n_gen = cfg.run.num_generators
+    for i in range(n_gen):
+        gen_args = [
+            _arg("buffer.producer_endpoint", buf.producer_endpoint),
+            _arg("engine.urls", generate_urls),
+        ]
+        if n_gen > 1:  # each takes its own shard of the prompts and its own sequence numbers
+            gen_args += [
+                _arg("generator.producer_id", f"gen{i}"),
+                _arg("generator.num_shards", n_gen),
+                _arg("generator.shard_index", i),
+            ]
+        last.append(
+            RoleSpec(
+                name=f"generator{i}",
+                # The generator keeps its cursor under the run dir (generator.state_path) and
+                # resumes from it by itself.
+                argv=lambda resume, a=gen_args: python_module(
+                    "slime_async", "generator", config, *a
+                ),
+                ready=ready_file_exists,
+                ready_what="ready file",
+                on_exit_0="expected",
+            )
+        )
+
+    save_dir = run_dir.under(cfg.learner.save) if cfg.learner.save else run_dir.checkpoints_dir
+    learner_args = [
+        _arg("buffer.consumer_endpoint", buf.consumer_endpoint),
+        _arg("engine.urls", engine_urls),  # weights go to each engine, never through the router
+        _arg("learner.save", str(save_dir)),
+    ]
+
+    def learner_argv(resume: bool) -> list[str]:
+        args = list(learner_args)
+        ckpt = _nonempty_dir(save_dir) if resume else None
+        if ckpt is not None:
+            args.append(_arg("learner.load", str(ckpt)))
+        if cfg.run.learner_procs > 1:
+            launcher = [py, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", str(cfg.run.learner_procs), "-m", "slime_async"]  # fmt: skip
+        else:
+            launcher = python_module("slime_async")
+        return [*launcher, "learner", config, *args]
+
+    learner_env = {}
+    if cfg.run.learner_cuda_devices is not None:
+        learner_env["CUDA_VISIBLE_DEVICES"] = cfg.run.learner_cuda_devices
+    last.append(
+        RoleSpec(
+            name="learner",
+            argv=learner_argv,
+            env=learner_env,
+            ready=ready_file_exists,
+            ready_what="ready file",
+            on_exit_0="ends_run",
+        )
+    )
+    stages.append(last)
+    return stages

@@ -1,0 +1,294 @@
+"""The run supervisor: starts the roles of a run as child processes, watches them, stops them all.
+
+    stages = [[buffer, engine0, engine1], [router], [generator0, learner]]   # RoleSpec each
+    code = Supervisor(run_dir, stages, restart_failed=1).run()
+
+Process model. Each role is a `procs.Child` in its own session (process group), output appended to
+`<run_dir>/logs/<role>.log`. Binds nothing itself; it connects only to what the readiness probes
+of the roles check (HTTP GETs, TCP connects, a buffer stats call, ready files).
+
+Start-up, stage by stage: every role of a stage is started, then the supervisor waits on each
+one's readiness probe (never a sleep) before the next stage starts. A role that exits or misses
+`ready_timeout_s` during start-up stops the run.
+
+Supervision: every `poll_interval_s` each child is polled. When the role marked "ends_run" (the
+learner) exits 0 the run is complete. A role that dies (non-zero, killed, or exit 0 where that
+is not expected) is reported with name, pid, exit code and the last lines of its log, then
+restarted with `resume=True` up to `restart_failed` times (per role), or the run stops.
+
+Stopping (run end, failure, SIGINT/SIGTERM/SIGHUP): children are stopped in reverse start order, each
+process group with SIGTERM and, after `stop_grace_s`, SIGKILL; nothing of a child's group
+survives (a role must not move its own processes into a new session).
+
+Memory: one Child per role and the unread tail of the metrics files it displays; nothing grows
+with the length of the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, TextIO
+
+from slime_async.actors.run_dir import READY_ENV, RunDir
+from slime_async.metrics import MetricsTail
+from slime_async.progress import ProgressDisplay
+from slime_async.utils.procs import Child, wait_until
+
+
+@dataclass
+class RoleSpec:
+    """One row of the launch table: how to start a role and how to tell it is ready."""
+
+    name: str
+    """Unique role name: log file, ready file and messages use it (e.g. "engine1")."""
+    argv: Callable[[bool], list[str]]
+    """Command line of the role; the argument is True when it must resume its earlier state."""
+    ready: Callable[[Path], bool]
+    """Readiness probe, called with the role's ready-file path; True once the role serves."""
+    ready_what: str = "ready"
+    """What the probe checks, for messages ("GET http://127.0.0.1:30000/health")."""
+    on_exit_0: Literal["ends_run", "expected", "failure"] = "failure"
+    """Exit code 0 means: the run is complete / the role is done (keep going) / a failure."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of the child."""
+
+
+def ready_file_exists(path: Path) -> bool:
+    """The probe of roles without a port: the role wrote its ready file (`announce_ready`)."""
+    return path.exists()
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM/SIGHUP reached the supervisor (BaseException: probes' `except Exception` let it through)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Supervisor:
+    """Starts `stages` of roles in order, supervises them, stops them all at the end."""
+
+    def __init__(
+        self,
+        run_dir: RunDir,
+        stages: Sequence[Sequence[RoleSpec]],
+        *,
+        resume: bool = False,
+        restart_failed: int = 0,
+        ready_timeout_s: float = 600.0,
+        stop_grace_s: float = 20.0,
+        poll_interval_s: float = 0.2,
+        progress: ProgressDisplay | None = None,
+        step_role: str = "learner",
+        err: TextIO | None = None,
+    ):
+        self.run_dir = run_dir
+        self.stages = [list(s) for s in stages]
+        self.specs = {spec.name: spec for stage in self.stages for spec in stage}
+        if len(self.specs) != sum(len(s) for s in self.stages):
+            raise ValueError("role names in the launch table must be unique")
+        self.resume = resume
+        self.restarts_left = dict.fromkeys(self.specs, restart_failed)
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.poll_interval_s = poll_interval_s
+        self.progress = progress
+        self.step_role = step_role
+        self.err = err or sys.stderr
+        self.children: dict[str, Child] = {}  # insertion order = start order
+        self.failure: str | None = None  # the report of the failure that stopped the run
+        self._signal: int | None = None
+        self._tails: dict[str, MetricsTail] = {}
+        self.run_dir.logs_dir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.run_dir.log("supervisor"), "a", encoding="utf-8")  # noqa: SIM115
+
+    # ----- the whole run ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start, supervise, stop. 0: the run completed; 1: a role failed; 128+N: signal N."""
+        handlers = self._install_signal_handlers()
+        try:
+            self.start()
+            return self.supervise()
+        except Interrupted as e:
+            self.event(f"received {e}; stopping every role")
+            return 128 + e.signum
+        except RoleFailed:
+            return 1
+        finally:
+            self.stop_all()
+            for sig, old in handlers.items():
+                signal.signal(sig, old)
+            self._poll_metrics()
+            if self.progress is not None:
+                self.progress.close()
+            self._log.close()
+
+    def start(self) -> None:
+        """Start every stage and wait until all its roles are ready; raises RoleFailed."""
+        for stage in self.stages:
+            for spec in stage:
+                self._spawn(spec, self.resume)
+            for spec in stage:
+                self._wait_ready(spec)
+
+    def supervise(self) -> int:
+        """Poll the children until the run completes (0) or a role fails for good (RoleFailed)."""
+        while True:
+            self._check_signal()
+            for name, child in list(self.children.items()):
+                code = child.poll()
+                if code is None:
+                    continue
+                spec = self.specs[name]
+                if code == 0 and spec.on_exit_0 == "ends_run":
+                    self.event(f"{name} (pid {child.pid}) finished; the run is complete")
+                    return 0
+                if code == 0 and spec.on_exit_0 == "expected":
+                    self.event(f"{name} (pid {child.pid}) finished its work")
+                    child.stop(self.stop_grace_s)  # anything it left in its group goes too
+                    del self.children[name]
+                    continue
+                self._handle_failure(spec, child, code)
+            if not self.children:
+                self.event("every role has finished")
+                return 0
+            self._poll_metrics()
+            time.sleep(self.poll_interval_s)
+
+    def stop_all(self) -> None:
+        """Stop every child, last started first (SIGTERM, then SIGKILL after the grace period)."""
+        for name in reversed(list(self.children)):
+            child = self.children.pop(name)
+            was_alive = child.alive()
+            code = child.stop(self.stop_grace_s)
+            if was_alive:
+                self.event(f"stopped {name} (pid {child.pid}): {describe_exit(code)}")
+
+    # ----- pieces ------------------------------------------------------------------------------
+
+    def event(self, text: str) -> None:
+        """One line for logs/supervisor.log and the terminal."""
+        self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+        self._log.flush()
+        if self.progress is not None and self.progress.mode != "off":
+            self.progress.message(text)
+        elif self.progress is None:
+            print(f"[slime-async] {text}", file=self.err, flush=True)
+
+    def _spawn(self, spec: RoleSpec, resume: bool) -> Child:
+        ready = self.run_dir.ready_file(spec.name)
+        ready.unlink(missing_ok=True)  # a file left by an earlier process must not count
+        argv = spec.argv(resume)
+        env = {**spec.env, READY_ENV: str(ready)}
+        child = Child(spec.name, argv, log_path=self.run_dir.log(spec.name), env=env)
+        self.children[spec.name] = child
+        self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} argv {spec.name}: {argv}\n")
+        self.event(f"started {spec.name} (pid {child.pid}, log {self.run_dir.log(spec.name)})")
+        return child
+
+    def _wait_ready(self, spec: RoleSpec) -> None:
+        child = self.children[spec.name]
+        ready_path = self.run_dir.ready_file(spec.name)
+        t0 = time.monotonic()
+        try:
+            wait_until(
+                lambda: self._check_signal() or spec.ready(ready_path),
+                timeout=self.ready_timeout_s,
+                what=f"{spec.name} to be ready ({spec.ready_what})",
+                interval=min(self.poll_interval_s, 0.1),
+                child=child,
+            )
+        except (RuntimeError, TimeoutError) as e:
+            # A quick role may announce readiness and exit between two polls: that is a start.
+            if not (isinstance(e, RuntimeError) and self._probe(spec, ready_path)):
+                self._fail(f"{spec.name} did not start: {e}")
+        self.event(f"{spec.name} is ready ({spec.ready_what}, {time.monotonic() - t0:.1f}s)")
+
+    @staticmethod
+    def _probe(spec: RoleSpec, ready_path: Path) -> bool:
+        try:
+            return bool(spec.ready(ready_path))
+        except Exception:
+            return False
+
+    def _handle_failure(self, spec: RoleSpec, child: Child, code: int) -> None:
+        tail = child.tail(20)
+        report = f"{spec.name} (pid {child.pid}) {describe_exit(code)}; last lines of {child.log_path}:\n{tail}"
+        child.stop(self.stop_grace_s)  # its process group may still hold processes it started
+        del self.children[spec.name]
+        if self.restarts_left[spec.name] <= 0:
+            self._fail(report + "\nno restarts left for it; stopping the run")
+        self.restarts_left[spec.name] -= 1
+        self._report(report)
+        self.event(
+            f"restarting {spec.name} ({self.restarts_left[spec.name]} restarts left after this one)"
+        )
+        # Re-insert at its start position so the reverse-order stop still stops it in place.
+        order = list(self.specs)
+        self._spawn(spec, resume=True)
+        self.children = {n: self.children[n] for n in order if n in self.children}
+        self._wait_ready(spec)
+
+    def _fail(self, report: str) -> None:
+        self.failure = report
+        self._report(report)
+        raise RoleFailed(report)
+
+    def _report(self, text: str) -> None:
+        self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+        self._log.flush()
+        if self.progress is not None:
+            self.progress.close()  # a rich bar would overdraw the report
+        print(f"[slime-async] {text}", file=self.err, flush=True)
+
+    def _poll_metrics(self) -> None:
+        if self.progress is None or self.progress.mode == "off":
+            return
+        for path in sorted(self.run_dir.metrics_dir.glob("*.jsonl")):
+            tail = self._tails.setdefault(path.stem, MetricsTail(path))
+            for rec in tail.read_new():
+                numbers = {k: v for k, v in rec.items() if k not in ("step", "time")}
+                if path.stem == self.step_role and isinstance(rec.get("step"), int):
+                    self.progress.update(rec["step"], numbers)
+                else:
+                    self.progress.numbers.update(
+                        {k: v for k, v in numbers.items() if v is not None}
+                    )
+
+    def _install_signal_handlers(self) -> dict[int, object]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # only the main thread may set handlers; the caller handles signals
+
+        def on_signal(signum: int, frame: object) -> None:
+            # Only a flag: raising here could strike between Popen and recording the child.
+            self._signal = signum
+
+        # SIGHUP too: children live in their own sessions, so a closed terminal reaches only us.
+        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        return {sig: signal.signal(sig, on_signal) for sig in signals}
+
+    def _check_signal(self) -> bool:
+        if self._signal is not None:
+            raise Interrupted(self._signal)
+        return False
+
+
+class RoleFailed(Exception):
+    """A role failed for good; the run stops (the report is in `Supervisor.failure`)."""

@@ -1,0 +1,261 @@
+"""The learner process (`slime-async learner`): buffer -> Megatron-core learner -> engines.
+
+    buffer (consumer endpoint) --batch of whole groups--> rank 0 --groups split by DP rank--> ranks
+    ranks --train_step--> version v+1 --every push_interval steps: HF-named buckets--> engines
+    rank 0 --set_version(v+1) after the push--> buffer (staleness + admission)
+    rank 0 --commit through the last checkpointed batch--> buffer
+
+Connects to: the buffer's consumer endpoint (rank 0 only) and every engine's HTTP endpoint
+(rank 0: `WeightPusher`, a torch.distributed group with the engines; gloo on CPU, NCCL on GPU).
+Waits on: a batch of `learner.groups_per_step` groups; that wait is the learner's idle time.
+Memory: the model and optimizer, one batch, one weight bucket. Batches are committed only once a
+checkpoint holds their effect (or right away when no checkpoints are taken mid-run), so a
+learner killed between checkpoints gets the same batches again: no trajectory is lost or trained
+on twice across a resume.
+
+The version is announced after the push, not after the step: a rollout admitted at version v then
+starts on engines that already hold v, which is what makes `run.mode = "sync"` (max_staleness 0)
+generate-train-push in lock step with the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slime_async.config import SlimeConfig
+
+log = logging.getLogger("slime_async.learner")
+
+
+def latest_checkpoint(save_dir: str | Path) -> Path | None:
+    """The newest `step_<n>` checkpoint under `save_dir` (or `save_dir` itself), or None.
+
+    A checkpoint directory appears under its final name only once complete (it is written as
+    `step_<n>.partial` and renamed), so a crash mid-save leaves nothing half-read here.
+    """
+    from slime_async.actors.learner_ckpt import is_checkpoint
+
+    root = Path(save_dir)
+    if is_checkpoint(root):
+        return root
+    if not root.is_dir():
+        return None
+    steps = [
+        (int(p.name.removeprefix("step_")), p)
+        for p in root.glob("step_*")
+        if p.name.removeprefix("step_").isdigit() and is_checkpoint(p)
+    ]
+    return max(steps)[1] if steps else None
+
+
+def batch_metrics(groups: list[list[Any]], staleness: list[int]) -> dict[str, Any]:
+    """Reward, accuracy, lengths and staleness of one batch (before training on it)."""
+    from slime_async.metrics import int_histogram
+
+    trajs = [t for g in groups for t in g]
+    rewards = np.array([t.reward for t in trajs], dtype=np.float64)
+    # Accuracy: a reward's own "correct" part when it reports one, else reward > 0.
+    correct = np.array(
+        [float(t.reward_parts.get("correct", t.reward > 0)) for t in trajs], dtype=np.float64
+    )
+    lengths = np.array([int(t.loss_mask.sum()) for t in trajs], dtype=np.float64)
+    per_traj_staleness = [s for s, g in zip(staleness, groups, strict=False) for _ in g]
+    out: dict[str, Any] = {
+        "reward": float(rewards.mean()) if len(trajs) else 0.0,
+        "accuracy": float(correct.mean()) if len(trajs) else 0.0,
+        "response_len/mean": float(lengths.mean()) if len(trajs) else 0.0,
+        "response_len/max": float(lengths.max()) if len(trajs) else 0.0,
+        "trajectories": len(trajs),
+    }
+    if per_traj_staleness:
+        out["staleness/mean"] = float(np.mean(per_traj_staleness))
+        out["staleness/max"] = int(max(per_traj_staleness))
+        out["staleness/hist"] = int_histogram(per_traj_staleness)
+    return out
+
+
+class _Rank0:
+    """What only learner rank 0 holds: the buffer consumer, the weight pusher, the metrics."""
+
+    def __init__(self, cfg: SlimeConfig, run_dir: Path | None, backend: str):
+        from slime_async.queue.client import ConsumerClient
+
+        self.cfg = cfg
+        self.consumer = ConsumerClient(cfg.buffer, "learner")
+        self.pusher = None
+        if cfg.engine.urls:
+            from slime_async.actors.engines.weight_push import WeightPusher
+
+            self.pusher = WeightPusher(
+                cfg.engine.urls,
+                backend=backend,
+                api_key=cfg.engine.api_key,
+                device=None if backend == "gloo" else "cuda",
+            )
+        self.metrics = None
+        if run_dir is not None:
+            from slime_async.metrics import MetricsLogger
+
+            self.metrics = MetricsLogger(
+                run_dir, "learner", cfg.run.wandb, config=cfg.model_dump(mode="json")
+            )
+
+    def next_batch(self) -> tuple[Any, float]:
+        """Block until the buffer delivers a batch; return it and the seconds waited."""
+        t0 = time.perf_counter()
+        while True:
+            batch = self.consumer.get_batch(
+                num_groups=self.cfg.learner.groups_per_step, timeout_s=1.0
+            )
+            if batch is not None:
+                return batch, time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()
+        self.consumer.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def _scatter_groups(learner, groups: list[list[Any]] | None) -> list[list[Any]]:
+    """Rank 0's batch, split over data-parallel ranks; TP ranks of one DP rank get the same."""
+    import torch.distributed as dist
+
+    from slime_async.queue.schema import decode_trajectory, encode_trajectory
+
+    if dist.get_world_size() == 1:
+        return groups or []
+    # Encoded with the wire schema so nothing but bytes crosses the process group.
+    payload = (
+        [[[encode_trajectory(t) for t in g] for g in groups]] if groups is not None else [None]
+    )
+    dist.broadcast_object_list(payload, src=0)
+    encoded = payload[0]
+    dp_size = dist.get_world_size(learner.dp_group)
+    mine = encoded[learner.dp_rank :: dp_size]
+    return [[decode_trajectory(b) for b in g] for g in mine]
+
+
+def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
+    """Train `learner.num_steps` optimizer steps on batches from the buffer; 0 when done."""
+    import torch
+    import torch.distributed as dist
+
+    from slime_async.actors.learner import Learner
+    from slime_async.actors.run_dir import announce_ready
+
+    lc = cfg.learner
+    save_dir = Path(lc.save) if lc.save else (run_dir / "checkpoints" if run_dir else None)
+    resume_from = latest_checkpoint(lc.load) if lc.load else None
+    if lc.load and resume_from is None:
+        raise FileNotFoundError(f"learner.load = {lc.load}: no complete checkpoint there")
+    learner_cfg = lc.model_copy(update={"load": str(resume_from) if resume_from else None})
+    learner = Learner(learner_cfg, cfg.algo, temperature=cfg.generator.sampling.temperature)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    rank0 = _Rank0(cfg, run_dir, backend) if learner.is_rank0 else None
+    try:
+        if rank0 is not None:
+            cursor = int(learner.loaded_extra.get("buffer_cursor", 0))
+            if cursor:
+                retired = rank0.consumer.resume(cursor)
+                log.info("resumed at step %d (buffer cursor %d, %d batches retired)",
+                         learner.step, cursor, retired)  # fmt: skip
+            if rank0.pusher is not None:
+                rank0.pusher.connect()
+        has_pusher = _broadcast_flag(rank0 is not None and rank0.pusher is not None)
+        if has_pusher and learner.version > 0:
+            _push(learner, rank0)  # engines restart from the base model: bring them up to date
+        if rank0 is not None:
+            rank0.consumer.set_version(learner.version, lc.groups_per_step)
+        if dist.is_initialized():
+            dist.barrier()
+        if learner.is_rank0:
+            announce_ready(f"version {learner.version}")
+        return _train(cfg, learner, rank0, save_dir, has_pusher)
+    finally:
+        if rank0 is not None:
+            rank0.close()
+        learner.close()
+
+
+def _push(learner, rank0: _Rank0 | None) -> float:
+    """Every rank exports (TP gathers); rank 0 streams the buckets to the engines."""
+    buckets = learner.export_hf_buckets(learner.cfg.push_bucket_bytes)
+    if rank0 is None or rank0.pusher is None:
+        for _ in buckets:
+            pass
+        return 0.0
+    stats = rank0.pusher.push(buckets, learner.version)
+    return float(stats.get("seconds", 0.0))
+
+
+def _broadcast_flag(value: bool) -> bool:
+    """Rank 0's `value` on every rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    flag = [value]
+    dist.broadcast_object_list(flag, src=0)
+    return bool(flag[0])
+
+
+def _train(
+    cfg: SlimeConfig, learner, rank0: _Rank0 | None, save_dir: Path | None, has_pusher: bool
+) -> int:
+    lc = cfg.learner
+    while learner.step < lc.num_steps:
+        t_step = time.perf_counter()
+        batch, waited, info = None, 0.0, {}
+        if rank0 is not None:
+            batch, waited = rank0.next_batch()
+            info = batch_metrics(batch.groups, batch.staleness)
+        groups = _scatter_groups(learner, batch.groups if batch is not None else None)
+        t_train = time.perf_counter()
+        m = learner.train_step(groups)
+        train_s = time.perf_counter() - t_train
+        push_s = 0.0
+        if has_pusher and (learner.step % lc.push_interval == 0 or learner.step == lc.num_steps):
+            push_s = _push(learner, rank0)
+        last = learner.step == lc.num_steps
+        checkpoint = save_dir is not None and (
+            last or (lc.save_interval and learner.step % lc.save_interval == 0)
+        )
+        if checkpoint:
+            cursor = rank0.consumer.cursor() if rank0 is not None else 0
+            learner.save_checkpoint(
+                save_dir / f"step_{learner.step}", extra={"buffer_cursor": cursor}
+            )
+        if rank0 is not None:
+            rank0.consumer.set_version(learner.version, lc.groups_per_step)
+            # Commit what a checkpoint now holds; without mid-run checkpoints commit at once
+            # (a crash would restart from scratch anyway).
+            if checkpoint or not lc.save_interval:
+                rank0.consumer.commit_through(batch.batch_id)
+            step_s = time.perf_counter() - t_step
+            record = {
+                **info,
+                **{k: v for k, v in m.items() if isinstance(v, int | float)},
+                "version": learner.version,
+                "learner/wait_s": waited,
+                "learner/wait_pct": 100.0 * waited / max(step_s, 1e-9),
+                "train/seconds": train_s,
+                "train/tokens_per_s": m.get("tokens", 0.0) / max(train_s, 1e-9),
+                "push/seconds": push_s,
+                "step/seconds": step_s,
+            }
+            if rank0.metrics is not None:
+                rank0.metrics.log(learner.step, record)
+            log.info(
+                "step %d reward %.3f acc %.3f staleness %.2f loss %.4f wait %.0f%% push %.2fs",
+                learner.step, record.get("reward", 0.0), record.get("accuracy", 0.0),
+                record.get("staleness/mean", 0.0), record.get("loss", 0.0),
+                record["learner/wait_pct"], push_s,
+            )  # fmt: skip
+    return 0

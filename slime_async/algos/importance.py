@@ -1,0 +1,122 @@
+"""The proximal policy and importance weights between it and the engine's policy (TIS / MIS).
+
+Three policies meet in an off-policy loss: mu, the engine's policy that sampled a token
+(`behavior_logp`, possibly several versions old); pi_prox, the learner's policy at the start of
+the step; pi_theta, the policy being optimised (`logp`, with grad). The weight pi_prox / mu
+corrects for the sampler; how it is bounded decides the bias/variance trade-off.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from slime_async.algos.aggregation import masked, version_lag
+from slime_async.algos.api import LossInput
+from slime_async.algos.metrics import TokenStats
+from slime_async.config.algo import AlgoConfig
+
+
+def proximal_logp(inp: LossInput, cfg: AlgoConfig, mask: torch.Tensor) -> torch.Tensor:
+    """`[B, T]` log pi_prox, detached.
+
+    forward:      `inp.prox_logp` if given, else `logp.detach()`; the two agree when the batch
+                  gets one optimizer step (logp is then the forward at the start of the step).
+    interpolate:  log pi_prox = log mu + alpha * (log pi_theta - log mu),
+                  alpha = (v_prox - v_mu) / (v_theta - v_mu) = lag / (lag + 1),
+                  with v_prox = current_version, v_theta = current_version + 1 (the policy this
+                  step produces) and lag = current_version - the token's version (AReaL's
+                  log-linear approximation; fresh tokens get pi_prox = mu).
+    """
+    if cfg.prox_source == "forward":
+        prox = inp.prox_logp if inp.prox_logp is not None else inp.logp
+        return masked(prox.detach(), mask)
+    lag = version_lag(inp).clamp(min=0).to(inp.logp.dtype)
+    alpha = lag / (lag + 1)
+    mu = masked(inp.behavior_logp, mask)
+    return masked(mu + alpha * (inp.logp.detach() - mu), mask)
+
+
+@dataclass
+class ISWeights:
+    weight: torch.Tensor
+    """[B, T] detached importance weight; 0 where dropped or outside the mask."""
+    dropped: torch.Tensor
+    """[B, T] bool: tokens of the mask zeroed by the mask mode or the veto."""
+
+
+def importance_weights(
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    level: str,
+    mode: str,
+    low: float,
+    high: float | None,
+    veto: float | None,
+) -> ISWeights:
+    """Bounded importance weights from a per-token `log_ratio: [B, T]` = log(pi / mu).
+
+    level  token:      w_t = pi_t / mu_t
+           sequence:   w_t = prod_s pi_s / mu_s                    (every token of the sequence)
+           geometric:  w_t = exp(mean_s log(pi_s / mu_s))
+    mode   none:       w
+           truncate:   clamp(w, low, high)                         (TIS)
+           mask:       w if low <= w <= high else 0                (MIS; per token or sequence)
+    veto:  a sequence with any token pi_t / mu_t < veto gets w = 0 on every token.
+    """
+    lr = masked(log_ratio.detach(), mask)
+    if level == "token":
+        log_w = lr
+    elif level == "sequence":
+        log_w = lr.sum(-1, keepdim=True).expand_as(lr)
+    elif level == "geometric":
+        n = mask.sum(-1, keepdim=True).clamp(min=1).to(lr.dtype)
+        log_w = (lr.sum(-1, keepdim=True) / n).expand_as(lr)
+    else:
+        raise ValueError(f"unknown importance-weight level {level!r}")
+    log_low = math.log(low) if low > 0 else -math.inf
+    log_high = math.log(high) if high is not None else math.inf
+    dropped = torch.zeros_like(mask)
+    if mode == "truncate":
+        log_w = log_w.clamp(log_low, log_high)
+    elif mode == "mask":
+        dropped = (log_w < log_low) | (log_w > log_high)
+    elif mode != "none":
+        raise ValueError(f"unknown importance-weight mode {mode!r}")
+    if veto is not None:
+        dropped = dropped | ((lr < math.log(veto)) & mask).any(-1, keepdim=True)
+    dropped = dropped & mask
+    weight = torch.where(dropped | ~mask, torch.zeros_like(log_w), torch.exp(log_w))
+    return ISWeights(weight=weight, dropped=dropped)
+
+
+def behavior_weights(
+    inp: LossInput,
+    cfg: AlgoConfig,
+    mask: torch.Tensor,
+    prox: torch.Tensor,
+    stats: TokenStats,
+    mode: str,
+) -> torch.Tensor:
+    """`[B, T]` weights pi_prox / mu bounded by `cfg.is_*` with `mode`; reports their metrics.
+
+    Metrics: is_weight (mean, max, ESS), is_dropped_frac, and behav_kl, an estimate of
+    KL(mu || pi_prox) = E_mu[r - 1 - log r] with r = pi_prox / mu (how far the sampler drifted).
+    """
+    log_ratio = masked(prox - inp.behavior_logp.detach(), mask)
+    w = importance_weights(
+        log_ratio,
+        mask,
+        level=cfg.is_level,
+        mode=mode,
+        low=cfg.is_low,
+        high=cfg.is_high,
+        veto=cfg.is_veto,
+    )
+    stats.weight("is_weight", w.weight)
+    stats.mean("is_dropped_frac", w.dropped)
+    stats.mean("behav_kl", torch.exp(log_ratio) - 1 - log_ratio)
+    return w.weight

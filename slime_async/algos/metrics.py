@@ -1,0 +1,139 @@
+"""Loss statistics that add up across micro-batches and ranks, overall and by version lag.
+
+A loss reports *raw* metrics: a flat `dict[str, float]` whose keys end in the reduction that
+combines them, `"<stat>|<op>"`:
+
+    clip_frac|sum, clip_frac|n              -> clip_frac = sum / n          (a token mean)
+    is_weight|max                           -> is_weight_max                (max)
+    is_weight|sq (with |sum and |n)         -> is_weight_ess = sum^2 / (n * sq), in (0, 1]
+    tokens|cnt                              -> tokens                       (a count)
+
+`<stat>` is a name, or a name and a staleness bucket `name/lag_k` (k = current_version - the
+token's version). Every op but `max` adds, so the learner merges the raw dicts of its
+micro-batches with `merge_metrics`, gathers them across ranks (all_gather_object, then
+`merge_metrics` again; or an all-reduce, SUM for every key but MAX for `|max`), and calls
+`finalize_metrics` once per step. `reduce_metrics` does merge + finalize in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+_OPS = ("sum", "n", "sq", "max", "cnt")
+
+
+class TokenStats:
+    """Collects per-token statistics of one micro-batch; a single host sync in `raw()`.
+
+    `mask: [B, T]` bool selects the tokens that count; `lag: [B, T]` int their version lag.
+    """
+
+    def __init__(self, mask: torch.Tensor, lag: torch.Tensor):
+        self._mask = mask
+        self._lag = lag[mask]  # [N]
+        self._num_lags = int(self._lag.max()) + 1 if self._lag.numel() else 0
+        if self._lag.numel() and int(self._lag.min()) < 0:
+            raise ValueError(
+                "a token's version is ahead of the learner's current_version "
+                f"(lag {int(self._lag.min())}): versions must come from pushed weights"
+            )
+        self._keys: list[str] = []
+        self._values: list[torch.Tensor] = []
+
+    def _put(self, name: str, op: str, total: torch.Tensor, by_lag: torch.Tensor) -> None:
+        self._keys.append(f"{name}|{op}")
+        self._values.append(total.reshape(1).double())
+        self._keys.extend(f"{name}/lag_{k}|{op}" for k in range(self._num_lags))
+        self._values.append(by_lag.double())
+
+    def _select(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()[self._mask].double() if x.shape == self._mask.shape else x.detach()
+
+    def _bincount(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.bincount(self._lag, weights=x, minlength=self._num_lags)
+
+    def count(self, name: str = "tokens") -> None:
+        """Number of tokens (overall and per lag)."""
+        ones = torch.ones_like(self._lag, dtype=torch.float64)
+        self._put(name, "cnt", ones.sum(), self._bincount(ones))
+
+    def mean(self, name: str, x: torch.Tensor) -> None:
+        """Token mean of `x: [B, T]` (float or bool)."""
+        v = self._select(x)
+        ones = torch.ones_like(v)
+        self._put(name, "sum", v.sum(), self._bincount(v))
+        self._put(name, "n", ones.sum(), self._bincount(ones))
+
+    def weight(self, name: str, x: torch.Tensor) -> None:
+        """Mean, max and normalised effective sample size of a non-negative `x: [B, T]`."""
+        self.mean(name, x)
+        v = self._select(x)
+        self._put(name, "sq", (v * v).sum(), self._bincount(v * v))
+        if v.numel() == 0:
+            return  # no max of nothing: a 0 would read as a real maximum
+        top = torch.zeros(self._num_lags, dtype=v.dtype, device=v.device)
+        top = top.scatter_reduce(0, self._lag, v, reduce="amax", include_self=False)
+        self._put(name, "max", v.max(), top)
+
+    def raw(self) -> dict[str, float]:
+        """The raw metrics (see the module docstring); lag buckets without tokens are left out."""
+        if not self._values:
+            return {}
+        values = torch.cat(self._values).tolist()
+        present = set()
+        if self._num_lags:
+            counts = torch.bincount(self._lag, minlength=self._num_lags).tolist()
+            present = {k for k, c in enumerate(counts) if c > 0}
+        out = {}
+        for key, value in zip(self._keys, values, strict=True):
+            stat = key.rpartition("|")[0]
+            _, sep, lag = stat.partition("/lag_")
+            if sep and int(lag) not in present:
+                continue
+            out[key] = value
+        return out
+
+
+def merge_metrics(raws: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Combine raw metric dicts (micro-batches, ranks): `|max` keys by max, the others by sum."""
+    out: dict[str, float] = {}
+    for raw in raws:
+        for key, value in raw.items():
+            op = key.rpartition("|")[2]
+            if op not in _OPS:
+                raise ValueError(f"metric {key!r}: expected a '|op' suffix, one of {_OPS}")
+            if key not in out:
+                out[key] = float(value)
+            elif op == "max":
+                out[key] = max(out[key], float(value))
+            else:
+                out[key] += float(value)
+    return out
+
+
+def finalize_metrics(raw: Mapping[str, float]) -> dict[str, float]:
+    """Turn merged raw metrics into named values: means, maxima, ESS, counts."""
+    stats: dict[str, dict[str, float]] = {}
+    for key, value in raw.items():
+        stat, _, op = key.rpartition("|")
+        stats.setdefault(stat, {})[op] = value
+    out: dict[str, float] = {}
+    for stat, ops in stats.items():
+        name, sep, lag = stat.partition("/lag_")
+        suffix = f"/lag_{lag}" if sep else ""
+        if "cnt" in ops:
+            out[stat] = ops["cnt"]
+        if "n" in ops and ops["n"] > 0:
+            out[stat] = ops.get("sum", 0.0) / ops["n"]
+            if ops.get("sq", 0.0) > 0:
+                out[f"{name}_ess{suffix}"] = ops["sum"] ** 2 / (ops["n"] * ops["sq"])
+        if "max" in ops:
+            out[f"{name}_max{suffix}"] = ops["max"]
+    return out
+
+
+def reduce_metrics(raws: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """`finalize_metrics(merge_metrics(raws))`: the step's metrics from its micro-batches'."""
+    return finalize_metrics(merge_metrics(raws))

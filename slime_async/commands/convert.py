@@ -1,0 +1,72 @@
+"""`slime-async convert SRC DST`: HF model directory <-> megatron-core torch_dist checkpoint.
+
+The direction follows SRC: an HF directory (config.json + safetensors) becomes a learner
+checkpoint (model, fresh optimizer state, step 0, version 0) that `learner.load` resumes from;
+a torch_dist checkpoint (written at any TP size) becomes a complete HF directory (config,
+safetensors, tokenizer files). Runs alone, or under torchrun for a TP-sharded conversion:
+
+    torchrun --nproc-per-node 2 -m slime_async convert ckpt/ hf_out/ --tensor-parallel 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "convert an HF model directory to a torch_dist learner checkpoint, or back"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="HF model directory, or torch_dist checkpoint directory")
+    p.add_argument("dst", help="output directory (must not exist)")
+    p.add_argument(
+        "--tensor-parallel", type=int, default=1, help="TP size of this conversion (torchrun ranks)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="parameter dtype of the model while converting (and of the written tensors)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _convert(Path(args.src), Path(args.dst), args.tensor_parallel, args.dtype)
+    except (ValueError, OSError) as e:  # bad input: a named error, no traceback
+        print(f"slime-async convert: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _convert(src: Path, dst: Path, tensor_parallel: int, dtype: str) -> int:
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists already")
+    from slime_async.actors import learner_ckpt
+
+    if learner_ckpt.is_checkpoint(src):
+        to_hf = True
+    elif (src / "config.json").is_file():
+        to_hf = False
+    else:
+        raise FileNotFoundError(
+            f"{src} is neither an HF model directory (config.json) "
+            "nor a torch_dist checkpoint (metadata.json, common.pt)"
+        )
+
+    from slime_async.actors.learner import Learner
+    from slime_async.config import AlgoConfig, LearnerConfig
+
+    where = {"load": str(src)} if to_hf else {"model_path": str(src)}
+    cfg = LearnerConfig(tensor_parallel=tensor_parallel, dtype=dtype, **where)
+    learner = Learner(cfg, AlgoConfig())
+    try:
+        if to_hf:
+            learner.save_hf(dst)
+        else:
+            learner.save_checkpoint(dst, extra={})
+    finally:
+        learner.close()
+    if learner.is_rank0:
+        print(f"wrote {'HF directory' if to_hf else 'torch_dist checkpoint'} {dst}")
+    return 0

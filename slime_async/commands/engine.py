@@ -1,0 +1,51 @@
+"""`slime-async engine`: serve an HF model over SGLang's native HTTP API (the embedded engine)."""
+
+from __future__ import annotations
+
+import argparse
+
+from slime_async.commands import add_config_arguments, config_from_args
+
+HELP = (
+    "serve a Hugging Face causal LM at SGLang's HTTP endpoints (continuous batching, weight sync)"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument("--model-path", help="HF model directory (overrides engine.model_path)")
+    p.add_argument("--host", help="address to bind (overrides engine.host)")
+    p.add_argument("--port", type=int, help="port to bind, 0 = a free one (overrides engine.port)")
+
+
+def main(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    cfg = config_from_args(args).engine
+    model_path = args.model_path or cfg.model_path
+    host = args.host or cfg.host
+    port = cfg.port if args.port is None else args.port
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+
+    from slime_async.actors.engines.server import EmbeddedEngine, serve
+
+    engine = EmbeddedEngine(cfg, model_path)
+
+    async def run() -> None:
+        runner, url = await serve(engine, host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        print(
+            f"engine ready at {url} (model {engine.model_path}, device {engine.device})", flush=True
+        )
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
+    return 0

@@ -1,0 +1,96 @@
+"""`slime-async run`: the whole job on one machine, every role a supervised child process."""
+
+from __future__ import annotations
+
+import argparse
+
+from slime_async.commands import add_config_arguments
+
+HELP = "start buffer, engines, generators and learner on this machine and supervise them"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a stopped run from its directory (its config.json; KEY=VALUE overrides "
+        "still apply, e.g. learner.num_steps=200)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from slime_async.actors.launch import plan_roles
+    from slime_async.actors.run_dir import RunDir
+    from slime_async.actors.supervisor import Supervisor
+    from slime_async.config import ConfigError, load_config, split_cli_args
+    from slime_async.metrics import metrics_path, read_metrics
+    from slime_async.progress import ProgressDisplay
+
+    files, overrides = split_cli_args(args.config)
+    if args.resume:
+        if files:
+            raise ConfigError(f"--resume takes the run's own config.json; drop {files}")
+        try:
+            run_dir = RunDir.existing(args.resume)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
+        cfg = load_config([run_dir.config_json], overrides)
+    else:
+        if not files:
+            raise ConfigError("name at least one CONFIG.toml (or use --resume RUN_DIR)")
+        cfg = load_config(files, overrides)
+        try:
+            run_dir = RunDir.create(cfg.run.runs_dir, cfg.run.name, cfg.run.run_dir)
+        except FileExistsError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.run.prepare:
+        from slime_async.utils.plugins import check_signature, import_object
+
+        prepare = import_object(cfg.run.prepare)
+        check_signature(prepare, f"run.prepare {cfg.run.prepare!r}", ("cfg",), is_async=False)
+        prepare(cfg)
+    cfg.run.run_dir = str(run_dir.path)  # every role finds the run directory here
+    cfg.write_json(run_dir.config_json)
+    print(f"[slime-async] run directory {run_dir.path}", flush=True)
+
+    done = read_metrics(metrics_path(run_dir.path, "learner")) if args.resume else []
+    progress = ProgressDisplay(
+        cfg.learner.num_steps,
+        mode=cfg.run.progress,
+        start_step=done[-1]["step"] if done else 0,
+    )
+    supervisor = Supervisor(
+        run_dir,
+        plan_roles(cfg, run_dir),
+        resume=bool(args.resume),
+        restart_failed=cfg.run.restart_failed,
+        ready_timeout_s=cfg.run.ready_timeout_s,
+        stop_grace_s=cfg.run.stop_grace_s,
+        poll_interval_s=cfg.run.poll_interval_s,
+        progress=progress,
+    )
+    code = supervisor.run()
+    verdict = "completed" if code == 0 else "stopped"
+    print(f"[slime-async] run {verdict} (exit {code}); logs in {run_dir.logs_dir}", flush=True)
+    summary = summarize_run(read_metrics(metrics_path(run_dir.path, "learner")))
+    if summary:
+        print(f"[slime-async] {summary}", flush=True)
+    return code
+
+
+def summarize_run(records: list[dict], window: int = 10) -> str:
+    """Accuracy (or reward) over the first and the last `window` learner steps."""
+    key = "accuracy" if any("accuracy" in r for r in records) else "reward"
+    values = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
+    if len(values) < 2:
+        return ""
+    w = max(1, min(window, len(values) // 2))
+    first = sum(v for _, v in values[:w]) / w
+    last = sum(v for _, v in values[-w:]) / w
+    scale, unit = (100.0, " points") if key == "accuracy" else (1.0, "")
+    return (
+        f"{key}: start {first * scale:.1f} (steps {values[0][0]}-{values[w - 1][0]}) -> "
+        f"end {last * scale:.1f} (steps {values[-w][0]}-{values[-1][0]}): "
+        f"{(last - first) * scale:+.1f}{unit}"
+    )

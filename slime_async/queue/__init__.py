@@ -1,0 +1,1 @@
+"""The streaming trajectory buffer: wire schema, buffer process, producer and consumer clients."""

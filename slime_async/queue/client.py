@@ -1,0 +1,369 @@
+"""Clients of the buffer: `ProducerClient` (asyncio, generators) and `ConsumerClient` (sync, learner).
+
+Both connect a DEALER socket to the buffer's ROUTER and survive a buffer restart: a request not
+answered within `request_timeout_s` is sent again on a fresh connection. Resends are safe: puts
+carry a per-producer sequence number the buffer deduplicates, and consumer requests carry a
+request id (a lost batch reply is answered with the same batch). After `give_up_s` without any
+answer the waiting call raises `BufferUnavailable`.
+
+Memory: a producer holds the encoded frames of its unacknowledged puts (as many as the caller
+has in flight); a consumer holds one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from slime_async.config.buffer import BufferConfig
+from slime_async.queue import security
+from slime_async.queue.schema import (
+    SchemaError,
+    Trajectory,
+    decode_trajectory,
+    encode_trajectory,
+    pack_header,
+    unpack_header,
+)
+
+_BUSY_BACKOFF_S = (0.002, 0.1)  # first and largest wait before resending a put refused as busy
+
+
+class BufferRejected(ValueError):
+    """The buffer refused a request as bad input; the message is the buffer's."""
+
+
+class BufferUnavailable(ConnectionError):
+    """No answer from the buffer within `give_up_s` (down, unreachable, or CURVE refused us)."""
+
+
+def _socket(ctx: zmq.Context, cfg: BufferConfig, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    security.setup_client(sock, cfg.curve)
+    sock.connect(endpoint)
+    return sock
+
+
+def _check(h: dict[str, Any]) -> dict[str, Any]:
+    if h["op"] == "error":
+        raise BufferRejected(h.get("error", "rejected"))
+    return h
+
+
+@dataclass
+class _Put:
+    frames: list[bytes]
+    future: asyncio.Future
+    sent_at: float
+    busy_wait: float = _BUSY_BACKOFF_S[0]
+
+
+@dataclass
+class Batch:
+    """Whole groups delivered together; commit `batch_id` once trained on."""
+
+    batch_id: int
+    groups: list[list[Trajectory]]
+    staleness: list[int] = field(default_factory=list)
+    """Per group: the buffer's version at delivery minus the group's oldest model-token version."""
+    version: int = 0
+    """The policy version the buffer knew when it delivered this batch."""
+
+    @property
+    def num_trajectories(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+
+def ping(endpoint: str, cfg: BufferConfig, timeout_s: float = 0.5) -> dict[str, Any] | None:
+    """The buffer's stats if it answers at `endpoint` within `timeout_s`, else None (readiness)."""
+    ctx = zmq.Context()
+    sock = _socket(ctx, cfg, endpoint)
+    try:
+        sock.send_multipart([pack_header("ping", rid="ping")])
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        h = unpack_header(sock.recv_multipart()[0])
+        return h.get("stats")
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+class ProducerClient:
+    """Asyncio client for generators: `async with ProducerClient(cfg, "gen-0") as p: ...`."""
+
+    def __init__(self, cfg: BufferConfig, producer_id: str):
+        self.cfg = cfg
+        self.producer_id = producer_id
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._puts: dict[int, _Put] = {}
+        self._calls: dict[str, tuple[list[bytes], asyncio.Future, float]] = {}
+        self._seq = 0
+        self._rids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._sends: set[asyncio.Future] = set()
+        self._last_reply = time.monotonic()
+        self._last_sent = 0.0
+
+    async def __aenter__(self) -> ProducerClient:
+        self._connect()
+        self._tasks.append(asyncio.create_task(self._watchdog()))
+        hello = await self._call("hello")
+        self._seq = int(hello["next_seq"])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop; puts still waiting for an ack raise BufferUnavailable (they may have landed)."""
+        closed = BufferUnavailable("the producer client was closed before the buffer answered")
+        for fut in [p.future for p in self._puts.values()] + [c[1] for c in self._calls.values()]:
+            if not fut.done():
+                fut.set_exception(closed)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        self._ctx.term()
+
+    def _connect(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+        self._sock = _socket(self._ctx, self.cfg, self.cfg.producer_endpoint)
+        recv = [t for t in self._tasks if t.get_name() == "recv"]
+        for t in recv:
+            t.cancel()
+            self._tasks.remove(t)
+        self._tasks.append(asyncio.create_task(self._receive(self._sock), name="recv"))
+
+    async def _send(self, frames: list[bytes]) -> None:
+        assert self._sock is not None
+        self._last_sent = time.monotonic()
+        await self._sock.send_multipart(frames)
+
+    async def put_group(self, trajs: list[Trajectory]) -> str:
+        """Send trajectories (normally one whole group); return once the buffer stored them.
+
+        Returns "ok"; "duplicate" when the buffer already had this put (a resend); "stale" when
+        the group was stored but already beyond max_staleness, so it was dropped (counted).
+        Waits and resends while the buffer is full; raises BufferRejected for bad input.
+        """
+        now = time.time()
+        for t in trajs:
+            t.enqueued_at = now
+        seq = self._seq
+        self._seq += 1
+        header = pack_header("put", seq=seq, producer=self.producer_id)
+        frames = [header, *(encode_trajectory(t) for t in trajs)]
+        size = sum(len(f) for f in frames)
+        if size > self.cfg.max_message_bytes:  # far above it ZeroMQ would just drop the link
+            raise BufferRejected(
+                f"message of {size} B exceeds max_message_bytes={self.cfg.max_message_bytes}; "
+                "send the group in several puts"
+            )
+        fut = asyncio.get_running_loop().create_future()
+        self._puts[seq] = _Put(frames, fut, time.monotonic())
+        await self._send(frames)
+        try:
+            return await fut
+        finally:
+            self._puts.pop(seq, None)
+
+    async def admission(self, want: int) -> int:
+        """How many new groups may be started now (each grant is used up when its group arrives)."""
+        return int((await self._call("admit", want=want))["n"])
+
+    async def stats(self) -> dict[str, Any]:
+        return (await self._call("stats"))["stats"]
+
+    async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
+        rid = f"{self.producer_id}:{next(self._rids)}"
+        frames = [pack_header(op, rid=rid, producer=self.producer_id, **fields)]
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[rid] = (frames, fut, time.monotonic())
+        await self._send(frames)
+        try:
+            return _check(await fut)
+        finally:
+            self._calls.pop(rid, None)
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            self._last_reply = time.monotonic()
+            try:
+                h = unpack_header(frames[0])
+            except SchemaError:
+                continue
+            if h.get("rid") in self._calls:
+                fut = self._calls[h["rid"]][1]
+                if not fut.done():
+                    fut.set_result(h)
+                continue
+            put = self._puts.get(h.get("seq")) if "seq" in h else None
+            if put is None or put.future.done():
+                continue  # the answer to a resend already answered
+            if h["op"] == "error":
+                put.future.set_exception(BufferRejected(h.get("error", "rejected")))
+            elif h.get("status") == "busy":
+                asyncio.get_running_loop().call_later(put.busy_wait, self._resend_busy, h["seq"])
+                put.busy_wait = min(put.busy_wait * 2, _BUSY_BACKOFF_S[1])
+                put.sent_at = float("inf")  # not lost, just waiting: keep the watchdog off it
+            else:
+                put.future.set_result(h["status"])
+
+    def _resend_busy(self, seq: int) -> None:
+        put = self._puts.get(seq)
+        if put is not None and not put.future.done():
+            put.sent_at = time.monotonic()
+            task = asyncio.ensure_future(self._send(put.frames))
+            self._sends.add(task)  # keep a reference until it is done (asyncio holds weak ones)
+            task.add_done_callback(self._sends.discard)
+
+    async def _watchdog(self) -> None:
+        """Reconnect and resend when answers stop; heartbeat so admission grants stay ours."""
+        tick = min(0.25, self.cfg.request_timeout_s / 4)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            waiting = [p.sent_at for p in self._puts.values()] + [
+                c[2] for c in self._calls.values()
+            ]
+            if waiting and now - self._last_reply > self.cfg.give_up_s:
+                err = BufferUnavailable(
+                    f"no answer from the buffer at {self.cfg.producer_endpoint} "
+                    f"for {self.cfg.give_up_s:.0f}s"
+                )
+                for fut in [p.future for p in self._puts.values()] + [
+                    c[1] for c in self._calls.values()
+                ]:
+                    if not fut.done():
+                        fut.set_exception(err)
+                continue
+            if waiting and now - min(waiting) > self.cfg.request_timeout_s:
+                self._connect()
+                for p in list(self._puts.values()):
+                    p.sent_at = now
+                    await self._send(p.frames)
+                for rid, (frames, fut, _) in list(self._calls.items()):
+                    self._calls[rid] = (frames, fut, now)
+                    await self._send(frames)
+            elif now - self._last_sent > self.cfg.grant_timeout_s / 3:
+                await self._send([pack_header("heartbeat", producer=self.producer_id)])
+
+
+class ConsumerClient:
+    """Synchronous client for the learner. One session per object: a new object with the same
+    `consumer_id` (a restarted learner) first receives every batch the old one did not commit."""
+
+    def __init__(self, cfg: BufferConfig, consumer_id: str):
+        self.cfg = cfg
+        self.consumer_id = consumer_id
+        self.session = uuid.uuid4().hex
+        self._ctx = zmq.Context()
+        self._sock = _socket(self._ctx, cfg, cfg.consumer_endpoint)
+        self._rids = itertools.count()
+        self._cursor = 0
+
+    def _request(self, op: str, wait_s: float = 0.0, **fields: Any) -> tuple[dict, list[zmq.Frame]]:
+        rid = f"{self.session}:{next(self._rids)}"
+        frames = [
+            pack_header(op, rid=rid, consumer=self.consumer_id, session=self.session, **fields)
+        ]
+        give_up = time.monotonic() + wait_s + self.cfg.give_up_s
+        while True:
+            self._sock.send_multipart(frames)
+            deadline = time.monotonic() + wait_s + self.cfg.request_timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                if not self._sock.poll(int(left * 1000) + 1):
+                    break
+                reply = self._sock.recv_multipart(copy=False)  # decoded straight from zmq's buffer
+                try:
+                    h = unpack_header(reply[0].buffer)
+                except SchemaError:
+                    continue
+                if h.get("rid") == rid:
+                    return _check(h), reply[1:]
+            if time.monotonic() > give_up:
+                raise BufferUnavailable(
+                    f"no answer from the buffer at {self.cfg.consumer_endpoint} for "
+                    f"{self.cfg.give_up_s:.0f}s (down, unreachable, or refused our CURVE key)"
+                )
+            self._sock.close(0)  # a fresh connection after a buffer restart
+            self._sock = _socket(self._ctx, self.cfg, self.cfg.consumer_endpoint)
+
+    def get_batch(
+        self,
+        num_groups: int | None = None,
+        num_tokens: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Batch | None:
+        """The next batch of whole groups, or None if none is ready within `timeout_s`.
+
+        num_groups: exactly this many groups. num_tokens: whole groups up to this many tokens
+        (prompt + response), delivered once that many are ready. Neither: the announced
+        groups_per_step. Batches a previous session left uncommitted come first.
+        """
+        wait = 0.0 if timeout_s is None else float(timeout_s)
+        h, frames = self._request(
+            "get", wait, num_groups=num_groups, num_tokens=num_tokens, timeout_s=wait
+        )
+        if h["op"] == "empty":
+            return None
+        trajs = [decode_trajectory(f.buffer) for f in frames]
+        groups, start = [], 0
+        for n in h["sizes"]:
+            groups.append(trajs[start : start + n])
+            start += n
+        self._cursor = max(self._cursor, h["batch_id"])
+        return Batch(h["batch_id"], groups, h["staleness"], h["version"])
+
+    def commit(self, batch_id: int) -> None:
+        """Retire a batch for good (idempotent)."""
+        self._request("commit", batch_id=batch_id)
+
+    def commit_through(self, batch_id: int) -> int:
+        """Retire every batch of this consumer id up to `batch_id`; return how many were open."""
+        return int(self._request("commit", batch_id=batch_id, through=True)[0]["n"])
+
+    def cursor(self) -> int:
+        """The newest batch id received: store it in a checkpoint, pass it to `resume`."""
+        return self._cursor
+
+    def resume(self, cursor: int) -> int:
+        """After a restart from a checkpoint taken at `cursor`: retire what it already holds."""
+        self._cursor = max(self._cursor, cursor)
+        return self.commit_through(cursor) if cursor > 0 else 0
+
+    def set_version(self, version: int, groups_per_step: int) -> None:
+        """Announce the learner's policy version (staleness) and step size (admission)."""
+        self._request("version", version=version, groups_per_step=groups_per_step)
+
+    def stats(self) -> dict[str, Any]:
+        return self._request("stats")[0]["stats"]
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> ConsumerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

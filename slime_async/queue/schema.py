@@ -1,0 +1,241 @@
+"""The wire schema of the trajectory buffer: one versioned module, validated on decode.
+
+A trajectory travels as one MessagePack map (never pickle). Token arrays are raw little-endian
+bytes inside the map (int32 ids and versions, float32 log-probs, uint8 loss mask): packing a list
+of ints costs 5-7x more (DESIGN.md). `decode_trajectory` checks every field and raises
+`SchemaError` naming the first field that is wrong, so a bad message gets a precise reply.
+
+Messages between clients and the buffer are ZeroMQ multipart messages: frame 0 is a small
+MessagePack header map (`{"v": SCHEMA_VERSION, "op": ...}`), the following frames are encoded
+trajectories. The buffer stores and forwards trajectory frames as they came: it validates them
+once and never re-encodes them.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+_LITTLE_ENDIAN_HOST = sys.byteorder == "little"
+
+Scalar = str | int | float | bool
+
+_ARRAYS: dict[str, np.dtype] = {
+    "prompt_ids": np.dtype("<i4"),
+    "response_ids": np.dtype("<i4"),
+    "logprobs": np.dtype("<f4"),
+    "loss_mask": np.dtype("u1"),
+    "versions": np.dtype("<i4"),
+}
+_RESPONSE_ARRAYS = ("response_ids", "logprobs", "loss_mask", "versions")
+_FIELDS = frozenset(
+    {
+        "schema",
+        "id",
+        "group_id",
+        "group_size",
+        *_ARRAYS,
+        "reward",
+        "reward_parts",
+        "finish_reason",
+        "engine_id",
+        "created_at",
+        "enqueued_at",
+        "metadata",
+    }
+)
+
+
+class SchemaError(ValueError):
+    """A message or trajectory does not follow the schema; `field` names what is wrong."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+@dataclass
+class Trajectory:
+    """One sampled response to one prompt, every response token tagged with its policy version."""
+
+    id: str
+    group_id: str
+    group_size: int
+    prompt_ids: np.ndarray
+    """int32 [P]."""
+    response_ids: np.ndarray
+    """int32 [R]: model tokens and, in multi-turn rollouts, tool/environment tokens."""
+    logprobs: np.ndarray
+    """float32 [R]: behaviour log-probs from the engine; 0.0 on environment tokens."""
+    loss_mask: np.ndarray
+    """uint8 [R]: 1 model token, 0 environment/tool token."""
+    versions: np.ndarray
+    """int32 [R]: policy version that produced each token (env tokens: the preceding model token's)."""
+    reward: float
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = "stop"
+    engine_id: str = ""
+    created_at: float = field(default_factory=time.time)
+    enqueued_at: float = 0.0
+    metadata: dict[str, Scalar] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among model tokens (None when there is no model token)."""
+        model = self.versions[self.loss_mask.astype(bool)]
+        return int(model.min()) if model.size else None
+
+
+def encode_trajectory(t: Trajectory) -> bytes:
+    """One trajectory as a MessagePack map with token arrays as raw little-endian bytes."""
+    m: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "id": t.id,
+        "group_id": t.group_id,
+        "group_size": int(t.group_size),
+        "reward": float(t.reward),
+        "reward_parts": {k: float(v) for k, v in t.reward_parts.items()},
+        "finish_reason": t.finish_reason,
+        "engine_id": t.engine_id,
+        "created_at": float(t.created_at),
+        "enqueued_at": float(t.enqueued_at),
+        "metadata": dict(t.metadata),
+    }
+    for name, dtype in _ARRAYS.items():
+        # A byte view, not tobytes(): msgpack copies it once into the message.
+        m[name] = memoryview(np.ascontiguousarray(getattr(t, name), dtype=dtype)).cast("B")
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def _str(m: dict, name: str, allow_empty: bool = True) -> str:
+    v = m.get(name)
+    if not isinstance(v, str):
+        raise SchemaError(name, f"expected a string, got {type(v).__name__}")
+    if not allow_empty and not v:
+        raise SchemaError(name, "must not be empty")
+    return v
+
+
+def _finite(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise SchemaError(name, f"expected a number, got {type(v).__name__}")
+    if not math.isfinite(v):
+        raise SchemaError(name, f"must be finite, got {v}")
+    return float(v)
+
+
+def _array(m: dict, name: str, copy: bool) -> np.ndarray:
+    raw = m.get(name)
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise SchemaError(name, f"expected raw little-endian bytes, got {type(raw).__name__}")
+    dtype = _ARRAYS[name]
+    if len(raw) % dtype.itemsize:
+        raise SchemaError(
+            name, f"{len(raw)} bytes is not a whole number of {dtype.name} ({dtype.itemsize} B)"
+        )
+    arr = np.frombuffer(raw, dtype=dtype)
+    if _LITTLE_ENDIAN_HOST:
+        return arr.copy() if copy else arr
+    # Native byte order so that torch.from_numpy accepts it.
+    return arr.astype(dtype.newbyteorder("="))
+
+
+def decode_trajectory(blob: bytes | memoryview, copy: bool = True) -> Trajectory:
+    """Decode and validate one trajectory; raise `SchemaError` naming the bad field.
+
+    copy=False returns read-only arrays viewing `blob` (the buffer's validation path).
+    """
+    try:
+        m = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise SchemaError("trajectory", f"malformed MessagePack: {e}") from None
+    if not isinstance(m, dict):
+        raise SchemaError("trajectory", f"expected a map, got {type(m).__name__}")
+    version = m.get("schema")
+    if version != SCHEMA_VERSION:
+        raise SchemaError(
+            "schema", f"unknown schema version {version!r} (this side speaks {SCHEMA_VERSION})"
+        )
+    if m.keys() != _FIELDS:
+        unknown = set(m) - _FIELDS
+        if unknown:
+            raise SchemaError(sorted(unknown)[0], "unknown field")
+        raise SchemaError(sorted(_FIELDS - set(m))[0], "missing field")
+    group_size = m["group_size"]
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise SchemaError("group_size", f"expected a positive integer, got {group_size!r}")
+    arrays = {name: _array(m, name, copy) for name in _ARRAYS}
+    r = len(arrays["response_ids"])
+    for name in _RESPONSE_ARRAYS[1:]:
+        if len(arrays[name]) != r:
+            raise SchemaError(
+                name, f"length {len(arrays[name])} disagrees with response_ids length {r}"
+            )
+    for name in ("prompt_ids", "response_ids"):
+        if arrays[name].size and arrays[name].min() < 0:
+            raise SchemaError(name, "negative token id")
+    if r:
+        # One pass: a float64 sum of finite float32 values cannot overflow; NaN/inf propagate.
+        if not math.isfinite(arrays["logprobs"].sum(dtype=np.float64)):
+            raise SchemaError("logprobs", "NaN or infinite log-prob")
+        if arrays["loss_mask"].max() > 1:
+            raise SchemaError("loss_mask", "values must be 0 or 1")
+        if arrays["versions"].min() < 0:
+            raise SchemaError("versions", "negative policy version")
+    parts = m["reward_parts"]
+    if not isinstance(parts, dict):
+        raise SchemaError("reward_parts", "expected a map of name -> number")
+    metadata = m["metadata"]
+    if not isinstance(metadata, dict):
+        raise SchemaError("metadata", "expected a map of name -> scalar")
+    for k, v in metadata.items():
+        if not isinstance(v, str | int | float | bool):
+            raise SchemaError(f"metadata.{k}", f"expected a scalar, got {type(v).__name__}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise SchemaError(f"metadata.{k}", f"must be finite, got {v}")
+    return Trajectory(
+        id=_str(m, "id", allow_empty=False),
+        group_id=_str(m, "group_id", allow_empty=False),
+        group_size=group_size,
+        reward=_finite("reward", m["reward"]),
+        reward_parts={k: _finite(f"reward_parts.{k}", v) for k, v in parts.items()},
+        finish_reason=_str(m, "finish_reason"),
+        engine_id=_str(m, "engine_id"),
+        created_at=_finite("created_at", m["created_at"]),
+        enqueued_at=_finite("enqueued_at", m["enqueued_at"]),
+        metadata=metadata,
+        **arrays,
+    )
+
+
+def pack_header(op: str, **fields: Any) -> bytes:
+    """Frame 0 of every message: `{"v": SCHEMA_VERSION, "op": op, ...}`."""
+    return msgpack.packb({"v": SCHEMA_VERSION, "op": op, **fields}, use_bin_type=True)
+
+
+def unpack_header(frame: bytes | memoryview) -> dict[str, Any]:
+    """Decode and check frame 0; raise `SchemaError` for malformed or foreign headers."""
+    try:
+        h = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise SchemaError("header", f"malformed MessagePack: {e}") from None
+    if not isinstance(h, dict):
+        raise SchemaError("header", f"expected a map, got {type(h).__name__}")
+    if h.get("v") != SCHEMA_VERSION:
+        raise SchemaError(
+            "v", f"unknown schema version {h.get('v')!r} (this side speaks {SCHEMA_VERSION})"
+        )
+    if not isinstance(h.get("op"), str):
+        raise SchemaError("op", "missing message type")
+    return h

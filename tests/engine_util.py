@@ -1,0 +1,94 @@
+"""Helpers of the engine tests: tiny models and embedded engines started as child processes."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+from slime_async.utils.procs import Child, free_port, python_module, wait_until
+
+
+def engine_ready(url: str, api_key: str | None = None) -> bool:
+    req = urllib.request.Request(f"{url}/health")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(req, timeout=2) as resp:
+        return resp.status == 200
+
+
+def launch_engine(
+    model_dir: Path,
+    log_dir: Path,
+    *overrides: str,
+    api_key: str | None = None,
+    port: int | None = None,
+) -> tuple[Child, str]:
+    """Start an embedded engine on a loopback port (a free one by default) with torch threads = 1,
+    without waiting for it; returns (child, url)."""
+    port = port or free_port()
+    args = [
+        f"engine.model_path={model_dir}",
+        f"engine.port={port}",
+        "engine.host=127.0.0.1",
+        "engine.device=cpu",
+        "engine.torch_threads=1",
+        "engine.max_running_requests=64",
+        *overrides,
+    ]
+    if api_key:
+        args.append(f"engine.api_key={api_key}")
+    child = Child(
+        f"engine-{port}",
+        python_module("slime_async", "engine", *args),
+        log_path=log_dir / f"engine-{port}.log",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    return child, f"http://127.0.0.1:{port}"
+
+
+def start_engines(
+    n: int, model_dir: Path, log_dir: Path, *overrides: str, **kw
+) -> list[tuple[Child, str]]:
+    """`n` engines started together and waited for (readiness: GET /health); all stopped on error."""
+    started = [launch_engine(model_dir, log_dir, *overrides, **kw) for _ in range(n)]
+    try:
+        for child, url in started:
+            wait_until(
+                lambda url=url: engine_ready(url, kw.get("api_key")),
+                120,
+                f"engine at {url}",
+                interval=0.1,
+                child=child,
+            )
+    except BaseException:
+        for child, _ in started:
+            child.stop()
+        raise
+    return started
+
+
+def start_engine(model_dir: Path, log_dir: Path, *overrides: str, **kw) -> tuple[Child, str]:
+    return start_engines(1, model_dir, log_dir, *overrides, **kw)[0]
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Reference greedy decoding with HF transformers: (tokens, log_softmax of each chosen token)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        max_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        output_scores=True,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logps = [
+        torch.log_softmax(lg[0].float(), -1)[t].item()
+        for lg, t in zip(out.logits, tokens, strict=True)
+    ]
+    return tokens, logps

@@ -1,0 +1,186 @@
+"""Worker for the learner's multi-process tests, run under torchrun (gloo, CPU).
+
+    torchrun --nproc-per-node 2 tests/learner_worker.py TASK OUT_DIR MODEL_DIR...
+
+Also holds the test-only loss and advantage estimator (resolved by import path
+`learner_worker:pg_loss`), so the learner's tests do not depend on slime_async/algos.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from slime_async.algos.api import LossOutput
+
+SEQS = [[2, 5, 6, 7, 8, 9, 10, 11, 12], [2, 20, 21, 22], [2, 30, 31, 32, 33, 34, 35]]
+
+
+def pg_loss(inp, cfg) -> LossOutput:
+    """Importance-weighted policy gradient, token-mean over the whole step."""
+    ratio = torch.exp(inp.logp - inp.behavior_logp)
+    per_token = -ratio * inp.advantages * inp.loss_mask
+    loss = per_token.sum() / inp.token_denominator
+    m = inp.loss_mask
+    if inp.entropy is not None:  # exercises the entropy's vocab-parallel backward
+        loss = loss - cfg.entropy_coef * (inp.entropy * m).sum() / inp.token_denominator
+    return LossOutput(
+        loss, {"ratio|sum": float((ratio.detach() * m).sum()), "ratio|n": float(m.sum())}
+    )
+
+
+def ref_probe_loss(inp, cfg) -> LossOutput:
+    """pg_loss plus how far the reference log-probs are from the current ones."""
+    assert inp.ref_logp is not None and not inp.ref_logp.requires_grad
+    out = pg_loss(inp, cfg)
+    gap = ((inp.ref_logp - inp.logp.detach()).abs() * inp.loss_mask).max()
+    out.metrics["ref_gap|max"] = float(gap)
+    return out
+
+
+def centered_adv(inp, cfg, state) -> torch.Tensor:
+    """Reward minus the group mean, one value per trajectory [G, n]."""
+    return inp.rewards - inp.rewards.mean(dim=1, keepdim=True)
+
+
+def make_groups(seed: int, num_groups: int, group_size: int = 2, vocab: int = 100):
+    """Deterministic trajectories with env tokens, stale versions and varied lengths."""
+    from slime_async.queue.schema import Trajectory
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(num_groups):
+        prompt = rng.integers(8, vocab, size=int(rng.integers(2, 6))).astype(np.int32)
+        group = []
+        for k in range(group_size):
+            r = int(rng.integers(3, 9))
+            mask = np.ones(r, dtype=np.uint8)
+            mask[r // 2] = 0  # one environment token inside the response
+            group.append(
+                Trajectory(
+                    id=f"s{seed}-g{g}-{k}",
+                    group_id=f"s{seed}-g{g}",
+                    group_size=group_size,
+                    prompt_ids=prompt,
+                    response_ids=rng.integers(8, vocab, size=r).astype(np.int32),
+                    logprobs=(rng.normal(size=r).astype(np.float32) * 0.1 - 4.6) * mask,
+                    loss_mask=mask,
+                    versions=np.zeros(r, dtype=np.int32),
+                    reward=float(rng.random()),
+                )
+            )
+        groups.append(group)
+    return groups
+
+
+def make_sharp_model(out_dir: Path, family: str, **shape) -> Path:
+    """A tiny HF model with O(1) weights: random-init ones give near-uniform attention and
+    logits, which would hide layout bugs (RoPE, q/k norm, QKV order) below any tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    from slime_async.models.tiny import make_tiny_model
+
+    make_tiny_model(out_dir, family=family, **shape)
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(sum(map(ord, family)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            else:
+                fan_in = p.shape[-1] if p.dim() == 2 else 1
+                std = 0.5 if "bias" in name else 1.5 / fan_in**0.5
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return Path(out_dir)
+
+
+def learner_cfg(model_dir: str | None = None, **kw):
+    from slime_async.config import LearnerConfig
+
+    base = dict(model_path=model_dir, lr=1e-3, clip_grad=0.0, micro_batch_tokens=24, seed=7)
+    base.update(kw)
+    return LearnerConfig(**base)
+
+
+def algo_cfg(**kw):
+    from slime_async.config import AlgoConfig
+
+    return AlgoConfig(loss="learner_worker:pg_loss", advantage="learner_worker:centered_adv", **kw)
+
+
+# Training compared across TP sizes: the clip is active (TP-aware grad norm) and so is the
+# entropy term (its vocab-parallel backward).
+TP_TRAIN = dict(clip_grad=0.05)
+TP_ALGO = dict(entropy_coef=0.01)
+
+
+def capture_grads(learner) -> dict:
+    """Wrap the optimizer step to keep the DP-reduced gradients of the next step."""
+    grads: dict = {}
+    original = learner.optimizer.step
+
+    def step(lr, tp_group):
+        grads.update(
+            {
+                n: p.grad.detach().clone()
+                for n, p in zip(learner.optimizer.names, learner.optimizer.params, strict=True)
+            }
+        )
+        return original(lr, tp_group)
+
+    learner.optimizer.step = step
+    return grads
+
+
+def task_tp2(out: Path, model_dirs: list[str]) -> None:
+    """Log-probs and HF export at TP=2 for each model; train two steps and checkpoint the first."""
+    from slime_async.actors.learner import Learner
+
+    for i, d in enumerate(model_dirs):
+        learner = Learner(
+            learner_cfg(d, tensor_parallel=2, **TP_TRAIN), algo_cfg(**TP_ALGO), temperature=0.7
+        )
+        pairs = learner.compute_logprobs(SEQS, with_entropy=True)
+        logps, ents = [lp for lp, _ in pairs], [e for _, e in pairs]
+        exported = {n: t.clone() for b in learner.export_hf_buckets(4096) for n, t in b}
+        if i == 0:
+            metrics = [learner.train_step(make_groups(step, 3)) for step in range(2)]
+            learner.save_checkpoint(out / "ckpt_tp2", extra={"cursor": 17})
+            after = [lp for lp, _ in learner.compute_logprobs(SEQS)]
+        if learner.is_rank0:
+            torch.save({"logp": logps, "entropy": ents, "export": exported}, out / f"tp2_{i}.pt")
+            if i == 0:
+                trained = {"logp": after, "version": learner.version, "metrics": metrics}
+                torch.save(trained, out / "tp2_trained.pt")
+        learner.close()
+
+
+def task_dp2(out: Path, model_dirs: list[str]) -> None:
+    """One step at DP=2, each rank on its own half of the groups; rank 0 saves the gradients."""
+    import torch.distributed as dist
+
+    from slime_async.actors.learner import Learner
+
+    learner = Learner(learner_cfg(model_dirs[0]), algo_cfg())
+    groups = make_groups(100, 4)
+    mine = groups[:1] if learner.rank == 0 else groups[1:]  # unequal shares on purpose
+    grads = capture_grads(learner)
+    metrics = learner.train_step(mine)
+    if dist.get_rank() == 0:
+        torch.save({"grads": grads, "metrics": metrics}, out / "dp2.pt")
+    learner.close()
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # One process group for all the learners of a task: re-creating it after a learner's
+    # close() would rendezvous again on torchrun's store.
+    dist.init_process_group("gloo")
+    task, out_dir, *dirs = sys.argv[1:]
+    {"tp2": task_tp2, "dp2": task_dp2}[task](Path(out_dir), dirs)

@@ -1,0 +1,132 @@
+"""Two embedded engines behind the real sglang-router (round_robin), and the client-side pool."""
+
+import asyncio
+
+import pytest
+import torch
+from engine_util import start_engine, start_engines
+from transformers import AutoModelForCausalLM
+
+from slime_async.actors.engines.client import EngineClient
+from slime_async.actors.engines.pool import EnginePool
+from slime_async.actors.engines.router import Router
+from slime_async.actors.engines.weight_push import WeightPusher
+from slime_async.models.tiny import make_tiny_model
+
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+def prompt(i: int) -> list[int]:
+    return [2] + [10 + (i * 5 + j) % 50 for j in range(2 + i % 6)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    shape = dict(family="llama", max_position_embeddings=2048)
+    return make_tiny_model(root / "v0", seed=3, **shape), make_tiny_model(
+        root / "v1", seed=4, **shape
+    )
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="module")
+def engines(models, logs):
+    started = start_engines(2, models[0], logs, "engine.max_context_len=1200")
+    try:
+        yield started
+    finally:
+        for child, _ in started:
+            child.stop()
+
+
+@pytest.fixture(scope="module")
+def router(engines, logs):
+    with Router(
+        [url for _, url in engines], policy="round_robin", log_path=logs / "router.log"
+    ) as r:
+        yield r
+
+
+async def _steps(url: str) -> int:
+    async with EngineClient(url) as c:
+        return (await c.get_server_info())["decode_steps"]
+
+
+async def test_generate_through_router_round_robin(engines, router):
+    urls = [u for _, u in engines]
+    assert {w["url"] for w in router.workers()} == set(urls)
+    before = [await _steps(u) for u in urls]
+    async with EngineClient(urls[0]) as direct, EngineClient(router.url) as via:
+        for i in range(6):
+            a = await direct.generate(prompt(i), GREEDY)
+            b = await via.generate(prompt(i), GREEDY)
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
+            )
+            # The router passes meta_info through unchanged, per-token versions included.
+            assert "output_token_weight_versions" in b.meta_info and b.versions == [0] * 12
+        outs = await asyncio.gather(*(via.generate(prompt(i), GREEDY) for i in range(16)))
+        assert all(len(o.token_ids) == 12 for o in outs)
+    after = [await _steps(u) for u in urls]
+    assert all(a > b for a, b in zip(after, before, strict=True)), "round_robin used both engines"
+
+
+async def test_in_flight_versions_survive_the_router(engines, router, models):
+    urls = [u for _, u in engines]
+    pusher = WeightPusher(urls, group_name="router_test", timeout_s=60)
+    await asyncio.to_thread(pusher.connect)
+    try:
+        sd = AutoModelForCausalLM.from_pretrained(models[1], local_files_only=True).state_dict()
+        long = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
+        async with (
+            EngineClient(router.url) as via,
+            EngineClient(urls[0]) as e0,
+            EngineClient(urls[1]) as e1,
+        ):
+            tasks = [asyncio.create_task(via.generate(prompt(i), long)) for i in range(2)]
+            for _ in range(2000):
+                infos = [await e0.get_server_info(), await e1.get_server_info()]
+                if all(i["running"] >= 1 for i in infos):
+                    break
+                await asyncio.sleep(0.002)
+            await asyncio.gather(e0.pause_generation("in_place"), e1.pause_generation("in_place"))
+            await asyncio.to_thread(pusher.push, [list(sd.items())], 5)
+            outs = await asyncio.gather(*tasks)
+    finally:
+        await asyncio.to_thread(pusher.close)
+    for out in outs:
+        switch = out.versions.index(5)
+        assert switch > 0 and out.versions == [0] * switch + [5] * (1000 - switch)
+        assert out.weight_version == 5
+
+
+async def test_pool_fails_over_and_takes_a_returning_engine_back(models, logs):
+    first, second = start_engines(2, models[0], logs, "engine.max_context_len=256")
+    children = [first[0], second[0]]
+    urls = [first[1], second[1]]
+    try:
+        async with EnginePool(urls, max_retries=4, backoff_s=0.05, probe_interval_s=0.1) as pool:
+            ref = await pool.generate(prompt(1), GREEDY)
+            children[0].kill()
+            outs = await asyncio.gather(*(pool.generate(prompt(1), GREEDY) for _ in range(8)))
+            assert all(o.token_ids == ref.token_ids and o.engine_url == urls[1] for o in outs)
+            assert urls[0] in pool.down and pool.failures[urls[0]] >= 1
+            # The engine comes back on the same port: the pool's probe finds it and uses it again.
+            port = int(urls[0].rsplit(":", 1)[1])
+            children[0] = start_engine(models[0], logs, "engine.max_context_len=256", port=port)[0]
+            for _ in range(300):
+                if urls[0] not in pool.down:
+                    break
+                await asyncio.sleep(0.05)
+            assert urls[0] not in pool.down
+            outs = await asyncio.gather(*(pool.generate(prompt(i), GREEDY) for i in range(8)))
+            assert {o.engine_url for o in outs} == set(urls)
+    finally:
+        for child in children:
+            child.stop()

@@ -1,0 +1,128 @@
+"""The sampler's log-probs are those of the distribution it draws from; SGLang params validated."""
+
+import math
+
+import pytest
+import torch
+
+from slime_async.actors.engines.sampling import SamplingParams, sample
+
+
+def _row(values):
+    return torch.tensor([values], dtype=torch.float32)
+
+
+def test_greedy_returns_argmax_and_raw_log_softmax():
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
+    tok, lp = sample(logits, torch.zeros(5), torch.full((5,), -1), torch.ones(5))
+    assert tok.tolist() == logits.argmax(-1).tolist()
+    ref = torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0]
+    torch.testing.assert_close(lp, ref)
+
+
+def test_temperature_logprob_is_log_softmax_of_scaled_logits():
+    logits = torch.randn(64, 17, generator=torch.Generator().manual_seed(1))
+    temp = torch.full((64,), 0.7)
+    tok, lp = sample(
+        logits, temp, torch.full((64,), -1), torch.ones(64), torch.Generator().manual_seed(2)
+    )
+    ref = torch.log_softmax(logits / 0.7, -1).gather(1, tok[:, None])[:, 0]
+    torch.testing.assert_close(lp, ref)
+
+
+def test_top_k_renormalises_over_the_k_best():
+    logits = _row([0.0, 3.0, 1.0, 2.0, -1.0]).repeat(200, 1)
+    n = logits.shape[0]
+    tok, lp = sample(
+        logits, torch.ones(n), torch.full((n,), 2), torch.ones(n), torch.Generator().manual_seed(3)
+    )
+    assert set(tok.tolist()) == {1, 3}
+    z = math.log(math.exp(3.0) + math.exp(2.0))
+    for t, v in zip(tok.tolist(), lp.tolist(), strict=True):
+        assert v == pytest.approx(logits[0, t].item() - z, abs=1e-5)
+
+
+def test_top_p_keeps_the_token_that_crosses_the_threshold():
+    # probs 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps the first two (0.5 < 0.7, 0.5+0.3 crosses).
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None].repeat(300, 1)
+    n = logits.shape[0]
+    tok, lp = sample(
+        logits,
+        torch.ones(n),
+        torch.full((n,), -1),
+        torch.full((n,), 0.7),
+        torch.Generator().manual_seed(4),
+    )
+    assert set(tok.tolist()) == {0, 1}
+    for t, v in zip(tok.tolist(), lp.tolist(), strict=True):
+        assert v == pytest.approx(math.log(probs[t].item() / 0.8), abs=1e-5)
+
+
+def test_top_k_then_top_p_on_the_renormalised_top_k():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    logits = probs.log()[None].repeat(300, 1)
+    n = logits.shape[0]
+    # top-k 2 -> {0.4, 0.3} renormalised to {4/7, 3/7}; top_p 0.5 keeps only the first.
+    tok, lp = sample(
+        logits,
+        torch.ones(n),
+        torch.full((n,), 2),
+        torch.full((n,), 0.5),
+        torch.Generator().manual_seed(5),
+    )
+    assert set(tok.tolist()) == {0}
+    assert lp.abs().max().item() < 1e-6
+
+
+def test_mixed_rows_use_their_own_params():
+    logits = torch.randn(3, 9, generator=torch.Generator().manual_seed(6))
+    tok, lp = sample(
+        logits,
+        torch.tensor([0.0, 1.0, 1.0]),
+        torch.tensor([-1, 1, -1]),
+        torch.tensor([1.0, 1.0, 1.0]),
+        torch.Generator().manual_seed(7),
+    )
+    assert tok[0].item() == logits[0].argmax().item()
+    assert tok[1].item() == logits[1].argmax().item() and lp[1].item() == pytest.approx(
+        0.0, abs=1e-6
+    )
+    assert lp[2].item() == pytest.approx(torch.log_softmax(logits[2], -1)[tok[2]].item(), abs=1e-6)
+
+
+def test_sampling_params_defaults_and_sglang_names():
+    p = SamplingParams.from_request(
+        {
+            "max_new_tokens": 7,
+            "temperature": 0,
+            "top_k": 5,
+            "top_p": 0.9,
+            "stop_token_ids": [1],
+            "stop": "x",
+            "n": 1,
+        },
+        vocab_size=10,
+    )
+    assert (p.max_new_tokens, p.temperature, p.top_k, p.top_p) == (7, 0.0, 5, 0.9)
+    assert p.stop_token_ids == (1,) and p.stop == ("x",)
+    assert SamplingParams.from_request(None, 10).max_new_tokens == 128
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be > 0"),
+        ({"max_new_tokens": -3}, "max_new_tokens must be > 0"),
+        ({"max_new_tokens": 1.5}, "max_new_tokens must be an integer"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"stop_token_ids": [99]}, "outside the vocabulary"),
+        ({"bogus": 1}, "unknown sampling_params field 'bogus'"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty=0.5 is not supported"),
+        ([1, 2], "must be a JSON object"),
+    ],
+)
+def test_sampling_params_errors_name_the_field(raw, words):
+    with pytest.raises(ValueError, match=words):
+        SamplingParams.from_request(raw, vocab_size=10)

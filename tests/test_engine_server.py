@@ -1,0 +1,379 @@
+"""The embedded engine over HTTP: SGLang's protocol field by field, continuous batching equal to
+one-at-a-time decoding, abort, pause, bad requests and the API key."""
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+from engine_util import hf_greedy, start_engine
+from transformers import AutoModelForCausalLM
+
+from slime_async.actors.engines.client import EngineClient, EngineError, EngineRequestError
+from slime_async.models.tiny import make_tiny_model
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("model"), family="qwen3", seed=11, max_position_embeddings=2048
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    child, url = start_engine(
+        model_dir, tmp_path_factory.mktemp("logs"), "engine.max_context_len=1024", api_key=KEY
+    )
+    try:
+        yield url
+    finally:
+        child.stop()
+
+
+def prompt(i: int) -> list[int]:
+    return [2] + [8 + (i * 7 + j) % 60 for j in range(3 + i % 9)]
+
+
+async def _post(url: str, path: str, body=None, data=None, headers=AUTH):
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url + path, json=body, data=data, headers=headers) as r,
+    ):
+        return r.status, await r.json(content_type=None)
+
+
+async def _get(url: str, path: str, headers=AUTH):
+    async with aiohttp.ClientSession() as s, s.get(url + path, headers=headers) as r:
+        return r.status, await r.json(content_type=None) if await r.read() else None
+
+
+async def test_generate_response_uses_sglang_fields(engine, model_dir):
+    status, body = await _post(
+        engine,
+        "/generate",
+        {
+            "input_ids": prompt(0),
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+            "rid": "proto-1",
+        },
+    )
+    assert status == 200
+    assert set(body) == {"text", "output_ids", "meta_info"}
+    meta = body["meta_info"]
+    for key in (
+        "id",
+        "finish_reason",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "weight_version",
+        "output_token_logprobs",
+    ):
+        assert key in meta, key
+    assert meta["id"] == "proto-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["prompt_tokens"] == len(prompt(0)) and meta["completion_tokens"] == 5
+    assert isinstance(meta["weight_version"], str) and meta["weight_version"] == "0"
+    assert len(body["output_ids"]) == 5
+    for (lp, tok, text), out_tok in zip(
+        meta["output_token_logprobs"], body["output_ids"], strict=True
+    ):
+        assert isinstance(lp, float) and lp <= 0 and tok == out_tok and text is None
+    assert meta["output_token_weight_versions"] == [0] * 5
+    # Without return_logprob there are no logprobs, as in SGLang.
+    _, body = await _post(
+        engine, "/generate", {"input_ids": prompt(0), "sampling_params": {"max_new_tokens": 2}}
+    )
+    assert "output_token_logprobs" not in body["meta_info"]
+    # Batched input_ids give a list of responses.
+    _, body = await _post(
+        engine,
+        "/generate",
+        {
+            "input_ids": [prompt(1), prompt(2)],
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+        },
+    )
+    assert isinstance(body, list) and [len(b["output_ids"]) for b in body] == [3, 3]
+    # Output matches HF greedy decoding of the served model.
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    async with EngineClient(engine, api_key=KEY) as c:
+        out = await c.generate(
+            prompt(3), {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        )
+    ref_tokens, ref_logps = hf_greedy(hf, prompt(3), 8)
+    assert out.token_ids == ref_tokens
+    torch.testing.assert_close(
+        torch.tensor(out.logprobs), torch.tensor(ref_logps), atol=1e-4, rtol=0
+    )
+
+
+async def test_info_endpoints(engine, model_dir):
+    for path in ("/get_model_info", "/model_info"):
+        status, info = await _get(engine, path)
+        assert (
+            status == 200 and info["model_path"] == str(model_dir) and info["weight_version"] == "0"
+        )
+    for path in ("/get_server_info", "/server_info"):
+        status, info = await _get(engine, path)
+        assert status == 200 and info["model_path"] == str(model_dir) and info["tp_size"] == 1
+    assert (await _get(engine, "/get_weight_version")) == (200, {"weight_version": "0"})
+    async with EngineClient(engine, api_key=KEY) as c:
+        assert await c.health() and await c.health_generate()
+        assert await c.get_weight_version() == 0
+
+
+async def test_64_concurrent_equal_one_at_a_time(engine):
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    prompts = [prompt(i) for i in range(64)]
+    async with EngineClient(engine, api_key=KEY) as c:
+        alone = [await c.generate(p, params) for p in prompts]
+        together = await asyncio.gather(*(c.generate(p, params) for p in prompts))
+    for a, b in zip(alone, together, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
+        )
+        assert b.completion_tokens == 24 and b.finish_reason == "length"
+
+
+async def _wait_running(c: EngineClient, n: int) -> None:
+    for _ in range(2000):
+        info = await c.get_server_info()
+        if info["running"] >= n and info["decode_steps"] > 0:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never saw {n} running requests")
+
+
+async def test_abort_by_rid_prefix_returns_partial_output(engine):
+    # Long enough that none finishes in the moment between seeing it run and aborting it.
+    long = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    async with EngineClient(engine, api_key=KEY) as c:
+        tasks = [
+            asyncio.create_task(c.generate(prompt(i), long, rid=rid))
+            for i, rid in enumerate(["job7-a", "job7-b", "other"])
+        ]
+        await _wait_running(c, 3)
+        await c.abort(rid="job7")
+        a, b = await asyncio.gather(tasks[0], tasks[1])
+        await c.abort(abort_all=True)
+        other = await tasks[2]
+    for out in (a, b):
+        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 1000
+        assert len(out.logprobs) == len(out.token_ids) == out.completion_tokens
+    assert other.finish_reason == "abort"
+
+
+async def test_pause_modes_and_continue(engine):
+    params = {"max_new_tokens": 800, "temperature": 0, "ignore_eos": True}
+    async with EngineClient(engine, api_key=KEY) as c:
+        ref = await c.generate(prompt(5), params)
+        # in_place: a running request keeps its KV and finishes with the same tokens after continue.
+        task = asyncio.create_task(c.generate(prompt(5), params))
+        await _wait_running(c, 1)
+        await c.pause_generation("in_place")
+        steps = (await c.get_server_info())["decode_steps"]
+        await asyncio.sleep(0.2)
+        assert (await c.get_server_info())["decode_steps"] == steps and not task.done()
+        await c.continue_generation()
+        assert (await task).token_ids == ref.token_ids
+        # retract: requeued and recomputed, same greedy tokens.
+        task = asyncio.create_task(c.generate(prompt(5), params))
+        await _wait_running(c, 1)
+        await c.pause_generation("retract")
+        assert (await c.get_server_info())["running"] == 0
+        await c.continue_generation()
+        out = await task
+        assert out.token_ids == ref.token_ids
+        torch.testing.assert_close(
+            torch.tensor(out.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0
+        )
+        # abort: the running request ends; a new one waits until continue_generation.
+        task = asyncio.create_task(c.generate(prompt(5), params))
+        await _wait_running(c, 1)
+        await c.pause_generation("abort")
+        assert (await task).finish_reason == "abort"
+        waiting = asyncio.create_task(
+            c.generate(prompt(6), {"max_new_tokens": 3, "ignore_eos": True})
+        )
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await c.continue_generation()
+        assert len((await waiting).token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "path, body, raw, status, words",
+    [
+        ("/generate", {"sampling_params": {}}, None, 400, "missing input_ids"),
+        ("/generate", {"input_ids": [2, 500]}, None, 400, "outside the vocabulary"),
+        ("/generate", {"input_ids": [2, -1]}, None, 400, "outside the vocabulary"),
+        ("/generate", {"input_ids": []}, None, 400, "non-empty list"),
+        ("/generate", {"input_ids": [2, "a"]}, None, 400, "outside the vocabulary"),
+        (
+            "/generate",
+            {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 0}},
+            None,
+            400,
+            "max_new_tokens must be > 0",
+        ),
+        (
+            "/generate",
+            {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": -5}},
+            None,
+            400,
+            "max_new_tokens must be > 0",
+        ),
+        (
+            "/generate",
+            {"input_ids": [2, 3], "sampling_params": {"warp": 1}},
+            None,
+            400,
+            "unknown sampling_params field 'warp'",
+        ),
+        (
+            "/generate",
+            {"input_ids": [2, 3], "frobnicate": True},
+            None,
+            400,
+            "unknown /generate fields",
+        ),
+        ("/generate", {"input_ids": [2, 3], "stream": True}, None, 400, "not supported"),
+        ("/generate", {"input_ids": [2] * 1100}, None, 400, "does not fit the context"),
+        ("/generate", None, b"{not json", 400, "malformed JSON"),
+        ("/generate", None, b"[1, 2]", 400, "must be an object"),
+        ("/pause_generation", None, b"", 400, "needs a JSON body"),
+        ("/pause_generation", {"mode": "sideways"}, None, 400, "mode must be"),
+        ("/abort_request", {}, None, 400, "needs rid"),
+        ("/update_weights_from_distributed", {"names": []}, None, 400, "no weight-update group"),
+        ("/update_weights_from_disk", {}, None, 400, "needs model_path"),
+        (
+            "/update_weights_from_disk",
+            {"model_path": "/nonexistent"},
+            None,
+            400,
+            "no *.safetensors",
+        ),
+        ("/no_such_endpoint", {}, None, 404, "unknown endpoint POST /no_such_endpoint"),
+    ],
+)
+async def test_bad_requests_get_4xx_and_server_keeps_serving(
+    engine, path, body, raw, status, words
+):
+    got_status, got = await _post(
+        engine, path, body, data=raw, headers={**AUTH, "Content-Type": "application/json"}
+    )
+    assert got_status == status
+    message = got["error"]["message"] if "error" in got else got["message"]
+    assert words in message
+    async with EngineClient(engine, api_key=KEY) as c:
+        assert (
+            len((await c.generate(prompt(1), {"max_new_tokens": 2, "ignore_eos": True})).token_ids)
+            == 2
+        )
+
+
+async def test_api_key_guards_every_endpoint(engine):
+    for path in ("/health", "/get_model_info", "/get_server_info", "/get_weight_version"):
+        status, body = await _get(engine, path, headers={})
+        assert status == 401 and "API key" in body["error"]["message"]
+    for path in (
+        "/generate",
+        "/update_weights_from_distributed",
+        "/init_weights_update_group",
+        "/abort_request",
+    ):
+        status, body = await _post(engine, path, {}, headers={"Authorization": "Bearer wrong"})
+        assert status == 401
+    async with EngineClient(engine) as c:  # no key
+        with pytest.raises(
+            EngineRequestError, match=r"POST /generate to http://127\.0\.0\.1:\d+ failed: HTTP 401"
+        ):
+            await c.generate([2, 3], {"max_new_tokens": 1})
+
+
+async def test_client_names_engine_and_call_and_retries():
+    from slime_async.utils.procs import free_port
+
+    port = free_port()
+    async with EngineClient(f"http://127.0.0.1:{port}", max_retries=2, backoff_s=0.01) as c:
+        with pytest.raises(
+            EngineError, match=rf"POST /generate to http://127\.0\.0\.1:{port} failed"
+        ):
+            await c.generate([2], {"max_new_tokens": 1})
+
+
+async def test_client_requests_use_sglang_fields():
+    """A capture server records what the client sends, call by call."""
+    seen: dict[str, object] = {}
+
+    async def record(request: web.Request) -> web.Response:
+        raw = await request.read()
+        seen[request.path] = json.loads(raw) if raw else None
+        if request.path == "/generate":
+            return web.json_response(
+                {"text": "x", "meta_info": {"finish_reason": {"type": "stop", "matched": 1}, "weight_version": "7",
+                 "prompt_tokens": 2, "completion_tokens": 2, "output_token_logprobs": [[-0.5, 4, None], [-0.25, 1, None]]}}
+            )  # fmt: skip
+        if request.path == "/model_info":
+            return web.json_response({"model_path": "/m", "weight_version": "7"})
+        return web.json_response({"success": True, "message": ""})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", record)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        async with EngineClient(url) as c:
+            out = await c.generate([2, 3], {"max_new_tokens": 2, "temperature": 0.5}, rid="r1")
+            await c.pause_generation("in_place")
+            await c.continue_generation()
+            await c.abort(rid="r")
+            await c.flush_cache()
+            assert await c.get_weight_version() == 7
+            await c.init_weights_update_group("127.0.0.1", 1234, 1, 2, "g", "gloo")
+            await c.update_weights_from_distributed(
+                ["w"], ["bfloat16"], [[2, 3]], "g", weight_version=8
+            )
+            await c.destroy_weights_update_group("g")
+            await c.update_weights_from_disk("/ckpt", weight_version=9)
+    finally:
+        await runner.cleanup()
+    assert seen["/generate"] == {
+        "input_ids": [2, 3],
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0.5},
+        "return_logprob": True,
+        "rid": "r1",
+    }
+    # Real SGLang lacks output_ids and per-token versions: ids come from the logprob triples and
+    # every token is taken to be of the response's weight_version.
+    assert (out.token_ids, out.logprobs, out.versions, out.weight_version) == (
+        [4, 1],
+        [-0.5, -0.25],
+        [7, 7],
+        7,
+    )
+    assert out.finish_reason == "stop"
+    assert seen["/pause_generation"] == {"mode": "in_place"}
+    assert seen["/continue_generation"] == {}
+    assert seen["/abort_request"] == {"abort_all": False, "rid": "r"}
+    assert seen["/flush_cache"] == {}
+    assert seen["/init_weights_update_group"] == {
+        "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2, "group_name": "g", "backend": "gloo",
+    }  # fmt: skip
+    assert seen["/update_weights_from_distributed"] == {
+        "names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]], "group_name": "g", "flush_cache": True, "weight_version": "8",
+    }  # fmt: skip
+    assert seen["/destroy_weights_update_group"] == {"group_name": "g"}
+    assert seen["/update_weights_from_disk"] == {"model_path": "/ckpt", "weight_version": "9"}

@@ -1,0 +1,192 @@
+"""The learner's training step: DP equivalence, stop-and-resume, SFT, the version counter, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import learner_worker
+import numpy as np
+import pytest
+import torch
+from learner_worker import algo_cfg, capture_grads, learner_cfg, make_groups, make_sharp_model
+
+from slime_async.utils.procs import Child, free_port, python_module, wait_until
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path (gloo)")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_sharp_model(tmp_path_factory.mktemp("model") / "qwen3", "qwen3")
+
+
+@pytest.fixture()
+def learner_factory():
+    made = []
+
+    def make(cfg, algo=None, temperature=1.0):
+        from slime_async.actors.learner import Learner
+
+        learner = Learner(cfg, algo or algo_cfg(), temperature)
+        made.append(learner)
+        return learner
+
+    try:
+        yield make
+    finally:
+        for learner in made:
+            learner.close()
+
+
+def test_dp2_on_different_data_equals_one_process_on_the_joined_batch(
+    model_dir, tmp_path, learner_factory
+):
+    argv = python_module(
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        learner_worker.__file__,
+        "dp2",
+        str(tmp_path),
+        str(model_dir),
+    )
+    child = Child("torchrun-dp2", argv, log_path=tmp_path / "log.txt", env={"OMP_NUM_THREADS": "1"})
+    try:
+        wait_until(lambda: child.poll() is not None, timeout=180, what="the DP=2 job to finish")
+        assert child.poll() == 0, child.tail(60)
+    finally:
+        child.stop()
+    dp2 = torch.load(tmp_path / "dp2.pt")
+
+    learner = learner_factory(learner_cfg(str(model_dir)))
+    grads = capture_grads(learner)
+    metrics = learner.train_step(make_groups(100, 4))
+    assert set(grads) == set(dp2["grads"])
+    for name, g in grads.items():
+        assert torch.allclose(dp2["grads"][name], g, rtol=1e-4, atol=1e-6), name
+    assert any(g.abs().max() > 1e-3 for g in grads.values())
+    for key in ("loss", "tokens", "sequences", "ratio"):
+        assert math.isclose(dp2["metrics"][key], metrics[key], rel_tol=1e-5), key
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: fp32 masters are saved too
+def test_stop_and_resume_gives_the_uninterrupted_loss_sequence(
+    model_dir, tmp_path, learner_factory, dtype
+):
+    cfg = learner_cfg(str(model_dir), lr_warmup_steps=2, lr_decay_steps=4, min_lr=1e-4, dtype=dtype)
+    batches = [make_groups(seed, 3) for seed in range(4)]
+
+    straight = learner_factory(cfg)
+    want = [straight.train_step(b)["loss"] for b in batches]
+    assert straight.version == straight.step == 4
+    straight.close()
+
+    first = learner_factory(cfg)
+    got = [first.train_step(b)["loss"] for b in batches[:2]]
+    first.save_checkpoint(tmp_path / "ckpt", extra={"buffer_cursor": {"committed": 41}})
+    first.close()
+
+    resumed = learner_factory(cfg.model_copy(update={"load": str(tmp_path / "ckpt")}))
+    assert resumed.loaded_extra == {"buffer_cursor": {"committed": 41}}
+    assert (resumed.step, resumed.version) == (2, 2)
+    got += [resumed.train_step(b)["loss"] for b in batches[2:]]
+    assert got == want, (got, want)
+    assert len(set(want)) == 4
+
+
+def test_checkpoint_directory_is_never_overwritten(model_dir, tmp_path, learner_factory):
+    learner = learner_factory(learner_cfg(str(model_dir)))
+    learner.save_checkpoint(tmp_path / "ckpt", extra={})
+    with pytest.raises(FileExistsError, match="exists already"):
+        learner.save_checkpoint(tmp_path / "ckpt", extra={})
+    assert not (tmp_path / "ckpt.partial").exists()
+
+
+def test_sft_steps_lower_the_loss_and_count_versions(model_dir, learner_factory):
+    learner = learner_factory(learner_cfg(str(model_dir), lr=3e-3, micro_batch_tokens=16))
+    examples = [([2, 10 + i], [20 + i, 30 + i, 40 + i, 1]) for i in range(6)]
+    losses = [learner.sft_step(examples)["loss"] for _ in range(8)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert learner.version == 8
+    # loss is the token mean of -log p over the targets.
+    logps = learner.compute_logprobs([p + t for p, t in examples])
+    nll = -torch.cat([lp[len(p) - 1 :] for (lp, _), (p, _) in zip(logps, examples, strict=True)])
+    after = learner.sft_step(examples)
+    assert math.isclose(after["loss"], nll.mean().item(), rel_tol=1e-4)
+    assert after["nll"] == pytest.approx(after["loss"], rel=1e-6)
+
+
+def test_lr_schedule_warms_up_then_decays():
+    from slime_async.actors.learner_optim import lr_at
+
+    cfg = learner_cfg(None, lr=1.0, min_lr=0.1, lr_warmup_steps=2, lr_decay_steps=4)
+    lrs = [lr_at(s, cfg) for s in range(8)]
+    assert lrs[:3] == [0.5, 1.0, 1.0]
+    assert lrs[4] == pytest.approx(0.55) and lrs[6] == lrs[7] == pytest.approx(0.1)
+
+
+def test_env_tokens_get_no_gradient(model_dir, learner_factory):
+    """Changing what sits under loss_mask == 0 (behaviour log-probs of env tokens) changes nothing."""
+    grads = []
+    for garbage in (False, True):
+        groups = make_groups(5, 2)
+        if garbage:
+            for t in (t for g in groups for t in g):
+                t.logprobs = np.where(t.loss_mask == 0, 50.0, t.logprobs).astype(np.float32)
+        learner = learner_factory(learner_cfg(str(model_dir)))
+        grads.append(capture_grads(learner))
+        learner.train_step(groups)
+        learner.close()
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+
+
+def test_equal_rewards_give_zero_loss_and_gradient(model_dir, learner_factory):
+    learner = learner_factory(learner_cfg(str(model_dir)))
+    groups = make_groups(5, 1, group_size=2)
+    for t in groups[0]:
+        t.reward = 0.5  # centred advantages are all 0
+    metrics = learner.train_step(groups)
+    assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
+    assert metrics["tokens"] == sum(int(t.loss_mask.sum()) for t in groups[0])
+    assert learner.version == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("logprobs", np.zeros(2, dtype=np.float32), "logprobs has 2 entries"),
+        ("response_ids", np.array([], dtype=np.int32), "must be non-empty"),
+        ("prompt_ids", np.array([5, 999], dtype=np.int32), "token id out of range"),
+    ],
+)
+def test_bad_trajectories_are_named(model_dir, learner_factory, field, value, message):
+    learner = learner_factory(learner_cfg(str(model_dir)))
+    groups = make_groups(9, 2)
+    setattr(groups[1][0], field, value)
+    with pytest.raises(ValueError, match=message) as err:
+        learner.train_step(groups)
+    assert groups[1][0].id in str(err.value)
+    assert learner.version == 0  # nothing was applied
+
+
+def test_unknown_loss_fails_at_construction(model_dir):
+    from slime_async.actors.learner import Learner
+    from slime_async.config import AlgoConfig
+    from slime_async.utils.plugins import PluginError
+
+    with pytest.raises(PluginError, match="no_such_loss"):
+        Learner(learner_cfg(str(model_dir)), AlgoConfig(loss="no_such_loss"))
+
+
+def test_kl_reference_is_the_frozen_starting_policy(model_dir, learner_factory):
+    from slime_async.config import AlgoConfig
+
+    algo = AlgoConfig(
+        loss="learner_worker:ref_probe_loss", advantage="learner_worker:centered_adv", kl_coef=0.1
+    )
+    learner = learner_factory(learner_cfg(str(model_dir)), algo)
+    gaps = [learner.train_step(make_groups(seed, 2))["ref_gap_max"] for seed in range(3)]
+    assert gaps[0] == 0.0  # step 1: the policy is still the reference
+    assert 0 < gaps[1] < gaps[2]  # then it moves away while the reference stays put

@@ -1,0 +1,76 @@
+"""`slime-async plot RUN_DIR` draws PNGs from synthetic metrics files written by MetricsLogger."""
+
+import subprocess
+import sys
+
+import matplotlib.image
+
+from slime_async import metrics as m
+from slime_async.metrics import MetricsLogger
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(run_dir, steps=12):
+    with MetricsLogger(run_dir, "learner", wandb_mode="disabled") as learner:
+        for step in range(1, steps + 1):
+            staleness = [step % 3, 0, 1, min(step, 4)]
+            learner.log(
+                step,
+                {
+                    m.REWARD: step / steps,
+                    m.ACCURACY: step / (2 * steps),
+                    m.STALENESS_HIST: m.int_histogram(staleness),
+                    m.STALENESS_MEAN: m.mean(staleness),
+                    m.STALENESS_MAX: max(staleness),
+                    m.TRAIN_TOKENS_PER_S: 1000.0 + step,
+                    m.LEARNER_WAIT_PCT: 10.0,
+                    m.LOSS: 1.0 / step,
+                    m.GRAD_NORM: 0.5,
+                    m.RESPONSE_LEN: 20.0 + step,
+                    m.IW_MEAN: 1.0,
+                    m.IW_MAX: 1.5,
+                    m.PUSH_S: 0.01,
+                },
+            )
+    with MetricsLogger(run_dir, "generator0", wandb_mode="disabled") as gen:
+        for version in range(steps):
+            gen.log(version, {m.GEN_TOKENS_PER_S: 500.0 + version, m.GENERATOR_IDLE_PCT: 2.0})
+
+
+def test_plot_command_writes_four_pngs(tmp_path):
+    write_run(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "slime_async", "plot", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    names = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+    assert names == ["reward.png", "staleness.png", "throughput.png", "training.png"]
+    for name in names:
+        path = tmp_path / "plots" / name
+        assert path.read_bytes()[:8] == PNG_MAGIC
+        h, w, _ = matplotlib.image.imread(path).shape
+        assert h >= 300 and w >= 800
+    assert out.stdout.split() == [str(tmp_path / "plots" / n) for n in names]
+
+
+def test_plot_skips_figures_without_data(tmp_path):
+    from slime_async.commands.plot import plot_run
+
+    with MetricsLogger(tmp_path, "learner", wandb_mode="disabled") as learner:
+        learner.log(1, {m.REWARD: 0.1})
+        learner.log(2, {m.REWARD: 0.2})
+    written = plot_run(tmp_path, tmp_path / "figs")
+    assert [p.name for p in written] == ["reward.png"]
+
+
+def test_plot_without_metrics_is_a_clear_error(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "slime_async", "plot", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2
+    assert "no metrics records" in out.stderr and str(tmp_path) in out.stderr

@@ -1,0 +1,145 @@
+"""The wire schema: round trip, and every bad-input case rejected with the field named."""
+
+import math
+
+import msgpack
+import numpy as np
+import pytest
+
+from slime_async.queue.schema import (
+    SCHEMA_VERSION,
+    SchemaError,
+    Trajectory,
+    decode_trajectory,
+    encode_trajectory,
+    pack_header,
+    unpack_header,
+)
+from slime_async.queue.synthetic import synthetic_group
+
+
+def _traj() -> Trajectory:
+    t = synthetic_group("g", group_size=2, prompt_len=5, response_len=9, version=3)[1]
+    t.versions[6:] = 4  # a weight update arrived mid-response
+    return t
+
+
+def _map(t: Trajectory) -> dict:
+    return msgpack.unpackb(encode_trajectory(t), raw=False)
+
+
+def test_round_trip_keeps_every_field():
+    t = _traj()
+    back = decode_trajectory(encode_trajectory(t))
+    for name in ("id", "group_id", "group_size", "reward", "reward_parts", "finish_reason",
+                 "engine_id", "created_at", "enqueued_at", "metadata"):  # fmt: skip
+        assert getattr(back, name) == getattr(t, name), name
+    for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32),
+                        ("logprobs", np.float32), ("loss_mask", np.uint8), ("versions", np.int32)):  # fmt: skip
+        arr = getattr(back, name)
+        assert arr.dtype == dtype and arr.flags.writeable, name
+        np.testing.assert_array_equal(arr, getattr(t, name))
+    assert back.oldest_version() == 3
+
+
+def test_token_arrays_travel_as_little_endian_bytes():
+    m = _map(_traj())
+    assert m["schema"] == SCHEMA_VERSION
+    assert m["response_ids"] == np.asarray(_traj().response_ids, dtype="<i4").tobytes()
+    assert isinstance(m["logprobs"], bytes) and len(m["logprobs"]) == 4 * 9
+
+
+def test_oldest_version_ignores_environment_tokens():
+    t = _traj()
+    t.versions[:] = 7
+    t.versions[t.loss_mask == 0] = 1  # env tokens may carry anything; they do not count
+    assert t.oldest_version() == 7
+    t.loss_mask[:] = 0
+    assert t.oldest_version() is None
+
+
+def _bad(mutate) -> SchemaError:
+    m = _map(_traj())
+    mutate(m)
+    with pytest.raises(SchemaError) as e:
+        decode_trajectory(msgpack.packb(m, use_bin_type=True))
+    return e.value
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field", "words"),
+    [
+        (lambda m: m.update(schema=99), "schema", "unknown schema version 99"),
+        (lambda m: m.pop("schema"), "schema", "unknown schema version None"),
+        (lambda m: m.update(logprobs=m["logprobs"][:-4]), "logprobs", "disagrees"),
+        (lambda m: m.update(versions=m["versions"] + b"\0\0\0\0"), "versions", "disagrees"),
+        (lambda m: m.update(loss_mask=m["loss_mask"][:3]), "loss_mask", "disagrees"),
+        (lambda m: m.update(response_ids=m["response_ids"][:-1]), "response_ids", "whole number"),
+        (lambda m: m.update(reward=math.nan), "reward", "finite"),
+        (lambda m: m.update(reward=math.inf), "reward", "finite"),
+        (lambda m: m.update(reward="1.0"), "reward", "number"),
+        (lambda m: m.update(reward_parts={"x": -math.inf}), "reward_parts.x", "finite"),
+        (
+            lambda m: m.update(logprobs=np.array([math.nan] * 9, "<f4").tobytes()),
+            "logprobs",
+            "NaN or infinite",
+        ),
+        (
+            lambda m: m.update(logprobs=np.array([-math.inf] * 9, "<f4").tobytes()),
+            "logprobs",
+            "NaN or infinite",
+        ),
+        (
+            lambda m: m.update(response_ids=np.array([1] * 8 + [-5], "<i4").tobytes()),
+            "response_ids",
+            "negative token id",
+        ),
+        (
+            lambda m: m.update(prompt_ids=np.array([-1], "<i4").tobytes()),
+            "prompt_ids",
+            "negative token id",
+        ),
+        (
+            lambda m: m.update(versions=np.array([-1] * 9, "<i4").tobytes()),
+            "versions",
+            "negative",
+        ),
+        (lambda m: m.update(loss_mask=bytes([2] * 9)), "loss_mask", "0 or 1"),
+        (lambda m: m.update(prompt_ids=[1, 2, 3]), "prompt_ids", "raw little-endian bytes"),
+        (lambda m: m.update(group_size=0), "group_size", "positive"),
+        (lambda m: m.update(id=""), "id", "empty"),
+        (lambda m: m.update(id=5), "id", "string"),
+        (lambda m: m.update(color="red"), "color", "unknown field"),
+        (lambda m: m.pop("reward"), "reward", "missing field"),
+        (lambda m: m.update(metadata={"x": [1, 2]}), "metadata.x", "scalar"),
+        (lambda m: m.update(metadata={"x": math.nan}), "metadata.x", "finite"),
+    ],
+)
+def test_bad_trajectory_names_the_field(mutate, field, words):
+    e = _bad(mutate)
+    assert e.field == field
+    assert words in str(e)
+
+
+@pytest.mark.parametrize("blob", [b"\xc1garbage", b"\x92\x01", msgpack.packb([1, 2])])
+def test_malformed_messagepack_or_not_a_map(blob):
+    with pytest.raises(SchemaError) as e:
+        decode_trajectory(blob)
+    assert e.value.field == "trajectory"
+
+
+def test_header_round_trip_and_rejections():
+    h = unpack_header(pack_header("put", seq=3))
+    assert h == {"v": SCHEMA_VERSION, "op": "put", "seq": 3}
+    with pytest.raises(SchemaError, match="malformed MessagePack"):
+        unpack_header(b"\xc1")
+    with pytest.raises(SchemaError, match="unknown schema version 7"):
+        unpack_header(msgpack.packb({"v": 7, "op": "put"}))
+    with pytest.raises(SchemaError, match="missing message type"):
+        unpack_header(msgpack.packb({"v": SCHEMA_VERSION}))
+
+
+def test_decode_without_copy_views_the_blob():
+    blob = encode_trajectory(_traj())
+    t = decode_trajectory(blob, copy=False)
+    assert not t.response_ids.flags.writeable

@@ -1,0 +1,348 @@
+"""The run supervisor with small stand-in roles: readiness, completion, failure reports, restarts,
+Ctrl-C and no orphans. The stand-ins are real processes (ports, ready files, signals, grandchildren);
+what they wait on is always a file or a port, never a sleep."""
+
+import io
+import os
+import signal
+import sys
+import textwrap
+import threading
+
+import psutil
+import pytest
+
+from slime_async.actors.run_dir import READY_ENV, RunDir, announce_ready
+from slime_async.actors.supervisor import RoleSpec, Supervisor, ready_file_exists
+from slime_async.utils.procs import Child, free_port, group_alive, tcp_ready, wait_until
+
+STANDIN = textwrap.dedent(
+    """
+    import argparse, os, signal, socket, subprocess, sys, time
+    from slime_async.actors.run_dir import announce_ready
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--name", required=True)
+    p.add_argument("--record", required=True)       # appends "start/stop <name> ..." lines
+    p.add_argument("--port", type=int)              # listen here (ready = port open)
+    p.add_argument("--no-ready", action="store_true")
+    p.add_argument("--exit-when")                   # exit once this path exists (::text) ...
+    p.add_argument("--exit-code", type=int, default=0)  # ... with this code
+    p.add_argument("--fail-first", action="store_true")  # only when started without --resumed
+    p.add_argument("--resumed", action="store_true")
+    p.add_argument("--ignore-term", action="store_true")
+    p.add_argument("--grandchild")                  # spawn one that ignores SIGTERM; pid file
+    p.add_argument("--touch-on-exit")               # create this file when exiting by itself
+    a = p.parse_args()
+
+    def record(text):
+        with open(a.record, "a") as f:
+            f.write(f"{text} {a.name} {os.getpid()}\\n")
+
+    def on_term(signum, frame):
+        record("stop")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if a.ignore_term else on_term)
+    record("start-resumed" if a.resumed else "start")
+    if a.grandchild:
+        g = subprocess.Popen([sys.executable, "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+            "while True: time.sleep(0.05)"])
+        open(a.grandchild, "w").write(str(g.pid))
+    if a.port:
+        sock = socket.socket(); sock.bind(("127.0.0.1", a.port)); sock.listen()
+    elif not a.no_ready:
+        announce_ready(a.name)
+    print(f"{a.name} is up", flush=True)
+    while True:
+        path, _, text = (a.exit_when or "").partition("::")  # "file" or "file::text in it"
+        if (path and os.path.exists(path) and (not text or text in open(path).read())
+                and (a.resumed is False or not a.fail_first)):
+            print(f"{a.name}: boom, exiting with {a.exit_code}", flush=True)
+            record("exit")
+            if a.touch_on_exit:
+                open(a.touch_on_exit, "w").close()
+            sys.exit(a.exit_code)
+        time.sleep(0.02)
+    """
+)
+
+
+@pytest.fixture()
+def env(tmp_path):
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    record = tmp_path / "record.txt"
+    record.touch()
+    run_dir = RunDir.create(tmp_path, "t", tmp_path / "run")
+    return script, record, run_dir
+
+
+def role(env, name, *args, on_exit_0="failure", ready=None, resume_flag=False):
+    script, record, _run_dir = env
+    port = None
+    if "--port" in args:
+        port = int(args[args.index("--port") + 1])
+
+    def argv(resume):
+        extra = ["--resumed"] if (resume and resume_flag) else []
+        return [sys.executable, str(script), "--name", name, "--record", str(record), *args, *extra]
+
+    if ready is None:
+        ready = (lambda _p: tcp_ready("127.0.0.1", port)) if port else ready_file_exists
+    return RoleSpec(
+        name=name, argv=argv, ready=ready, ready_what="port or file", on_exit_0=on_exit_0
+    )
+
+
+def events(record):
+    return [line.split()[:2] for line in record.read_text().splitlines()]
+
+
+def test_completes_when_learner_exits_0_and_stops_others_in_reverse(env):
+    _script, record, run_dir = env
+    port = free_port()
+    learner_go = run_dir.ready_file("generator0")  # the learner finishes once the generator is up
+    stages = [
+        [role(env, "buffer", "--port", str(port)), role(env, "engine0")],
+        [role(env, "generator0", on_exit_0="expected"),
+         role(env, "learner", "--exit-when", str(learner_go), on_exit_0="ends_run")],
+    ]  # fmt: skip
+    err = io.StringIO()
+    sup = Supervisor(run_dir, stages, stop_grace_s=5, poll_interval_s=0.05, err=err)
+    assert sup.run() == 0
+    ev = events(record)
+    # Roles of one stage start together (any order); a stage starts once the last is ready.
+    assert sorted(map(tuple, ev[:2])) == [("start", "buffer"), ("start", "engine0")]
+    assert sorted(map(tuple, ev[2:4])) == [("start", "generator0"), ("start", "learner")]
+    assert ev[4:] == [
+        ["exit", "learner"],
+        ["stop", "generator0"],
+        ["stop", "engine0"],
+        ["stop", "buffer"],
+    ]
+    log = run_dir.log("supervisor").read_text()
+    assert "learner" in log and "the run is complete" in log
+    assert "buffer is up" in run_dir.log("buffer").read_text()
+    assert not sup.children
+
+
+def test_dead_role_is_reported_and_the_run_stops(env):
+    _script, record, run_dir = env
+    stages = [
+        [
+            role(
+                env,
+                "engine0",
+                "--exit-when",
+                str(run_dir.ready_file("learner")),
+                "--exit-code",
+                "3",
+            )
+        ],
+        [role(env, "learner", on_exit_0="ends_run")],
+    ]
+    err = io.StringIO()
+    sup = Supervisor(run_dir, stages, stop_grace_s=5, poll_interval_s=0.05, err=err)
+    assert sup.run() == 1
+    report = err.getvalue()
+    pid = next(
+        int(x.split()[2]) for x in record.read_text().splitlines() if x.startswith("start engine0")
+    )
+    assert f"engine0 (pid {pid}) exited with code 3" in report
+    assert "engine0: boom, exiting with 3" in report  # the last lines of its log
+    assert "no restarts left" in report
+    assert events(record)[-1] == ["stop", "learner"]
+    assert sup.failure and "engine0" in sup.failure
+
+
+def test_role_is_restarted_with_resume_then_run_completes(env):
+    _script, record, run_dir = env
+    go = run_dir.path / "go"
+    stages = [
+        # engine0 fails once the learner is up; started again (with --resumed) it stays up.
+        [role(env, "engine0", "--exit-when", str(run_dir.ready_file("learner")), "--exit-code", "7",
+              "--fail-first", resume_flag=True)],
+        [role(env, "learner", "--exit-when", str(go), on_exit_0="ends_run")],
+    ]  # fmt: skip
+    err = io.StringIO()
+    sup = Supervisor(
+        run_dir, stages, restart_failed=1, stop_grace_s=5, poll_interval_s=0.05, err=err
+    )
+
+    def finish_learner_after_restart():
+        wait_until(lambda: ["start-resumed", "engine0"] in events(record), 60, "engine0 restart")
+        wait_until(lambda: run_dir.ready_file("engine0").exists(), 60, "engine0 ready again")
+        go.touch()
+
+    t = threading.Thread(target=finish_learner_after_restart, daemon=True)
+    t.start()
+    assert sup.run() == 0, err.getvalue()
+    t.join(5)
+    assert events(record) == [
+        ["start", "engine0"], ["start", "learner"], ["exit", "engine0"],
+        ["start-resumed", "engine0"], ["exit", "learner"], ["stop", "engine0"],
+    ]  # fmt: skip
+    assert "engine0" in err.getvalue() and "exited with code 7" in err.getvalue()
+    assert "restarting engine0 (0 restarts left" in run_dir.log("supervisor").read_text()
+
+
+def test_a_generator_may_finish_but_a_server_may_not(env):
+    _script, record, run_dir = env
+    sup_log = run_dir.log("supervisor")
+    stages = [
+        [role(env, "buffer")],
+        [role(env, "generator0", "--exit-when", str(run_dir.ready_file("learner")),
+              on_exit_0="expected"),
+         # Exits 0 once the supervisor has handled the generator's exit; not an ends_run role.
+         role(env, "learner", "--exit-when", f"{sup_log}::finished its work")],
+    ]  # fmt: skip
+    err = io.StringIO()
+    sup = Supervisor(run_dir, stages, stop_grace_s=5, poll_interval_s=0.05, err=err)
+    assert sup.run() == 1
+    assert "generator0" in sup_log.read_text()
+    assert "learner" in err.getvalue() and "exited with code 0" in err.getvalue()
+    assert "no restarts left" in err.getvalue()
+    assert ["exit", "generator0"] in events(record) and ["stop", "buffer"] in events(record)
+
+
+def test_role_that_never_gets_ready_stops_the_run(env):
+    _script, record, run_dir = env
+    stages = [[role(env, "buffer")], [role(env, "engine0", "--no-ready")], [role(env, "learner")]]
+    err = io.StringIO()
+    sup = Supervisor(
+        run_dir, stages, ready_timeout_s=1.0, stop_grace_s=5, poll_interval_s=0.05, err=err
+    )
+    assert sup.run() == 1
+    assert (
+        "engine0 did not start: timed out after 1s waiting for engine0 to be ready"
+        in err.getvalue()
+    )
+    assert "engine0 is up" in err.getvalue()  # its log tail comes with the report
+    assert ["start", "learner"] not in events(record)
+    assert events(record)[-2:] == [["stop", "engine0"], ["stop", "buffer"]]
+
+
+def test_role_that_exits_during_startup_is_reported(env):
+    _script, _record, run_dir = env
+    bad = RoleSpec(
+        name="engine0",
+        argv=lambda resume: [
+            sys.executable,
+            "-c",
+            "import sys; print('no model here'); sys.exit(2)",
+        ],
+        ready=ready_file_exists,
+    )
+    err = io.StringIO()
+    sup = Supervisor(run_dir, [[bad]], stop_grace_s=5, poll_interval_s=0.05, err=err)
+    assert sup.run() == 1
+    assert "engine0 did not start" in err.getvalue() and "exited with 2" in err.getvalue()
+    assert "no model here" in err.getvalue()
+
+
+DRIVER = textwrap.dedent(
+    """
+    import sys
+    from slime_async.actors.run_dir import RunDir
+    from slime_async.actors.supervisor import RoleSpec, Supervisor, ready_file_exists
+
+    script, record, run_dir, pidfile = sys.argv[1:5]
+    def spec(name, *extra, on_exit_0="failure"):
+        argv = [sys.executable, script, "--name", name, "--record", record, *extra]
+        return RoleSpec(name, lambda resume: argv, ready_file_exists, on_exit_0=on_exit_0)
+    stages = [[spec("buffer", "--ignore-term", "--grandchild", pidfile)],
+              [spec("learner", on_exit_0="ends_run")]]
+    sys.exit(Supervisor(RunDir(run_dir), stages, stop_grace_s=1.0, poll_interval_s=0.05).run())
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_signal_stops_every_child_and_leaves_no_orphans(env, tmp_path, sig):
+    script, record, run_dir = env
+    driver_py = tmp_path / "driver.py"
+    driver_py.write_text(DRIVER)
+    pidfile = tmp_path / "grandchild.pid"
+    driver = Child(
+        "supervisor",
+        [sys.executable, str(driver_py), str(script), str(record), str(run_dir.path), str(pidfile)],
+        log_path=tmp_path / "driver.log",
+    )
+    try:
+        wait_until(
+            lambda: run_dir.ready_file("learner").exists(), 60, "learner ready", child=driver
+        )
+        starts = [x.split() for x in record.read_text().splitlines() if x.startswith("start")]
+        pgids = {name: os.getpgid(int(pid)) for _s, name, pid in starts}
+        grandchild = int(pidfile.read_text())
+        assert os.getpgid(grandchild) == pgids["buffer"]  # in the role's group, ignoring SIGTERM
+        os.kill(driver.pid, sig)  # what Ctrl-C (or `kill`) does to the supervisor alone
+        driver.proc.wait(30)
+        assert driver.proc.returncode == 128 + sig
+        for name, pgid in pgids.items():
+            assert pgid != driver.pid and not group_alive(pgid), f"{name}'s group survived"
+        assert not _alive(grandchild)
+        assert ["stop", "learner"] in events(record)
+        log = run_dir.log("supervisor").read_text()
+        assert f"received {signal.Signals(sig).name}; stopping every role" in log
+    finally:
+        driver.stop(5)
+
+
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_child_stop_kills_a_grandchild_that_ignores_sigterm(tmp_path):
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(600)'],"
+        " stdout=subprocess.PIPE)\n"
+        f"open({str(tmp_path / 'g.pid')!r}, 'w').write(str(g.pid)); g.stdout.readline()\n"
+        f"open({str(tmp_path / 'up')!r}, 'w').close()\n"
+        "time.sleep(600)\n"
+    )
+    child = Child("parent", [sys.executable, "-c", code], log_path=tmp_path / "p.log")
+    wait_until(lambda: (tmp_path / "up").exists(), 30, "grandchild up", child=child)
+    gpid = int((tmp_path / "g.pid").read_text())
+    child.stop(timeout=1.0)  # the parent dies of SIGTERM at once; the grandchild needs SIGKILL
+    assert not group_alive(child.pid) and not _alive(gpid)
+
+
+def test_run_dir_layout_and_ready_convention(tmp_path, monkeypatch):
+    a = RunDir.create(tmp_path / "runs", "demo")
+    b = RunDir.create(tmp_path / "runs", "demo")  # same second: a distinct directory
+    assert a.path != b.path and a.path.name.startswith("demo-") and a.logs_dir.is_dir()
+    a.config_json.write_text("{}")
+    with pytest.raises(FileExistsError, match="--resume"):
+        RunDir.create(tmp_path / "runs", "demo", a.path)
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        RunDir.existing(b.path)
+    assert RunDir.existing(a.path).path == a.path
+    assert a.under("wal") == a.path / "wal" and a.under("/abs") == a.path.__class__("/abs")
+
+    monkeypatch.delenv(READY_ENV, raising=False)
+    assert announce_ready() is None  # outside a supervised run: nothing to do
+    monkeypatch.setenv(READY_ENV, str(a.ready_file("learner")))
+    assert announce_ready("rank 0 of 2") == a.ready_file("learner")
+    assert "rank 0 of 2" in a.ready_file("learner").read_text()
+
+
+def test_supervisor_rejects_duplicate_role_names(env):
+    with pytest.raises(ValueError, match="unique"):
+        Supervisor(env[2], [[role(env, "x")], [role(env, "x")]])
+
+
+def test_quick_role_that_is_ready_then_exits_counts_as_started(env):
+    _script, record, run_dir = env
+    # Ready and finished before the supervisor's first look: a start, then the run completes.
+    learner = role(env, "learner", "--exit-when", os.devnull, on_exit_0="ends_run")
+    sup = Supervisor(run_dir, [[learner]], stop_grace_s=5, poll_interval_s=0.05, err=io.StringIO())
+    assert sup.run() == 0
+    assert events(record) == [["start", "learner"], ["exit", "learner"]]

@@ -1,0 +1,334 @@
+"""The launch table of `slime-async run` (argv per role, overrides that validate, torchrun, resume),
+the real sglang-router in front of stand-in engines, and the `run` command's run directory."""
+
+import argparse
+import io
+import json
+import sys
+import textwrap
+
+import pytest
+
+from slime_async.actors import launch
+from slime_async.actors.run_dir import RunDir
+from slime_async.actors.supervisor import RoleSpec, Supervisor, ready_file_exists
+from slime_async.config import ConfigError, load_config, split_cli_args
+from slime_async.metrics import metrics_path, read_metrics
+
+FREE_PORTS = [
+    "buffer.producer_endpoint=tcp://127.0.0.1:0",
+    "buffer.consumer_endpoint=tcp://127.0.0.1:0",
+    "engine.port=0",
+    "engine.router_port=0",
+]
+
+
+def planned(tmp_path, *overrides):
+    cfg = load_config([], [*FREE_PORTS, *overrides])
+    run_dir = RunDir.create(tmp_path, "t", tmp_path / "run")
+    cfg.run.run_dir = str(run_dir.path)
+    cfg.write_json(run_dir.config_json)
+    return cfg, run_dir, launch.plan_roles(cfg, run_dir)
+
+
+def names(stages):
+    return [[s.name for s in stage] for stage in stages]
+
+
+def child_config(run_dir, argv):
+    """The config a child sees: config.json plus the overrides on its command line."""
+    i = argv.index(str(run_dir.config_json))
+    files, overrides = split_cli_args(argv[i:])
+    assert files == [str(run_dir.config_json)]
+    return load_config(files, overrides)
+
+
+def test_one_engine_no_router(tmp_path):
+    cfg, run_dir, stages = planned(
+        tmp_path, "buffer.wal_dir=wal", "learner.model_path=/models/tiny", "generator.producer_id=g"
+    )
+    assert names(stages) == [["buffer", "engine0"], ["generator0", "learner"]]
+    by_name = {s.name: s for stage in stages for s in stage}
+    buffer = child_config(run_dir, by_name["buffer"].argv(False))
+    engine_argv = by_name["engine0"].argv(False)
+    assert engine_argv[1:4] == ["-m", "slime_async", "engine"]
+    engine = child_config(run_dir, engine_argv)
+    gen = child_config(run_dir, by_name["generator0"].argv(False))
+    learner = child_config(run_dir, by_name["learner"].argv(False))
+
+    assert buffer.buffer.wal_dir == str(run_dir.path / "wal")
+    assert buffer.buffer.producer_endpoint != cfg.buffer.producer_endpoint  # port 0 was chosen
+    assert gen.buffer.producer_endpoint == buffer.buffer.producer_endpoint
+    assert learner.buffer.consumer_endpoint == buffer.buffer.consumer_endpoint
+    assert engine.engine.port > 0 and engine.engine.model_path == "/models/tiny"
+    url = f"http://127.0.0.1:{engine.engine.port}"
+    assert gen.engine.urls == [url] and learner.engine.urls == [url]
+    assert gen.generator.producer_id == "g"
+    assert learner.learner.save == str(run_dir.checkpoints_dir)
+    assert learner.run.run_dir == str(run_dir.path)
+    assert by_name["learner"].on_exit_0 == "ends_run"
+    assert by_name["generator0"].on_exit_0 == "expected"
+    assert by_name["buffer"].on_exit_0 == by_name["engine0"].on_exit_0 == "failure"
+
+    # Resume: the learner loads the checkpoint directory once it holds something.
+    assert child_config(run_dir, by_name["learner"].argv(True)).learner.load is None
+    (run_dir.checkpoints_dir / "iter_0000002").mkdir(parents=True)
+    resumed = child_config(run_dir, by_name["learner"].argv(True))
+    assert resumed.learner.load == str(run_dir.checkpoints_dir)
+
+
+def test_router_generators_and_torchrun(tmp_path):
+    _cfg, run_dir, stages = planned(
+        tmp_path, "engine.num_engines=2", "run.num_generators=2", "run.learner_procs=2"
+    )
+    assert names(stages) == [
+        ["buffer", "engine0", "engine1"],
+        ["router"],
+        ["generator0", "generator1", "learner"],
+    ]
+    by_name = {s.name: s for stage in stages for s in stage}
+    ports = [child_config(run_dir, by_name[f"engine{i}"].argv(False)).engine.port for i in (0, 1)]
+    engine_urls = [f"http://127.0.0.1:{p}" for p in ports]
+    router = by_name["router"].argv(False)
+    assert router[1:3] == ["-m", "sglang_router.launch_router"]
+    rport = router[router.index("--port") + 1]
+    assert router[router.index("--host") + 1] == "127.0.0.1"
+    assert router[router.index("--prometheus-host") + 1] == "127.0.0.1"
+    assert router[router.index("--worker-urls") + 1 : router.index("--policy")] == engine_urls
+    for i in (0, 1):
+        gen = child_config(run_dir, by_name[f"generator{i}"].argv(False))
+        assert gen.engine.urls == [
+            f"http://127.0.0.1:{rport}"
+        ]  # generation goes through the router
+        assert gen.generator.producer_id == f"gen{i}"
+        assert (gen.generator.shard_index, gen.generator.num_shards) == (i, 2)
+    learner_argv = by_name["learner"].argv(False)
+    assert learner_argv[1:6] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    assert learner_argv[6:9] == ["-m", "slime_async", "learner"]
+    assert child_config(run_dir, learner_argv).engine.urls == engine_urls  # weights: every engine
+
+
+def test_external_engines_start_no_engine(tmp_path):
+    _cfg, run_dir, stages = planned(
+        tmp_path, "engine.kind=external", 'engine.urls=["http://10.0.0.5:30000"]'
+    )
+    assert names(stages) == [["buffer"], ["generator0", "learner"]]
+    gen = child_config(run_dir, stages[1][0].argv(False))
+    assert gen.engine.urls == ["http://10.0.0.5:30000"]
+    with pytest.raises(ConfigError, match=r"engine\.urls: engine\.kind = 'external' needs"):
+        planned(tmp_path / "again", "engine.kind=external")
+
+
+ENGINE = textwrap.dedent(
+    """
+    import sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    port = int(next(a for a in sys.argv if a.startswith("engine.port=")).split("=")[1])
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # /health 200; the router's info requests get 404, which it accepts
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        def log_message(self, *args):
+            pass
+    ThreadingHTTPServer(("127.0.0.1", port), Health).serve_forever()
+    """
+)
+
+GENERATOR = textwrap.dedent(
+    """
+    import json, sys, time, urllib.request
+    from slime_async.actors.run_dir import announce_ready
+    from slime_async.config import load_config, split_cli_args
+    cfg = load_config(*split_cli_args(sys.argv[1:]))
+    urls = cfg.engine.urls
+    req = urllib.request.Request(urls[0] + "/workers")
+    if cfg.engine.api_key:
+        req.add_header("Authorization", f"Bearer {cfg.engine.api_key}")
+    workers = json.loads(urllib.request.urlopen(req, timeout=5).read())["workers"]
+    print(f"{sum(w['is_healthy'] for w in workers)} healthy workers behind {urls[0]}", flush=True)
+    announce_ready()
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+@pytest.mark.parametrize("api_key", [None, "sekrit"])
+def test_real_router_in_front_of_standin_engines(tmp_path, api_key):
+    keys = [f"engine.api_key={api_key}"] if api_key else []
+    _cfg, run_dir, stages = planned(tmp_path, "engine.num_engines=2", *keys)
+    (tmp_path / "engine.py").write_text(ENGINE)
+    (tmp_path / "generator.py").write_text(GENERATOR)
+    py = sys.executable
+
+    def standin(spec, script):  # the same overrides, a stand-in program
+        return RoleSpec(
+            spec.name, lambda resume: [py, str(script), *spec.argv(resume)[4:]], spec.ready,
+            spec.ready_what, spec.on_exit_0,
+        )  # fmt: skip
+
+    stages[0] = [standin(s, tmp_path / "engine.py") for s in stages[0][1:]]  # no buffer here
+    gen, learner = stages[2][0], stages[2][1]
+    learner_done = RoleSpec(
+        "learner",
+        lambda resume: [
+            py,
+            "-c",
+            "from slime_async.actors.run_dir import announce_ready as a; a()",
+        ],
+        ready_file_exists,
+        on_exit_0="ends_run",
+    )
+    stages[2] = [standin(gen, tmp_path / "generator.py")]
+    stages.append([learner_done])  # the run ends once the generator saw both workers
+    assert learner.name == "learner"
+    err = io.StringIO()
+    sup = Supervisor(
+        run_dir, stages, ready_timeout_s=60, stop_grace_s=5, poll_interval_s=0.05, err=err
+    )
+    assert sup.run() == 0, err.getvalue()
+    assert "2 healthy workers behind http://127.0.0.1:" in run_dir.log("generator0").read_text()
+    log = run_dir.log("supervisor").read_text()
+    assert "router is ready (GET http://127.0.0.1:" in log and "lists 2 healthy" in log
+
+
+LEARNER = textwrap.dedent(
+    """
+    import sys
+    from slime_async.actors.run_dir import announce_ready
+    from slime_async.config import load_config
+    from slime_async.metrics import MetricsLogger
+    cfg = load_config([sys.argv[1]])
+    resumed = "--resumed" in sys.argv
+    announce_ready()
+    with MetricsLogger(cfg.run.run_dir, "learner", wandb_mode="disabled") as log:
+        first = 4 if resumed else 1
+        for step in range(first, cfg.learner.num_steps + 1):
+            log.log(step, {"reward": step / 10, "staleness/mean": 1.0})
+    print("resumed" if resumed else "fresh", cfg.learner.num_steps, flush=True)
+    """
+)
+
+
+def test_run_command_run_dir_config_progress_and_resume(tmp_path, monkeypatch, capsys):
+    from slime_async.commands import run as run_cmd
+
+    (tmp_path / "learner.py").write_text(LEARNER)
+
+    def fake_plan(cfg, run_dir):  # the real table would start the real roles
+        argv = [sys.executable, str(tmp_path / "learner.py"), str(run_dir.config_json)]
+        return [[RoleSpec("learner", lambda resume: argv + ["--resumed"] * resume,
+                          ready_file_exists, on_exit_0="ends_run")]]  # fmt: skip
+
+    monkeypatch.setattr(launch, "plan_roles", fake_plan)
+    toml = tmp_path / "c.toml"
+    toml.write_text(
+        "[run]\nname = 'demo'\nprogress = 'plain'\nwandb = 'disabled'\n[learner]\nnum_steps = 3\n"
+    )
+    parser = argparse.ArgumentParser()
+    run_cmd.add_arguments(parser)
+
+    args = parser.parse_args([str(toml), f"run.runs_dir={tmp_path / 'runs'}"])
+    assert run_cmd.main(args) == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name.startswith("demo-")
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["run"]["run_dir"] == str(run_dir) and saved["learner"]["num_steps"] == 3
+    assert "fresh 3" in (run_dir / "logs" / "learner.log").read_text()
+    out = capsys.readouterr().out
+    assert "step 3/3 (100%)" in out and "reward 0.300" in out and "staleness 1.00" in out
+    assert "run completed (exit 0)" in out
+
+    # --resume: same directory, its config.json, overrides still apply; the learner resumes.
+    args = parser.parse_args(["--resume", str(run_dir), "learner.num_steps=5"])
+    assert run_cmd.main(args) == 0
+    assert "resumed 5" in (run_dir / "logs" / "learner.log").read_text()
+    assert json.loads((run_dir / "config.json").read_text())["learner"]["num_steps"] == 5
+    steps = [r["step"] for r in read_metrics(metrics_path(run_dir, "learner"))]
+    assert steps == [1, 2, 3, 4, 5]
+    assert "step 5/5 (100%)" in capsys.readouterr().out
+
+
+def test_run_command_refuses_bad_invocations(tmp_path):
+    from slime_async.commands import run as run_cmd
+    from slime_async.config import ConfigError
+
+    parser = argparse.ArgumentParser()
+    run_cmd.add_arguments(parser)
+    with pytest.raises(ConfigError, match=r"name at least one CONFIG\.toml"):
+        run_cmd.main(parser.parse_args([]))
+    with pytest.raises(ConfigError, match=r"no config\.json here"):
+        run_cmd.main(parser.parse_args(["--resume", str(tmp_path)]))
+    (tmp_path / "config.json").write_text("{}")
+    toml = tmp_path / "c.toml"
+    toml.write_text("")
+    with pytest.raises(ConfigError, match="drop"):
+        run_cmd.main(parser.parse_args(["--resume", str(tmp_path), str(toml)]))
+    with pytest.raises(ConfigError, match="already holds a run"):
+        run_cmd.main(parser.parse_args([str(toml), f"run.run_dir={tmp_path}"]))
+
+
+LEARNER_PROBE = textwrap.dedent(
+    """
+    import sys, urllib.request
+    from slime_async.actors.run_dir import announce_ready
+    from slime_async.config import ConfigError, load_config, split_cli_args
+    from slime_async.queue.client import ConsumerClient
+    files, overrides = split_cli_args(sys.argv[1:])
+    cfg = load_config(files, overrides)
+    with ConsumerClient(cfg.buffer, "learner") as c:
+        print("buffer stats keys:", sorted(c.stats())[:3], flush=True)
+    for url in cfg.engine.urls:
+        print(url, urllib.request.urlopen(url + "/health", timeout=5).status, flush=True)
+    announce_ready()
+    """
+)
+
+
+def test_real_buffer_engines_and_router_start_and_stop(tmp_path):
+    from slime_async.models.tiny import make_tiny_model
+
+    make_tiny_model(tmp_path / "model")
+    _cfg, run_dir, stages = planned(
+        tmp_path,
+        "engine.num_engines=2",
+        "buffer.wal_dir=wal",
+        f"learner.model_path={tmp_path / 'model'}",
+    )
+    (tmp_path / "learner.py").write_text(LEARNER_PROBE)
+    learner = stages[-1][-1]
+    config_at = learner.argv(False).index(str(run_dir.config_json))
+    probe = RoleSpec(
+        "learner",
+        lambda resume: [
+            sys.executable,
+            str(tmp_path / "learner.py"),
+            *learner.argv(resume)[config_at:],
+        ],
+        ready_file_exists,
+        on_exit_0="ends_run",
+    )
+    stages[-1] = [probe]  # the real buffer, engines and router; a learner that checks its wiring
+    err = io.StringIO()
+    sup = Supervisor(
+        run_dir, stages, ready_timeout_s=120, stop_grace_s=10, poll_interval_s=0.05, err=err
+    )
+    assert sup.run() == 0, err.getvalue()
+    out = run_dir.log("learner").read_text()
+    assert "buffer stats keys:" in out
+    engine_ports = [
+        child_config(run_dir, s.argv(False)).engine.port for s in stages[0] if s.name != "buffer"
+    ]
+    for port in engine_ports:  # the learner talks to each engine directly (weight pushes)
+        assert f"http://127.0.0.1:{port} 200" in out
+    assert (run_dir.path / "wal").is_dir()  # the buffer got the run's write-ahead log directory
+    log = run_dir.log("supervisor").read_text()
+    for role_name in ("buffer", "engine0", "engine1", "router"):
+        assert f"{role_name} is ready" in log and f"stopped {role_name}" in log
