@@ -56,7 +56,9 @@ def summarize(run_dir: Path, total_s: float) -> dict:
     ready = (run_dir / "ready" / "learner").stat().st_mtime
     span = learner[-1]["time"] - ready
     last = learner[-5:]
-    gen_last = [g[-1] for g in gens if g]
+    end = learner[-1]["time"]
+    # Generator records inside the training span (after the learner's end they are all idle).
+    gen_span = [r for g in gens for r in g if ready <= r["time"] <= end]
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     return {
         "steps": len(learner),
@@ -65,7 +67,7 @@ def summarize(run_dir: Path, total_s: float) -> dict:
         "final_reward": mean([r["reward"] for r in last]),
         "first_reward": mean([r["reward"] for r in learner[:5]]),
         "learner_idle_pct": 100.0 * sum(r["learner/wait_s"] for r in learner) / span,
-        "generator_idle_pct": mean([g.get("generator/idle_pct", 0.0) for g in gen_last]),
+        "generator_idle_pct": mean([r.get("generator/idle_pct", 0.0) for r in gen_span]),
         "train_tokens": sum(r.get("tokens", 0.0) for r in learner),
         "staleness_max": max(r.get("staleness/max", 0) for r in learner),
         "response_len_mean": mean([r["response_len/mean"] for r in learner]),

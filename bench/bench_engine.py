@@ -29,16 +29,8 @@ from pathlib import Path
 
 import torch
 
+from slime_async.models.tiny import QWEN3_05B_SHAPE
 from slime_async.utils.procs import Child, free_port, python_module, wait_until
-
-QWEN3_05B = dict(
-    hidden_size=1024,
-    num_layers=28,
-    num_heads=16,
-    num_kv_heads=8,
-    intermediate_size=3072,
-    vocab_size=151936,
-)
 
 
 def make_model(out: Path, name: str, dtype: torch.dtype) -> Path:
@@ -49,9 +41,7 @@ def make_model(out: Path, name: str, dtype: torch.dtype) -> Path:
         return make_tiny_model(out, family="qwen3", seed=0)
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(
-        "qwen3", max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6, **QWEN3_05B
-    )
+    cfg = tiny_config("qwen3", **QWEN3_05B_SHAPE)
     cfg.head_dim = 128  # as Qwen3-0.6B: 16 heads x 128 = 2048 wide attention on a 1024 model
     torch.manual_seed(0)
     # Random init of ~0.6B parameters is much faster on a GPU than on the host.

@@ -112,7 +112,9 @@ def test_pipeline_runs_pushes_and_loses_nothing(tiny_setup, mode):
     # Nothing lost: acknowledged = trained + dropped (by reason) + still held.
     final = json.loads((run_dir / "buffer_final.json").read_text())
     trained = sum(r["trajectories"] for r in learner)
-    dropped = sum(final["dropped_trajectories"].values())
-    held = final["held_trajectories"]
-    assert final["acknowledged_trajectories"] == trained + dropped + held, final
     assert trained == STEPS * 2 * 4
+    assert final["counts"]["committed_trajectories"] == trained
+    dropped = sum(final["dropped_trajectories"].values())
+    acknowledged = final["counts"]["trajectories_in"]
+    assert acknowledged == trained + dropped + final["trajectories_held"], final
+    assert set(final["dropped_trajectories"]) <= {"stale", "late_member_of_dropped_group"}

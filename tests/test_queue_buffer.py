@@ -389,3 +389,58 @@ def test_lost_batch_reply_is_answered_with_the_same_batch():
             assert buf.stats()["groups_ready"] == 2
         finally:
             raw.close()
+
+
+def test_admission_counts_the_batch_in_training_until_the_next_version():
+    # max_staleness 0 is synchronous RL: one batch per policy version, nothing started while
+    # the learner trains, everything trained at the version it was generated with.
+    with running(max_staleness=0, groups_per_step=2) as (buf, cfg):
+
+        async def produce(first: int) -> None:
+            async with ProducerClient(cfg, "p") as p:
+                assert await p.admission(5) == 2
+                for i in range(first, first + 2):
+                    await p.put_group(synthetic_group(f"g{i}", 2, seed=i))
+                assert await p.admission(1) == 0
+
+        asyncio.run(produce(0))
+        with ConsumerClient(cfg, "learner") as c:
+            c.set_version(0, groups_per_step=2)
+            batch = c.get_batch(num_groups=2, timeout_s=5)
+            assert batch is not None and batch.staleness == [0, 0]
+            assert buf.state.admission("q", 5) == 0  # the learner is training on it
+            c.commit(batch.batch_id)
+            assert buf.state.admission("q", 5) == 0  # committed is not announced
+            c.set_version(1, groups_per_step=2)
+            assert buf.state.admission("q", 5) == 2
+
+
+def test_a_restarted_producer_does_not_inherit_its_grants():
+    with running(max_staleness=0, groups_per_step=2, grant_timeout_s=60) as (buf, cfg):
+
+        async def go() -> None:
+            async with ProducerClient(cfg, "p") as p:
+                assert await p.admission(2) == 2
+            async with ProducerClient(cfg, "p") as again:  # same id: the process restarted
+                assert await again.admission(2) == 2
+
+        asyncio.run(go())
+        assert buf.state.counts["grants_expired"] == 2
+
+
+def test_a_group_pushed_again_after_delivery_is_a_duplicate():
+    with running(groups_per_step=1) as (buf, cfg):
+
+        async def put() -> str:
+            async with ProducerClient(cfg, "p") as p:
+                return await p.put_group(synthetic_group("g0", 2))
+
+        assert asyncio.run(put()) == "ok"
+        assert asyncio.run(put()) == "duplicate"  # still ready in the buffer
+        with ConsumerClient(cfg, "learner") as c:
+            batch = c.get_batch(num_groups=1, timeout_s=5)
+            c.commit(batch.batch_id)
+        # A producer restarted between our ack and its cursor save pushes it once more.
+        assert asyncio.run(put()) == "duplicate"
+        stats = buf.state.stats()
+        assert stats["groups_ready"] == 0 and stats["counts"]["delivered_groups"] == 1

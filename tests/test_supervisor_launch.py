@@ -97,9 +97,9 @@ def test_router_generators_and_torchrun(tmp_path):
     assert router[router.index("--worker-urls") + 1 : router.index("--policy")] == engine_urls
     for i in (0, 1):
         gen = child_config(run_dir, by_name[f"generator{i}"].argv(False))
-        assert gen.engine.urls == [
-            f"http://127.0.0.1:{rport}"
-        ]  # generation goes through the router
+        # Generation goes through the router; the engines' own URLs stay known.
+        assert gen.engine.router_url == f"http://127.0.0.1:{rport}"
+        assert gen.engine.urls == engine_urls
         assert gen.generator.producer_id == f"gen{i}"
         assert (gen.generator.shard_index, gen.generator.num_shards) == (i, 2)
     learner_argv = by_name["learner"].argv(False)
@@ -147,7 +147,7 @@ GENERATOR = textwrap.dedent(
     from slime_async.actors.run_dir import announce_ready
     from slime_async.config import load_config, split_cli_args
     cfg = load_config(*split_cli_args(sys.argv[1:]))
-    urls = cfg.engine.urls
+    urls = [cfg.engine.router_url]
     req = urllib.request.Request(urls[0] + "/workers")
     if cfg.engine.api_key:
         req.add_header("Authorization", f"Bearer {cfg.engine.api_key}")

@@ -24,6 +24,7 @@ import argparse
 import json
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 from slime_async.config import AlgoConfig, LearnerConfig, SlimeConfig
@@ -56,6 +57,8 @@ def build_base_model(
     from slime_async.models.tiny import make_tiny_model
     from slime_async.models.tokenizer import load_tokenizer
 
+    # megatron-core warns that Transformer Engine and Apex are absent: expected on a CPU.
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")
     out = Path(out_dir)
     init = out.with_name(out.name + ".init")
     shutil.rmtree(init, ignore_errors=True)

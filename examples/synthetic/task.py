@@ -18,19 +18,6 @@ import random
 from pathlib import Path
 from typing import Any
 
-# Qwen3-0.6B's shape (tied embeddings): about 0.5B parameters with the 151,936-token vocabulary.
-QWEN3_05B = dict(
-    hidden_size=1024,
-    num_layers=28,
-    num_heads=16,
-    num_kv_heads=8,
-    intermediate_size=3072,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
-    rope_theta=1_000_000.0,
-)
-
 
 def make_dataset(
     path: str | Path, n: int, seed: int, median_len: int = 128, max_len: int = 1024
@@ -62,7 +49,7 @@ async def rollout(ctx: Any, sample: Any):
 
 def prepare(cfg: Any) -> None:
     """`run.prepare` hook: the dataset and a random-init Qwen3-shaped ~0.5B model, cached."""
-    from slime_async.models.tiny import make_tiny_model
+    from slime_async.models.tiny import QWEN3_05B_SHAPE, make_tiny_model
 
     data = Path(cfg.generator.dataset)
     if not data.exists():
@@ -70,4 +57,4 @@ def prepare(cfg: Any) -> None:
     model = Path(cfg.learner.model_path)
     if not (model / "config.json").exists():
         print(f"writing a random-init Qwen3-shaped ~0.5B model to {model}")
-        make_tiny_model(model, "qwen3", seed=0, **QWEN3_05B)
+        make_tiny_model(model, "qwen3", seed=0, **QWEN3_05B_SHAPE)

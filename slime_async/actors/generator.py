@@ -241,11 +241,8 @@ class Generator:
         except asyncio.CancelledError:
             raise
         except BufferRejected as e:  # the buffer refused the group's content
-            if "already complete" not in str(e):
-                self._drop(item, gid, e)
-                return
-            # A resend after a crash between the buffer's ack and our state write: it is stored.
-            log.info("group %s was already in the buffer", gid)
+            self._drop(item, gid, e)
+            return
         except Exception as e:  # BufferUnavailable: nothing this generator can fix
             self._fatal = e
             self._stop.set()

@@ -178,7 +178,8 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
     else:
         if not eng.urls:
             raise ConfigError("engine.urls: engine.kind = 'external' needs the engines' URLs")
-        engine_urls = generate_urls = list(eng.urls)
+        engine_urls = list(eng.urls)
+        generate_urls = [eng.router_url] if eng.router_url else engine_urls
 
     # generators and learner --------------------------------------------------------------------
     last: list[RoleSpec] = []
@@ -186,8 +187,10 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
     for i in range(n_gen):
         gen_args = [
             _arg("buffer.producer_endpoint", buf.producer_endpoint),
-            _arg("engine.urls", generate_urls),
+            _arg("engine.urls", engine_urls),
         ]
+        if generate_urls != engine_urls:  # several engines: generation goes through the router
+            gen_args.append(_arg("engine.router_url", generate_urls[0]))
         if n_gen > 1:  # each takes its own shard of the prompts and its own sequence numbers
             gen_args += [
                 _arg("generator.producer_id", f"gen{i}"),

@@ -20,6 +20,7 @@ generate-train-push in lock step with the same code.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -151,6 +152,8 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
     from slime_async.actors.run_dir import announce_ready
 
     lc = cfg.learner
+    if lc.torch_threads:
+        torch.set_num_threads(lc.torch_threads)
     save_dir = Path(lc.save) if lc.save else (run_dir / "checkpoints" if run_dir else None)
     resume_from = latest_checkpoint(lc.load) if lc.load else None
     if lc.load and resume_from is None:
@@ -177,7 +180,12 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
             dist.barrier()
         if learner.is_rank0:
             announce_ready(f"version {learner.version}")
-        return _train(cfg, learner, rank0, save_dir, has_pusher)
+        code = _train(cfg, learner, rank0, save_dir, has_pusher)
+        if rank0 is not None and run_dir is not None:
+            # The buffer's final accounting, for the run's "nothing lost" check.
+            stats = rank0.consumer.stats()
+            (run_dir / "buffer_final.json").write_text(json.dumps(stats, indent=2) + "\n")
+        return code
     finally:
         if rank0 is not None:
             rank0.close()
@@ -223,21 +231,9 @@ def _train(
         push_s = 0.0
         if has_pusher and (learner.step % lc.push_interval == 0 or learner.step == lc.num_steps):
             push_s = _push(learner, rank0)
-        last = learner.step == lc.num_steps
-        checkpoint = save_dir is not None and (
-            last or (lc.save_interval and learner.step % lc.save_interval == 0)
-        )
-        if checkpoint:
-            cursor = rank0.consumer.cursor() if rank0 is not None else 0
-            learner.save_checkpoint(
-                save_dir / f"step_{learner.step}", extra={"buffer_cursor": cursor}
-            )
         if rank0 is not None:
+            # Announce the new version as soon as the engines hold it: admission opens again.
             rank0.consumer.set_version(learner.version, lc.groups_per_step)
-            # Commit what a checkpoint now holds; without mid-run checkpoints commit at once
-            # (a crash would restart from scratch anyway).
-            if checkpoint or not lc.save_interval:
-                rank0.consumer.commit_through(batch.batch_id)
             step_s = time.perf_counter() - t_step
             record = {
                 **info,
@@ -258,4 +254,18 @@ def _train(
                 record.get("staleness/mean", 0.0), record.get("loss", 0.0),
                 record["learner/wait_pct"], push_s,
             )  # fmt: skip
+        last = learner.step == lc.num_steps
+        checkpoint = save_dir is not None and (
+            last or (lc.save_interval and learner.step % lc.save_interval == 0)
+        )
+        if checkpoint:
+            # Every batch delivered so far is trained on: the cursor is exactly this step's.
+            cursor = rank0.consumer.cursor() if rank0 is not None else 0
+            learner.save_checkpoint(
+                save_dir / f"step_{learner.step}", extra={"buffer_cursor": cursor}
+            )
+        if rank0 is not None and (checkpoint or not lc.save_interval):
+            # Commit what a checkpoint now holds; without mid-run checkpoints commit at once
+            # (a crash would restart from scratch anyway).
+            rank0.consumer.commit_through(batch.batch_id)
     return 0

@@ -15,8 +15,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_urls(cfg) -> list[str]:
-    """engine.urls, else the embedded engine (or the router in front of several) at host:port."""
+    """engine.router_url, else engine.urls, else the embedded engine (or router) at host:port."""
     e = cfg.engine
+    if e.router_url:
+        return [e.router_url]
     if e.urls:
         return list(e.urls)
     port = e.router_port if e.num_engines > 1 else e.port

@@ -11,7 +11,9 @@ class EngineConfig(Section):
     kind: Literal["embedded", "external"] = "embedded"
     """`embedded`: `slime-async run` starts our own engines; `external`: use `urls` (e.g. SGLang)."""
     urls: list[str] = []
-    """Base URLs of external engines (or of one sglang-router), e.g. http://10.0.0.5:30000."""
+    """Base URLs of the engines themselves (weights are pushed to each), e.g. http://10.0.0.5:30000."""
+    router_url: str | None = None
+    """An sglang-router in front of `urls`: generators send /generate there, weights still go to `urls`."""
     num_engines: int = Field(1, ge=1)
     """How many embedded engines `slime-async run` starts; >1 puts sglang-router in front."""
     model_path: str | None = None

@@ -48,5 +48,7 @@ class LearnerConfig(Section):
     """Size of a weight-push bucket."""
     num_steps: int = Field(100, ge=1)
     """Optimizer steps to train."""
+    torch_threads: int = Field(0, ge=0)
+    """CPU threads of each learner process (torch.set_num_threads); 0: torch's default."""
     seed: int = 1234
     """Seed of parameter init and dropout."""

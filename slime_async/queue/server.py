@@ -232,6 +232,11 @@ class Buffer:
     def _next_seq(self, h: dict[str, Any]) -> int:
         """Where a (re)started producer continues, so it never reuses an accepted number."""
         st = self.state.producer(_text(h, "producer"))
+        # A (re)started producer holds no rollouts yet: grants of its earlier life are void,
+        # or they would count against the budget forever (it heartbeats under the same id).
+        if st.grants:
+            self.state.counts["grants_expired"] += st.grants
+            st.grants = 0
         return max(st.done_below, max(st.done, default=-1) + 1)
 
     def _put(self, h: dict[str, Any], blobs: list[zmq.Frame]) -> list[bytes]:

@@ -92,6 +92,13 @@ class BufferState:
         self.last_get: dict[str, tuple[str, int]] = {}
         self.producers: dict[str, Producer] = {}
         self.next_batch = 1
+        # Groups delivered since the learner last announced a new version: it is training on
+        # them, so they still count against the staleness budget (see `admission`).
+        self.in_training = 0
+        # Group ids delivered recently: a producer that re-pushes one (it crashed between the
+        # ack and saving its cursor) is answered "duplicate" instead of training on it twice.
+        self._recent_done: deque[str] = deque()
+        self._recent_done_set: set[str] = set()
         self.held_trajectories = 0
         self.held_bytes = 0
         self._arrivals = 0
@@ -99,6 +106,7 @@ class BufferState:
         self._recent_drop_set: set[str] = set()
         self.counts: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
+        self.dropped_trajectories: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.staleness_hist: Counter[int] = Counter()
         self.wal: W.WriteAheadLog | None = None
@@ -166,6 +174,12 @@ class BufferState:
         if st.seen(seq):
             self.counts["duplicates"] += 1
             return "duplicate"
+        if all(t.group_id in self.ready or t.group_id in self._recent_done_set for t in trajs):
+            # The whole group is here already (a producer restarted between our ack and its
+            # cursor save): acknowledge without storing it twice.
+            st.mark(seq)
+            self.counts["duplicate_groups"] += 1
+            return "duplicate"
         new_groups: dict[str, int] = {}
         for t in trajs:
             g = self.pending.get(t.group_id)
@@ -223,6 +237,7 @@ class BufferState:
             self.counts["trajectories_in"] += 1
             if t.group_id in self._recent_drop_set:
                 self.dropped["late_member_of_dropped_group"] += 1
+                self.dropped_trajectories["late_member_of_dropped_group"] += 1
                 continue
             g = self.pending.get(t.group_id)
             if g is None:
@@ -251,12 +266,20 @@ class BufferState:
                 heapq.heappush(self._order, key)
 
     def admission(self, pid: str, want: int) -> int:
-        """New groups `pid` may start now: keeps buffered + granted within the staleness budget."""
+        """New groups `pid` may start now, within the staleness budget.
+
+        With the learner at version v (announced after its weights reached the engines), a
+        group started now is behind at most (max_staleness + 1) * groups_per_step - 1 others:
+        the batch in training (done at v+1), then the buffered, pending and granted ones. So it
+        is trained at version <= v + max_staleness: the bound holds by construction, and with
+        max_staleness = 0 generation waits for each step (synchronous RL).
+        """
         self.expire_grants()
         st = self.producer(pid)
         budget = (self.cfg.max_staleness + 1) * self.groups_per_step
         outstanding = sum(p.grants for p in self.producers.values())
-        free = budget - len(self.pending) - len(self.ready) - outstanding
+        held = len(self.pending) + len(self.ready) + self.in_training
+        free = budget - held - outstanding
         grant = max(0, min(want, free))
         st.grants += grant
         self.counts["granted"] += grant
@@ -272,6 +295,8 @@ class BufferState:
 
     # ---------------------------------------------------------------- staleness
     def set_version(self, version: int, groups_per_step: int) -> None:
+        if version != self.version:
+            self.in_training = 0  # the batch trained at the old version is done
         self.version, self.groups_per_step = version, groups_per_step
         self._log(W.VERSION, {"version": version, "groups_per_step": groups_per_step})
         self.drop_stale()
@@ -301,6 +326,7 @@ class BufferState:
             if g is None:
                 continue
             self.dropped[why] += 1
+            self.dropped_trajectories[why] += len(g.blobs)
             self._forget(g)
             self._recent_drops.append(gid)
             self._recent_drop_set.add(gid)
@@ -402,6 +428,12 @@ class BufferState:
         if not groups:
             return None
         self.ready_tokens -= sum(g.ntokens for g in groups)
+        self.in_training += len(groups)
+        for g in groups:
+            self._recent_done.append(g.group_id)
+            self._recent_done_set.add(g.group_id)
+            if len(self._recent_done) > _RECENT_DROPS:
+                self._recent_done_set.discard(self._recent_done.popleft())
         self.counts["delivered_batches"] += 1
         self.counts["delivered_groups"] += len(groups)
         b = self.delivered[batch_id] = Delivered(batch_id, consumer, session, groups)
@@ -430,6 +462,7 @@ class BufferState:
         self.counts["committed_batches"] += 1
         for g in b.groups:
             self.counts["committed_groups"] += 1
+            self.counts["committed_trajectories"] += len(g.blobs)
             self._forget(g)
 
     # ---------------------------------------------------------------- metrics
@@ -447,6 +480,9 @@ class BufferState:
             "producers": len(self.producers),
             "counts": dict(self.counts),
             "dropped": dict(self.dropped),
+            # Accounting in trajectories: counts.trajectories_in (acknowledged) ==
+            # counts.committed_trajectories + sum(dropped_trajectories) + trajectories_held.
+            "dropped_trajectories": dict(self.dropped_trajectories),
             "rejected": dict(self.rejected),
             "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
             "wal": self.wal.stats() if self.wal else None,

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU figures of the README, on a machine with two H200s (the device tool's nvidia-h200-x2):
+#   push   weight push over NCCL vs a raw NCCL broadcast of the same buckets
+#   e2e    the two-GPU run: embedded engine on GPU 0, learner on GPU 1 (configs/gpu_two_h200.toml)
+#   async  bench_async.py on the same config: sync vs async, same steps
+#   buffer the buffer benchmark on the host's free cores
+#   SUITE="push e2e" bash bench/gpu_suite.sh [overrides for the e2e/async runs...]
+# The image has torch and transformers but not megatron-core, pyzmq or pydantic: their wheels
+# travel in .whl/ (README, "Development").
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_suite}
+SUITE=${SUITE:-push e2e buffer}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi -L
+for part in $SUITE; do
+  case $part in
+    push)
+      echo "== weight push: learner rank 0 on GPU 0, engine on GPU 1"
+      timeout "${PUSH_S:-150}" python3 bench/bench_engine.py --push --model qwen3-0.5b \
+        --device cuda --bucket-mb 512 --reps 3 >"$OUT/push.log" 2>&1
+      echo "exit $?"; grep -v -i warn "$OUT/push.log" | tail -8 ;;
+    e2e)
+      echo "== end to end on two GPUs"
+      timeout "${E2E_S:-300}" python3 -m slime_async run configs/gpu_two_h200.toml \
+        run.run_dir=/tmp/gpu_run "$@" >"$OUT/e2e.log" 2>&1
+      echo "exit $?"; grep -v -i warn "$OUT/e2e.log" | tail -20
+      cp /tmp/gpu_run/metrics/*.jsonl "$OUT/" 2>/dev/null
+      tar czf "$OUT/logs.tgz" -C /tmp/gpu_run logs 2>/dev/null ;;
+    async)
+      echo "== sync vs async on two GPUs"
+      timeout "${ASYNC_S:-420}" python3 bench/bench_async.py --steps "${ASYNC_STEPS:-12}" \
+        --out /tmp/bench_gpu configs/gpu_two_h200.toml "$@" >"$OUT/bench_async.log" 2>&1
+      echo "exit $?"; tail -18 "$OUT/bench_async.log"
+      cp /tmp/bench_gpu/summary.json "$OUT/bench_async.json" 2>/dev/null ;;
+    buffer)
+      echo "== buffer benchmark (host CPUs)"
+      timeout "${BUFFER_S:-100}" python3 bench/bench_buffer.py >"$OUT/buffer.log" 2>&1
+      echo "exit $?"; tail -16 "$OUT/buffer.log" ;;
+  esac
+done
