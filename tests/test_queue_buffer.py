@@ -409,10 +409,25 @@ def test_admission_counts_the_batch_in_training_until_the_next_version():
             batch = c.get_batch(num_groups=2, timeout_s=5)
             assert batch is not None and batch.staleness == [0, 0]
             assert buf.state.admission("q", 5) == 0  # the learner is training on it
-            c.commit(batch.batch_id)
-            assert buf.state.admission("q", 5) == 0  # committed is not announced
-            c.set_version(1, groups_per_step=2)
+            c.set_version(1, groups_per_step=2)  # done: the new weights are on the engines
             assert buf.state.admission("q", 5) == 2
+            c.commit(batch.batch_id)  # (the learner commits at its next checkpoint)
+            assert buf.state.admission("q", 5) == 0  # q holds those 2 grants now
+
+    # A consumer that commits right after training frees the budget the same way.
+    with running(max_staleness=0, groups_per_step=1) as (buf, cfg):
+        asyncio.run(_put_one(cfg, "g0"))
+        with ConsumerClient(cfg, "learner") as c:
+            batch = c.get_batch(num_groups=1, timeout_s=5)
+            assert buf.state.admission("q", 5) == 0
+            c.commit(batch.batch_id)
+            assert buf.state.admission("q", 5) == 1
+
+
+async def _put_one(cfg, gid: str) -> None:
+    async with ProducerClient(cfg, "p") as p:
+        assert await p.admission(1) == 1
+        await p.put_group(synthetic_group(gid, 2))
 
 
 def test_a_restarted_producer_does_not_inherit_its_grants():

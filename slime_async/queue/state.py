@@ -92,9 +92,9 @@ class BufferState:
         self.last_get: dict[str, tuple[str, int]] = {}
         self.producers: dict[str, Producer] = {}
         self.next_batch = 1
-        # Groups delivered since the learner last announced a new version: it is training on
-        # them, so they still count against the staleness budget (see `admission`).
-        self.in_training = 0
+        # Batches delivered since the learner last announced a new version and not committed:
+        # it is training on them, so they still count against the staleness budget.
+        self.in_training: dict[int, int] = {}  # batch id -> groups
         # Group ids delivered recently: a producer that re-pushes one (it crashed between the
         # ack and saving its cursor) is answered "duplicate" instead of training on it twice.
         self._recent_done: deque[str] = deque()
@@ -152,6 +152,8 @@ class BufferState:
         elif rtype == W.DROP:
             self._apply_drop(rec["g"], rec["why"])
         elif rtype == W.VERSION:
+            if rec["version"] != self.version:
+                self.in_training.clear()
             self.version, self.groups_per_step = rec["version"], rec["groups_per_step"]
 
     def _log(self, rtype: int, payload: dict[str, Any], blobs: Sequence = ()) -> int:
@@ -270,7 +272,8 @@ class BufferState:
 
         With the learner at version v (announced after its weights reached the engines), a
         group started now is behind at most (max_staleness + 1) * groups_per_step - 1 others:
-        the batch in training (done at v+1), then the buffered, pending and granted ones. So it
+        the batch in training (delivered, neither committed nor followed by a new version),
+        then the buffered, pending and granted ones. So it
         is trained at version <= v + max_staleness: the bound holds by construction, and with
         max_staleness = 0 generation waits for each step (synchronous RL).
         """
@@ -278,7 +281,7 @@ class BufferState:
         st = self.producer(pid)
         budget = (self.cfg.max_staleness + 1) * self.groups_per_step
         outstanding = sum(p.grants for p in self.producers.values())
-        held = len(self.pending) + len(self.ready) + self.in_training
+        held = len(self.pending) + len(self.ready) + sum(self.in_training.values())
         free = budget - held - outstanding
         grant = max(0, min(want, free))
         st.grants += grant
@@ -296,7 +299,7 @@ class BufferState:
     # ---------------------------------------------------------------- staleness
     def set_version(self, version: int, groups_per_step: int) -> None:
         if version != self.version:
-            self.in_training = 0  # the batch trained at the old version is done
+            self.in_training.clear()  # the batches trained at the old version are done
         self.version, self.groups_per_step = version, groups_per_step
         self._log(W.VERSION, {"version": version, "groups_per_step": groups_per_step})
         self.drop_stale()
@@ -428,7 +431,7 @@ class BufferState:
         if not groups:
             return None
         self.ready_tokens -= sum(g.ntokens for g in groups)
-        self.in_training += len(groups)
+        self.in_training[batch_id] = len(groups)
         for g in groups:
             self._recent_done.append(g.group_id)
             self._recent_done_set.add(g.group_id)
@@ -456,6 +459,7 @@ class BufferState:
         return len(ids)
 
     def _apply_commit(self, batch_id: int) -> None:
+        self.in_training.pop(batch_id, None)
         b = self.delivered.pop(batch_id, None)
         if b is None:
             return
