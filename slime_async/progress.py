@@ -71,8 +71,7 @@ class ProgressDisplay:
         self.min_interval_s = min_interval_s
         self.numbers: dict[str, Any] = {}
         self.step = start_step
-        self._start_step = start_step
-        self._t0 = time.monotonic()
+        self._pace_from: tuple[float, int] | None = None
         self._last_print = -math.inf
         self._bar = None
         if mode == "rich":
@@ -106,14 +105,20 @@ class ProgressDisplay:
             self._bar.start()
 
     def eta_s(self) -> float | None:
-        """Seconds left at the mean pace of the steps seen so far (None before the first)."""
-        done = self.step - self._start_step
+        """Seconds left at the mean pace since the first step seen (None before the second):
+        start-up (model loading, engines) is not a step and must not stretch the estimate."""
+        if self._pace_from is None:
+            return None
+        t0, step0 = self._pace_from
+        done = self.step - step0
         if done <= 0:
             return None
-        return (time.monotonic() - self._t0) / done * max(self.total - self.step, 0)
+        return (time.monotonic() - t0) / done * max(self.total - self.step, 0)
 
     def update(self, step: int, record: Mapping[str, Any]) -> None:
         """A new record at `step`; the key numbers it carries replace the previous ones."""
+        if self._pace_from is None:
+            self._pace_from = (time.monotonic(), step)
         self.step = step
         self.numbers.update({k: v for k, v in record.items() if v is not None})
         if self.mode == "rich":
