@@ -19,7 +19,6 @@ Also used by the quickstart: `make_dataset`, `sft_examples`, `parse_answer` and 
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from dataclasses import dataclass, field
@@ -141,15 +140,9 @@ def reward(sample: Any, response_text: str, info: dict | None = None) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="write the arithmetic task's train/eval JSONL")
-    ap.add_argument("--out", default="examples/arithmetic", help="output directory")
-    ap.add_argument("--train", type=int, default=2000, help="training prompts")
-    ap.add_argument("--eval", type=int, default=200, help="evaluation prompts")
-    ap.add_argument("--seed", type=int, default=0, help="seed (eval uses seed + 1)")
-    args = ap.parse_args(argv)
-    make_dataset(Path(args.out) / "train.jsonl", args.train, args.seed)
-    make_dataset(Path(args.out) / "eval.jsonl", args.eval, args.seed + 1)
-    return 0
+    from examples.data_cli import write_splits
+
+    return write_splits(make_dataset, "arithmetic", "examples/arithmetic", 2000, 200, argv)
 
 
 if __name__ == "__main__":

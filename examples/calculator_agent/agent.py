@@ -17,7 +17,6 @@ checks the final answer (`#### <number>`) of the last model turn.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
@@ -118,15 +117,9 @@ def sft_examples(n: int, seed: int, tokenizer: Any) -> list[tuple[list[int], lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="write the calculator task's train/eval JSONL")
-    ap.add_argument("--out", default="examples/calculator_agent", help="output directory")
-    ap.add_argument("--train", type=int, default=1000, help="training prompts")
-    ap.add_argument("--eval", type=int, default=100, help="evaluation prompts")
-    ap.add_argument("--seed", type=int, default=0, help="seed (eval uses seed + 1)")
-    args = ap.parse_args(argv)
-    make_dataset(Path(args.out) / "train.jsonl", args.train, args.seed)
-    make_dataset(Path(args.out) / "eval.jsonl", args.eval, args.seed + 1)
-    return 0
+    from examples.data_cli import write_splits
+
+    return write_splits(make_dataset, "calculator", "examples/calculator_agent", 1000, 100, argv)
 
 
 if __name__ == "__main__":
