@@ -7,7 +7,7 @@ Runs `slime-async run` twice, one after the other in this command: `run.mode = "
 batch, train, push, repeat: the on-policy baseline) and `run.mode = "async"` (generation never
 waits for training, bounded by `buffer.max_staleness`). Prints wall-clock time of the training
 span (learner ready -> last step), the speedup, generator idle % (no rollout in flight), learner
-idle % (waiting for a batch), tokens/s and the final reward (mean of the last 5 steps).
+idle % (waiting for a batch), tokens/s and the reward (mean of the first and of the last 10 steps).
 
 On the 2-core CPU machine each role runs with one torch thread, so the engine and the learner
 each own a core, as engines and trainers own their GPUs in a disaggregated cluster: a synchronous
@@ -55,7 +55,7 @@ def summarize(run_dir: Path, total_s: float) -> dict:
     gens = [_records(p) for p in sorted((run_dir / "metrics").glob("generator*.jsonl"))]
     ready = (run_dir / "ready" / "learner").stat().st_mtime
     span = learner[-1]["time"] - ready
-    last = learner[-5:]
+    last = learner[-10:]
     end = learner[-1]["time"]
     # Generator records inside the training span (after the learner's end they are all idle).
     gen_span = [r for g in gens for r in g if ready <= r["time"] <= end]
@@ -65,7 +65,7 @@ def summarize(run_dir: Path, total_s: float) -> dict:
         "wall_s": span,
         "total_s": total_s,
         "final_reward": mean([r["reward"] for r in last]),
-        "first_reward": mean([r["reward"] for r in learner[:5]]),
+        "first_reward": mean([r["reward"] for r in learner[:10]]),
         "learner_idle_pct": 100.0 * sum(r["learner/wait_s"] for r in learner) / span,
         "generator_idle_pct": mean([r.get("generator/idle_pct", 0.0) for r in gen_span]),
         "train_tokens": sum(r.get("tokens", 0.0) for r in learner),
@@ -95,8 +95,8 @@ def main() -> int:
         ("train tokens/s", None, "{:.0f}"),
         ("generator idle %", "generator_idle_pct", "{:.1f}"),
         ("learner idle %", "learner_idle_pct", "{:.1f}"),
-        ("reward, first 5 steps", "first_reward", "{:.3f}"),
-        ("reward, last 5 steps", "final_reward", "{:.3f}"),
+        ("reward, first 10 steps", "first_reward", "{:.3f}"),
+        ("reward, last 10 steps", "final_reward", "{:.3f}"),
         ("max staleness", "staleness_max", "{}"),
         ("response length mean / max", None, "{}"),
     ]
