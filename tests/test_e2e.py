@@ -129,7 +129,12 @@ def test_interrupted_run_resumes_without_loss_or_repeat(tiny_setup):
 
     root, model, data = tiny_setup
     cfg = _config(root, model, data, "async")
-    steps = ["learner.num_steps=8", "learner.save_interval=2", f"run.run_dir={root / 'resume'}"]
+    total = 24  # enough that the interrupt lands mid-run even when steps are fast
+    steps = [
+        f"learner.num_steps={total}",
+        "learner.save_interval=3",
+        f"run.run_dir={root / 'resume'}",
+    ]
     run_dir = root / "resume"
     first = subprocess.Popen(
         [sys.executable, "-m", "slime_async", "run", str(cfg), *steps],
@@ -141,16 +146,17 @@ def test_interrupted_run_resumes_without_loss_or_repeat(tiny_setup):
     metrics = run_dir / "metrics" / "learner.jsonl"
     try:
         deadline = time.monotonic() + 240
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        checkpoint = run_dir / "checkpoints" / "step_3"  # renamed into place once complete
+        while not (checkpoint.is_dir() and len(metrics.read_text().splitlines()) >= 4):
             assert first.poll() is None and time.monotonic() < deadline, "first run ended early"
-            time.sleep(0.1)  # polling the metrics file: the readiness signal here
+            time.sleep(0.1)  # polling the run's files: the readiness signal here
         os.kill(first.pid, signal.SIGINT)
         assert first.wait(120) == 130
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     done_before = len(read_metrics(metrics))
-    assert 3 <= done_before < 8
+    assert 4 <= done_before < total
 
     again = subprocess.run(
         [sys.executable, "-m", "slime_async", "run", "--resume", str(run_dir)],
@@ -158,10 +164,10 @@ def test_interrupted_run_resumes_without_loss_or_repeat(tiny_setup):
     )  # fmt: skip
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     learner = read_metrics(metrics)  # a step trained twice keeps its last record
-    assert [r["version"] for r in learner] == list(range(1, 9))
+    assert [r["version"] for r in learner] == list(range(1, total + 1))
     log = (run_dir / "logs" / "learner.log").read_text()
     assert "resumed at step" in log
     final = json.loads((run_dir / "buffer_final.json").read_text())
     # Every batch up to the last checkpoint committed once; what was trained after it came back.
-    assert final["counts"]["committed_trajectories"] >= (8 - 2) * 8
+    assert final["counts"]["committed_trajectories"] >= (total - 3) * 8
     assert final["batches_delivered_uncommitted"] == 0

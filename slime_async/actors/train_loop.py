@@ -157,7 +157,11 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
     save_dir = Path(lc.save) if lc.save else (run_dir / "checkpoints" if run_dir else None)
     resume_from = latest_checkpoint(lc.load) if lc.load else None
     if lc.load and resume_from is None:
-        raise FileNotFoundError(f"learner.load = {lc.load}: no complete checkpoint there")
+        if lc.model_path is None:
+            raise FileNotFoundError(f"learner.load = {lc.load}: no complete checkpoint there")
+        # Stopped before its first checkpoint was complete: nothing was committed to the buffer
+        # yet, so starting over from the model gets every batch again, none lost or repeated.
+        log.warning("no complete checkpoint in %s: starting from %s", lc.load, lc.model_path)
     learner_cfg = lc.model_copy(update={"load": str(resume_from) if resume_from else None})
     learner = Learner(learner_cfg, cfg.algo, temperature=cfg.generator.sampling.temperature)
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -1,0 +1,37 @@
+"""The learner process's pieces that need no model: checkpoint discovery and batch metrics."""
+
+import numpy as np
+
+from slime_async.actors.train_loop import batch_metrics, latest_checkpoint
+from slime_async.queue.synthetic import synthetic_group
+
+
+def _ckpt(path):
+    path.mkdir(parents=True)
+    (path / "metadata.json").write_text("{}")
+    (path / "common.pt").write_bytes(b"")
+    return path
+
+
+def test_latest_complete_checkpoint_wins_and_partial_ones_are_ignored(tmp_path):
+    assert latest_checkpoint(tmp_path / "missing") is None
+    assert latest_checkpoint(tmp_path) is None
+    _ckpt(tmp_path / "step_3")
+    _ckpt(tmp_path / "step_12")
+    (tmp_path / "step_15.partial").mkdir()  # a save interrupted mid-way
+    (tmp_path / "step_20").mkdir()  # not a checkpoint (no metadata)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_12"
+    assert latest_checkpoint(tmp_path / "step_3") == tmp_path / "step_3"  # given directly
+
+
+def test_batch_metrics_counts_accuracy_lengths_and_staleness():
+    groups = [synthetic_group("a", 2, response_len=8), synthetic_group("b", 2, response_len=8)]
+    m = batch_metrics(groups, staleness=[0, 2])
+    # synthetic rewards alternate 0, 1 and name a "correct" part
+    assert m["reward"] == 0.5 and m["accuracy"] == 0.5
+    assert m["trajectories"] == 4
+    mask_len = int(groups[0][0].loss_mask.sum())
+    assert m["response_len/mean"] == mask_len
+    assert m["staleness/mean"] == 1.0 and m["staleness/max"] == 2
+    assert m["staleness/hist"] == {"values": [0, 2], "counts": [2, 2]}
+    assert np.isfinite(m["response_len/max"])
