@@ -175,6 +175,28 @@ def task_dp2(out: Path, model_dirs: list[str]) -> None:
     learner.close()
 
 
+def run_two_ranks(task: str, out: Path, model_dirs: list[str], timeout: float) -> None:
+    """Run `task` of this file under torchrun with 2 gloo ranks; fail with its log if it fails."""
+    from slime_async.utils.procs import Child, free_port, python_module, wait_until
+
+    argv = python_module(
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        __file__,
+        task,
+        str(out),
+        *model_dirs,
+    )
+    child = Child(f"torchrun-{task}", argv, log_path=out / "log.txt", env={"OMP_NUM_THREADS": "1"})
+    try:
+        wait_until(lambda: child.poll() is not None, timeout, f"the {task} job to finish")
+        assert child.poll() == 0, child.tail(60)
+    finally:
+        child.stop()
+
+
 if __name__ == "__main__":
     import torch.distributed as dist
 

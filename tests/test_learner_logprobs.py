@@ -19,8 +19,6 @@ from learner_worker import (
     make_sharp_model,
 )
 
-from slime_async.utils.procs import Child, free_port, python_module, wait_until
-
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path (gloo)")
 
 # (family, shape): GQA everywhere; qwen2 has QKV bias and tied embeddings; qwen3 q/k norm.
@@ -80,22 +78,7 @@ def test_logprobs_match_hf_at_tp1(model_dirs, family):
 def tp2_run(model_dirs, tmp_path_factory):
     """One torchrun job, 2 gloo ranks at TP=2, over the three families."""
     out = tmp_path_factory.mktemp("tp2")
-    argv = python_module(
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        learner_worker.__file__,
-        "tp2",
-        str(out),
-        *(str(model_dirs[f]) for f in MODELS),
-    )
-    child = Child("torchrun-tp2", argv, log_path=out / "log.txt", env={"OMP_NUM_THREADS": "1"})
-    try:
-        wait_until(lambda: child.poll() is not None, timeout=240, what="the TP=2 job to finish")
-        assert child.poll() == 0, child.tail(60)
-    finally:
-        child.stop()
+    learner_worker.run_two_ranks("tp2", out, [str(model_dirs[f]) for f in MODELS], timeout=240)
     return out
 
 

@@ -10,8 +10,6 @@ import pytest
 import torch
 from learner_worker import algo_cfg, capture_grads, learner_cfg, make_groups, make_sharp_model
 
-from slime_async.utils.procs import Child, free_port, python_module, wait_until
-
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path (gloo)")
 
 
@@ -41,22 +39,7 @@ def learner_factory():
 def test_dp2_on_different_data_equals_one_process_on_the_joined_batch(
     model_dir, tmp_path, learner_factory
 ):
-    argv = python_module(
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        learner_worker.__file__,
-        "dp2",
-        str(tmp_path),
-        str(model_dir),
-    )
-    child = Child("torchrun-dp2", argv, log_path=tmp_path / "log.txt", env={"OMP_NUM_THREADS": "1"})
-    try:
-        wait_until(lambda: child.poll() is not None, timeout=180, what="the DP=2 job to finish")
-        assert child.poll() == 0, child.tail(60)
-    finally:
-        child.stop()
+    learner_worker.run_two_ranks("dp2", tmp_path, [str(model_dir)], timeout=180)
     dp2 = torch.load(tmp_path / "dp2.pt")
 
     learner = learner_factory(learner_cfg(str(model_dir)))
