@@ -24,7 +24,7 @@ BATCH_GROUPS = 8  # groups per consumer batch
 
 
 def _group(i: int, response_len: int):
-    from slime_async.queue.synthetic import synthetic_group
+    from slime_async.testing.trajectories import synthetic_group
 
     return synthetic_group(f"g{i}", GROUP, prompt_len=64, response_len=response_len, seed=i % 7)
 

@@ -29,13 +29,18 @@ from pathlib import Path
 
 import torch
 
-from slime_async.models.tiny import QWEN3_05B_SHAPE
+from slime_async.testing.models import QWEN3_05B_SHAPE
 from slime_async.utils.procs import Child, free_port, python_module, wait_until
 
 
 def make_model(out: Path, name: str, dtype: torch.dtype) -> Path:
     """A random-init model directory: `tiny` (make_tiny_model) or `qwen3-0.5b` (Qwen3-0.6B shape)."""
-    from slime_async.models.tiny import char_tokenizer, make_tiny_model, save_tokenizer, tiny_config
+    from slime_async.testing.models import (
+        char_tokenizer,
+        make_tiny_model,
+        save_tokenizer,
+        tiny_config,
+    )
 
     if name == "tiny":
         return make_tiny_model(out, family="qwen3", seed=0)
@@ -85,7 +90,7 @@ def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 async def engine_tokens_per_s(url: str, prompts: list[list[int]], new_tokens: int) -> float:
-    from slime_async.actors.engines.client import EngineClient
+    from slime_async.actors.engine.client import EngineClient
 
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     async with EngineClient(url, timeout_s=3600) as c:
@@ -180,7 +185,7 @@ def buckets_of(
 
 
 def _raw_rank(rank: int, port: int, sizes: list[int], reps: int, backend: str, queue) -> None:
-    from slime_async.actors.engines.weight_sync import init_weight_group
+    from slime_async.actors.engine.weight_sync import init_weight_group
 
     dev = f"cuda:{rank}" if backend == "nccl" else "cpu"
     if backend == "nccl":
@@ -221,7 +226,7 @@ def bench_push(args: argparse.Namespace, work: Path) -> None:
     """cuda: learner on cuda:0, engine on cuda:1, NCCL. cpu (a dry run of the same path): gloo."""
     from transformers import AutoModelForCausalLM
 
-    from slime_async.actors.engines.weight_push import WeightPusher
+    from slime_async.actors.engine.weight_push import WeightPusher
 
     gpu = args.device.startswith("cuda")
     # NVLink multicast stays off (it can take a shared host's GPUs down); the engine inherits it.

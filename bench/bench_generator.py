@@ -22,13 +22,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from slime_async.actors.engines.pool import EnginePool
-from slime_async.actors.generator import Generator
-from slime_async.actors.rollout import ROLLOUTS, RolloutContext, Sample, Transcript
+from slime_async.actors.engine.pool import EnginePool
+from slime_async.actors.generator.loop import Generator
+from slime_async.actors.generator.rollout import ROLLOUTS, RolloutContext, Sample, Transcript
 from slime_async.config import BufferConfig, GeneratorConfig, SamplingConfig
-from slime_async.models.tiny import make_tiny_model
 from slime_async.models.tokenizer import load_tokenizer
 from slime_async.queue.client import ProducerClient
+from slime_async.testing.models import make_tiny_model
 from slime_async.utils.procs import Child, free_port, python_module, tcp_ready, wait_until
 
 GROUP = 8

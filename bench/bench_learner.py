@@ -33,7 +33,7 @@ import torch
 def make_model_dir(out: Path, args) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from slime_async.models.tiny import char_tokenizer, save_tokenizer, tiny_config
+    from slime_async.testing.models import char_tokenizer, save_tokenizer, tiny_config
 
     cfg = tiny_config(
         "qwen3",
@@ -94,7 +94,8 @@ def hf_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def hf_train_steps(model, group, args, n: int) -> float:
     """Seconds per step of the HF baseline: log-probs, PPO clip, backward, fp32-master AdamW."""
-    from slime_async.actors.learner_optim import MasterAdamW
+    from slime_async.actors.learner.trainer.optim import MasterAdamW
+
     from slime_async.config import LearnerConfig
 
     opt = MasterAdamW(model, LearnerConfig(lr=1e-6))
@@ -138,7 +139,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from slime_async.actors.learner import Learner
+    from slime_async.actors.learner.trainer import Learner
     from slime_async.config import AlgoConfig, LearnerConfig
 
     results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}

@@ -81,7 +81,7 @@ def make_sharp_model(out_dir: Path, family: str, **shape) -> Path:
     logits, which would hide layout bugs (RoPE, q/k norm, QKV order) below any tolerance."""
     from transformers import AutoModelForCausalLM
 
-    from slime_async.models.tiny import make_tiny_model
+    from slime_async.testing.models import make_tiny_model
 
     make_tiny_model(out_dir, family=family, **shape)
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
@@ -138,7 +138,7 @@ def capture_grads(learner) -> dict:
 
 def task_tp2(out: Path, model_dirs: list[str]) -> None:
     """Log-probs and HF export at TP=2 for each model; train two steps and checkpoint the first."""
-    from slime_async.actors.learner import Learner
+    from slime_async.actors.learner.trainer import Learner
 
     for i, d in enumerate(model_dirs):
         learner = Learner(
@@ -163,7 +163,7 @@ def task_dp2(out: Path, model_dirs: list[str]) -> None:
     """One step at DP=2, each rank on its own half of the groups; rank 0 saves the gradients."""
     import torch.distributed as dist
 
-    from slime_async.actors.learner import Learner
+    from slime_async.actors.learner.trainer import Learner
 
     learner = Learner(learner_cfg(model_dirs[0]), algo_cfg())
     groups = make_groups(100, 4)

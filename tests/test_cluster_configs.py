@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from slime_async.actors.launch import plan_roles
-from slime_async.actors.run_dir import RunDir
-from slime_async.commands.generator import engine_urls
-from slime_async.config import load_config, split_cli_args
+from slime_async.config import generate_urls, load_config, split_cli_args
+from slime_async.launch.run_dir import RunDir
+from slime_async.launch.table import plan_roles
 from slime_async.queue.security import SecurityError, check_bind
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +44,7 @@ def test_cluster_buffer_binds_with_keygen_output(curve_toml):
 def test_cluster_roles_read_their_part(curve_toml, tmp_path):
     cfg = load_config([CLUSTER, curve_toml])
     # Generators go through the router; the learner pushes weights to every server.
-    assert engine_urls(cfg) == [cfg.engine.router_url]
+    assert generate_urls(cfg.engine) == [cfg.engine.router_url]
     assert len(cfg.engine.urls) == 16 and cfg.engine.router_url not in cfg.engine.urls
     # The learner: 8 ranks as TP 2 x DP 4; Qwen3-4B's 32 heads / 8 kv heads divide by TP 2.
     tp = cfg.learner.tensor_parallel

@@ -12,7 +12,7 @@ from learner_worker import algo_cfg, learner_cfg, make_sharp_model
 from safetensors.torch import load_file
 
 from slime_async.models.megatron import ModelArch, UnsupportedModel
-from slime_async.models.tiny import tiny_config
+from slime_async.testing.models import tiny_config
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path (gloo)")
 
@@ -31,7 +31,7 @@ def assert_same_hf_weights(got_dir, want_dir):
 def test_hf_megatron_hf_round_trip_is_bit_exact(tmp_path, family):
     from transformers import AutoModelForCausalLM
 
-    from slime_async.actors.learner import Learner
+    from slime_async.actors.learner.trainer import Learner
     from slime_async.models.tokenizer import load_tokenizer
 
     src = make_sharp_model(tmp_path / "src", family, **SHAPES[family])
@@ -60,7 +60,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_convert_command_both_ways(tmp_path):
-    from slime_async.actors.learner import Learner
+    from slime_async.actors.learner.trainer import Learner
 
     src = make_sharp_model(tmp_path / "src", "qwen3")
     r = run_cli(str(src), str(tmp_path / "ckpt"))

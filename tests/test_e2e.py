@@ -75,7 +75,7 @@ loss = "decoupled_ppo"
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
     from examples.arithmetic.task import make_dataset
-    from slime_async.models.tiny import make_tiny_model
+    from slime_async.testing.models import make_tiny_model
 
     root = tmp_path_factory.mktemp("e2e")
     model = make_tiny_model(root / "model", "qwen3", seed=0)

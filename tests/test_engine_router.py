@@ -7,11 +7,11 @@ import torch
 from engine_util import start_engine, start_engines
 from transformers import AutoModelForCausalLM
 
-from slime_async.actors.engines.client import EngineClient
-from slime_async.actors.engines.pool import EnginePool
-from slime_async.actors.engines.router import Router
-from slime_async.actors.engines.weight_push import WeightPusher
-from slime_async.models.tiny import make_tiny_model
+from slime_async.actors.engine.client import EngineClient
+from slime_async.actors.engine.pool import EnginePool
+from slime_async.actors.engine.weight_push import WeightPusher
+from slime_async.testing.models import make_tiny_model
+from slime_async.testing.router import Router
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 

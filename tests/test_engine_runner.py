@@ -7,10 +7,10 @@ import torch
 from engine_util import hf_greedy
 from transformers import AutoModelForCausalLM
 
-from slime_async.actors.engines.model_runner import ModelRunner
-from slime_async.actors.engines.sampling import SamplingParams
-from slime_async.actors.engines.scheduler import Request, Scheduler
-from slime_async.models.tiny import make_tiny_model
+from slime_async.actors.engine.embedded.model_runner import ModelRunner
+from slime_async.actors.engine.embedded.sampling import SamplingParams
+from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
+from slime_async.testing.models import make_tiny_model
 
 PROMPTS = [[2, 10, 11, 12, 13], [2, 20, 21], [2, 5, 6, 7, 8, 9, 10, 11, 12], [2, 30]]
 

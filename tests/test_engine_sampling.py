@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from slime_async.actors.engines.sampling import SamplingParams, sample
+from slime_async.actors.engine.embedded.sampling import SamplingParams, sample
 
 
 def _row(values):

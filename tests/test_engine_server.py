@@ -11,8 +11,8 @@ from aiohttp import web
 from engine_util import hf_greedy, start_engine
 from transformers import AutoModelForCausalLM
 
-from slime_async.actors.engines.client import EngineClient, EngineError, EngineRequestError
-from slime_async.models.tiny import make_tiny_model
+from slime_async.actors.engine.client import EngineClient, EngineError, EngineRequestError
+from slime_async.testing.models import make_tiny_model
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -8,9 +8,9 @@ import torch
 from engine_util import hf_greedy, start_engines
 from transformers import AutoModelForCausalLM
 
-from slime_async.actors.engines.client import EngineClient, EngineRequestError
-from slime_async.actors.engines.weight_push import WeightPusher
-from slime_async.models.tiny import make_tiny_model
+from slime_async.actors.engine.client import EngineClient, EngineRequestError
+from slime_async.actors.engine.weight_push import WeightPusher
+from slime_async.testing.models import make_tiny_model
 
 PROMPTS = [[2, 9, 10, 11], [2, 30, 31], [2, 40, 41, 42, 43, 44]]
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}

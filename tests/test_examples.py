@@ -8,9 +8,9 @@ import pytest
 from examples.arithmetic import task
 from examples.calculator_agent import agent
 from examples.calculator_agent.calculator import CalcError, calculator, evaluate
-from slime_async.actors.rollout import Sample
+from slime_async.actors.generator.rollout import Sample
 from slime_async.config import load_config
-from slime_async.models.tiny import char_tokenizer
+from slime_async.testing.models import char_tokenizer
 from slime_async.utils.plugins import import_object
 
 
@@ -133,8 +133,8 @@ def test_agent_data_answers_are_the_calculator_values(tmp_path, tok):
 def test_example_configs_resolve(name, repo_root):
     cfg = load_config([repo_root / "examples" / name / "config.toml"]).generator
     assert (repo_root / cfg.dataset).is_file()
-    from slime_async.actors.rewards import resolve_reward
-    from slime_async.actors.rollout import ROLLOUTS
+    from slime_async.actors.generator.rewards import resolve_reward
+    from slime_async.actors.generator.rollout import ROLLOUTS
 
     ROLLOUTS.resolve(cfg.rollout)
     resolve_reward(cfg.reward)

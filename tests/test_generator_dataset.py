@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from slime_async.actors.dataset import (
+from slime_async.actors.generator.dataset import (
     Cursor,
     CursorStore,
     DatasetError,

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from slime_async.actors.engines.client import EngineClient
-from slime_async.actors.engines.pool import EnginePool
-from slime_async.actors.generator import Generator, GeneratorError
-from slime_async.actors.rewards import exact_match
-from slime_async.actors.rollout import RolloutContext, Sample
+from slime_async.actors.engine.client import EngineClient
+from slime_async.actors.engine.pool import EnginePool
+from slime_async.actors.generator.loop import Generator, GeneratorError
+from slime_async.actors.generator.rewards import exact_match
+from slime_async.actors.generator.rollout import RolloutContext, Sample
 from slime_async.config import BufferConfig, GeneratorConfig, SamplingConfig
 from slime_async.models.tokenizer import load_tokenizer
 from slime_async.queue.client import ConsumerClient, ProducerClient
@@ -37,7 +37,7 @@ def train_replay_model(out_dir: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from slime_async.models.tiny import char_tokenizer, make_tiny_model, save_tokenizer
+    from slime_async.testing.models import char_tokenizer, make_tiny_model, save_tokenizer
 
     torch.set_num_threads(1)
     make_tiny_model(out_dir, family="qwen3", seed=0)
@@ -328,7 +328,7 @@ async def long_rollout(ctx, sample):
 
 
 def test_through_sglang_router_to_two_engines(engine, second_engine, buffer, tokenizer, tmp_path):
-    from slime_async.actors.launch import router_ready
+    from slime_async.launch.router import router_ready
 
     _, url2 = second_engine
     buf = buffer()

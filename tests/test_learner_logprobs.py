@@ -60,7 +60,7 @@ def assert_close(got, want, tol=1e-5):
 
 @pytest.mark.parametrize("family", list(MODELS))
 def test_logprobs_match_hf_at_tp1(model_dirs, family):
-    from slime_async.actors.learner import Learner
+    from slime_async.actors.learner.trainer import Learner
 
     for temperature in (1.0, 0.7):
         learner = Learner(learner_cfg(str(model_dirs[family])), algo_cfg(), temperature)
@@ -101,7 +101,7 @@ def test_hf_export_at_tp2_is_bit_exact(model_dirs, tp2_run):
 
 
 def test_tp2_checkpoint_resumes_at_tp1(tp2_run):
-    from slime_async.actors.learner import Learner
+    from slime_async.actors.learner.trainer import Learner
 
     trained = torch.load(tp2_run / "tp2_trained.pt")
     learner = Learner(learner_cfg(None, load=str(tp2_run / "ckpt_tp2")), algo_cfg(), 0.7)
@@ -117,7 +117,7 @@ def test_tp2_checkpoint_resumes_at_tp1(tp2_run):
 
 def test_tp2_training_equals_tp1(model_dirs, tp2_run):
     """Two clipped steps with an entropy term: same losses, grad norms and resulting log-probs."""
-    from slime_async.actors.learner import Learner
+    from slime_async.actors.learner.trainer import Learner
 
     trained = torch.load(tp2_run / "tp2_trained.pt")
     cfg = learner_cfg(str(model_dirs["llama"]), **TP_TRAIN)

@@ -23,7 +23,7 @@ def learner_factory():
     made = []
 
     def make(cfg, algo=None, temperature=1.0):
-        from slime_async.actors.learner import Learner
+        from slime_async.actors.learner.trainer import Learner
 
         learner = Learner(cfg, algo or algo_cfg(), temperature)
         made.append(learner)
@@ -101,7 +101,7 @@ def test_sft_steps_lower_the_loss_and_count_versions(model_dir, learner_factory)
 
 
 def test_lr_schedule_warms_up_then_decays():
-    from slime_async.actors.learner_optim import lr_at
+    from slime_async.actors.learner.trainer.optim import lr_at
 
     cfg = learner_cfg(None, lr=1.0, min_lr=0.1, lr_warmup_steps=2, lr_decay_steps=4)
     lrs = [lr_at(s, cfg) for s in range(8)]
@@ -155,7 +155,7 @@ def test_bad_trajectories_are_named(model_dir, learner_factory, field, value, me
 
 
 def test_unknown_loss_fails_at_construction(model_dir):
-    from slime_async.actors.learner import Learner
+    from slime_async.actors.learner.trainer import Learner
     from slime_async.config import AlgoConfig
     from slime_async.utils.plugins import PluginError
 

@@ -13,7 +13,7 @@ from slime_async.config import BufferConfig
 from slime_async.queue.client import BufferRejected, ConsumerClient, ProducerClient
 from slime_async.queue.schema import SCHEMA_VERSION, encode_trajectory, pack_header, unpack_header
 from slime_async.queue.server import Buffer
-from slime_async.queue.synthetic import synthetic_group
+from slime_async.testing.trajectories import synthetic_group
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from slime_async.config import BufferConfig, CurveConfig, load_config
 from slime_async.queue.client import BufferUnavailable, ConsumerClient, ProducerClient, ping
 from slime_async.queue.security import SecurityError, check_bind, is_loopback
 from slime_async.queue.server import Buffer
-from slime_async.queue.synthetic import synthetic_group
+from slime_async.testing.trajectories import synthetic_group
 from slime_async.utils.procs import free_port
 
 

@@ -15,7 +15,7 @@ from slime_async.queue.schema import (
     pack_header,
     unpack_header,
 )
-from slime_async.queue.synthetic import synthetic_group
+from slime_async.testing.trajectories import synthetic_group
 
 
 def _traj() -> Trajectory:

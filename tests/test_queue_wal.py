@@ -13,8 +13,8 @@ import pytest
 from slime_async.config import BufferConfig
 from slime_async.queue.client import ConsumerClient, ProducerClient, ping
 from slime_async.queue.server import Buffer
-from slime_async.queue.synthetic import synthetic_group
 from slime_async.queue.wal import PUT, WriteAheadLog
+from slime_async.testing.trajectories import synthetic_group
 from slime_async.utils.procs import Child, free_port, python_module, wait_until
 
 

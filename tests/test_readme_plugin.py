@@ -5,9 +5,9 @@ import re
 import sys
 from pathlib import Path
 
-from slime_async.actors.rewards import resolve_reward
-from slime_async.actors.rollout import ROLLOUTS, Generation, RolloutContext, Sample
-from slime_async.models.tiny import char_tokenizer
+from slime_async.actors.generator.rewards import resolve_reward
+from slime_async.actors.generator.rollout import ROLLOUTS, Generation, RolloutContext, Sample
+from slime_async.testing.models import char_tokenizer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

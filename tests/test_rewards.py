@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from slime_async.actors.rewards import (
+from slime_async.actors.generator.rewards import (
     REWARDS,
     check_reward,
     exact_match,
@@ -14,7 +14,7 @@ from slime_async.actors.rewards import (
     numeric_match,
     resolve_reward,
 )
-from slime_async.actors.rollout import PluginContractError, Sample
+from slime_async.actors.generator.rollout import PluginContractError, Sample
 from slime_async.utils.plugins import PluginError
 
 
@@ -124,8 +124,8 @@ def test_check_reward_accepts_numbers():
 
 
 def test_a_reward_set_by_the_rollout_is_checked_too():
-    from slime_async.actors.rewards import check_own_reward
-    from slime_async.actors.rollout import Transcript
+    from slime_async.actors.generator.rewards import check_own_reward
+    from slime_async.actors.generator.rollout import Transcript
 
     t = Transcript([1])
     t.reward = 0.5

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from slime_async.actors.rollout import (
+from slime_async.actors.generator.rollout import (
     ROLLOUTS,
     EngineFailure,
     Generation,
@@ -24,8 +24,8 @@ from slime_async.actors.rollout import (
     single_turn,
 )
 from slime_async.config.generator import SamplingConfig
-from slime_async.models.tiny import char_tokenizer
 from slime_async.queue.schema import decode_trajectory, encode_trajectory
+from slime_async.testing.models import char_tokenizer
 from slime_async.utils.plugins import PluginError
 
 
@@ -229,7 +229,7 @@ def test_rollout_signature_checked_at_resolve():
 
 
 def test_a_rejected_request_is_not_retried_as_an_engine_failure(tok):
-    from slime_async.actors.engines.client import EngineRequestError
+    from slime_async.actors.engine.client import EngineRequestError
 
     err = EngineRequestError("http://e", "POST /generate", "HTTP 400: prompt too long", 400)
     ctx = RolloutContext(ScriptedEngine([err]), tok)

@@ -12,14 +12,14 @@ import threading
 import psutil
 import pytest
 
-from slime_async.actors.run_dir import READY_ENV, RunDir, announce_ready
-from slime_async.actors.supervisor import RoleSpec, Supervisor, ready_file_exists
+from slime_async.launch.run_dir import READY_ENV, RunDir, announce_ready
+from slime_async.launch.supervisor import RoleSpec, Supervisor, ready_file_exists
 from slime_async.utils.procs import Child, free_port, group_alive, tcp_ready, wait_until
 
 STANDIN = textwrap.dedent(
     """
     import argparse, os, signal, socket, subprocess, sys, time
-    from slime_async.actors.run_dir import announce_ready
+    from slime_async.launch.run_dir import announce_ready
 
     p = argparse.ArgumentParser()
     p.add_argument("--name", required=True)
@@ -245,8 +245,8 @@ def test_role_that_exits_during_startup_is_reported(env):
 DRIVER = textwrap.dedent(
     """
     import sys
-    from slime_async.actors.run_dir import RunDir
-    from slime_async.actors.supervisor import RoleSpec, Supervisor, ready_file_exists
+    from slime_async.launch.run_dir import RunDir
+    from slime_async.launch.supervisor import RoleSpec, Supervisor, ready_file_exists
 
     script, record, run_dir, pidfile = sys.argv[1:5]
     def spec(name, *extra, on_exit_0="failure"):

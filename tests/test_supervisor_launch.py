@@ -9,10 +9,10 @@ import textwrap
 
 import pytest
 
-from slime_async.actors import launch
-from slime_async.actors.run_dir import RunDir
-from slime_async.actors.supervisor import RoleSpec, Supervisor, ready_file_exists
 from slime_async.config import ConfigError, load_config, split_cli_args
+from slime_async.launch import table as launch
+from slime_async.launch.run_dir import RunDir
+from slime_async.launch.supervisor import RoleSpec, Supervisor, ready_file_exists
 from slime_async.metrics import metrics_path, read_metrics
 
 FREE_PORTS = [
@@ -144,7 +144,7 @@ ENGINE = textwrap.dedent(
 GENERATOR = textwrap.dedent(
     """
     import json, sys, time, urllib.request
-    from slime_async.actors.run_dir import announce_ready
+    from slime_async.launch.run_dir import announce_ready
     from slime_async.config import load_config, split_cli_args
     cfg = load_config(*split_cli_args(sys.argv[1:]))
     urls = [cfg.engine.router_url]
@@ -181,7 +181,7 @@ def test_real_router_in_front_of_standin_engines(tmp_path, api_key):
         lambda resume: [
             py,
             "-c",
-            "from slime_async.actors.run_dir import announce_ready as a; a()",
+            "from slime_async.launch.run_dir import announce_ready as a; a()",
         ],
         ready_file_exists,
         on_exit_0="ends_run",
@@ -202,7 +202,7 @@ def test_real_router_in_front_of_standin_engines(tmp_path, api_key):
 LEARNER = textwrap.dedent(
     """
     import sys
-    from slime_async.actors.run_dir import announce_ready
+    from slime_async.launch.run_dir import announce_ready
     from slime_async.config import load_config
     from slime_async.metrics import MetricsLogger
     cfg = load_config([sys.argv[1]])
@@ -278,7 +278,7 @@ def test_run_command_refuses_bad_invocations(tmp_path):
 LEARNER_PROBE = textwrap.dedent(
     """
     import sys, urllib.request
-    from slime_async.actors.run_dir import announce_ready
+    from slime_async.launch.run_dir import announce_ready
     from slime_async.config import ConfigError, load_config, split_cli_args
     from slime_async.queue.client import ConsumerClient
     files, overrides = split_cli_args(sys.argv[1:])
@@ -293,7 +293,7 @@ LEARNER_PROBE = textwrap.dedent(
 
 
 def test_real_buffer_engines_and_router_start_and_stop(tmp_path):
-    from slime_async.models.tiny import make_tiny_model
+    from slime_async.testing.models import make_tiny_model
 
     make_tiny_model(tmp_path / "model")
     _cfg, run_dir, stages = planned(

@@ -1,9 +1,9 @@
 """The learner process's pieces that need no model: checkpoint discovery and batch metrics."""
 
 import numpy as np
+from slime_async.actors.learner.trainer.process import batch_metrics, latest_checkpoint
 
-from slime_async.actors.train_loop import batch_metrics, latest_checkpoint
-from slime_async.queue.synthetic import synthetic_group
+from slime_async.testing.trajectories import synthetic_group
 
 
 def _ckpt(path):

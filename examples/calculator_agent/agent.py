@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from examples.calculator_agent.calculator import calculator
-from slime_async.actors.rewards import numeric_match
-from slime_async.actors.rollout import RolloutContext, Sample, Transcript
+from slime_async.actors.generator.rewards import numeric_match
+from slime_async.actors.generator.rollout import RolloutContext, Sample, Transcript
 
 MAX_CALLS = 3
 MAX_RESPONSE_TOKENS = 192

@@ -49,7 +49,7 @@ async def rollout(ctx: Any, sample: Any):
 
 def prepare(cfg: Any) -> None:
     """`run.prepare` hook: the dataset and a random-init Qwen3-shaped ~0.5B model, cached."""
-    from slime_async.models.tiny import QWEN3_05B_SHAPE, make_tiny_model
+    from slime_async.testing.models import QWEN3_05B_SHAPE, make_tiny_model
 
     data = Path(cfg.generator.dataset)
     if not data.exists():

@@ -16,16 +16,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import logging
     import signal
-    from pathlib import Path
 
     from slime_async.queue.security import SecurityError
     from slime_async.queue.server import Buffer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s buffer %(levelname)s %(message)s")
     cfg = config_from_args(args)
-    wal_dir = cfg.buffer.wal_dir
-    if wal_dir and not Path(wal_dir).is_absolute() and cfg.run.run_dir:
-        wal_dir = str(Path(cfg.run.run_dir) / wal_dir)
+    wal_dir = cfg.paths().wal_dir
     try:
         buf = Buffer(cfg.buffer, wal_dir=wal_dir)
     except SecurityError as e:

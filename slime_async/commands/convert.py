@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
 def _convert(src: Path, dst: Path, tensor_parallel: int, dtype: str) -> int:
     if dst.exists():
         raise FileExistsError(f"{dst} exists already")
-    from slime_async.actors import learner_ckpt
+    from slime_async.actors.learner import checkpoint as learner_ckpt
 
     if learner_ckpt.is_checkpoint(src):
         to_hf = True
@@ -54,7 +54,7 @@ def _convert(src: Path, dst: Path, tensor_parallel: int, dtype: str) -> int:
             "nor a torch_dist checkpoint (metadata.json, common.pt)"
         )
 
-    from slime_async.actors.learner import Learner
+    from slime_async.actors.learner.trainer import Learner
     from slime_async.config import AlgoConfig, LearnerConfig
 
     where = {"load": str(src)} if to_hf else {"model_path": str(src)}

@@ -29,7 +29,7 @@ def main(args: argparse.Namespace) -> int:
     port = cfg.port if args.port is None else args.port
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
 
-    from slime_async.actors.engines.server import EmbeddedEngine, serve
+    from slime_async.actors.engine.embedded.server import EmbeddedEngine, serve
 
     engine = EmbeddedEngine(cfg, model_path)
 

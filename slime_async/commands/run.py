@@ -20,10 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from slime_async.actors.launch import plan_roles
-    from slime_async.actors.run_dir import RunDir
-    from slime_async.actors.supervisor import Supervisor
     from slime_async.config import ConfigError, load_config, split_cli_args
+    from slime_async.launch.run_dir import RunDir
+    from slime_async.launch.supervisor import Supervisor
+    from slime_async.launch.table import plan_roles
     from slime_async.metrics import metrics_path, read_metrics
     from slime_async.progress import ProgressDisplay
 

@@ -20,11 +20,12 @@ from typing import Any
 from pydantic import ValidationError, model_validator
 
 from slime_async.config.algo import AlgoConfig
-from slime_async.config.base import Section
+from slime_async.config.base import ConfigError, Section
 from slime_async.config.buffer import BufferConfig, CurveConfig
 from slime_async.config.engine import EngineConfig
 from slime_async.config.generator import GeneratorConfig, SamplingConfig
 from slime_async.config.learner import LearnerConfig
+from slime_async.config.paths import RunPaths, generate_urls, run_paths, written_path
 from slime_async.config.run import RunConfig
 
 __all__ = [
@@ -36,11 +37,15 @@ __all__ = [
     "GeneratorConfig",
     "LearnerConfig",
     "RunConfig",
+    "RunPaths",
     "SamplingConfig",
     "Section",
     "SlimeConfig",
+    "generate_urls",
     "load_config",
+    "run_paths",
     "split_cli_args",
+    "written_path",
 ]
 
 COMMAND_LINE = "command line"
@@ -66,6 +71,11 @@ class SlimeConfig(Section):
         if "groups_per_step" not in self.buffer.model_fields_set:
             self.buffer.groups_per_step = self.learner.groups_per_step
             self.buffer.model_fields_set.discard("groups_per_step")
+        # run.seed seeds every role whose own seed is not set (and config.json records each).
+        for section in (self.engine, self.generator, self.learner):
+            if "seed" not in section.model_fields_set:
+                section.seed = self.run.seed
+                section.model_fields_set.discard("seed")
         # Synchronous RL is the same pipeline with no staleness allowed and a push every step:
         # the buffer then admits one batch per policy version, so generation waits for training.
         if self.run.mode == "sync":
@@ -75,6 +85,14 @@ class SlimeConfig(Section):
                 self.learner.push_interval = 1
         return self
 
+    def paths(self) -> RunPaths:
+        """The run's written files, absolute, by the one rule of `slime_async/config/paths.py`."""
+        return run_paths(self)
+
+    def generate_urls(self) -> list[str]:
+        """Where generators send /generate (`slime_async/config/paths.py`)."""
+        return generate_urls(self.engine)
+
     def write_json(self, path: str | Path) -> None:
         """Write the resolved config (every field, defaults included) as JSON."""
         Path(path).write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
@@ -82,10 +100,6 @@ class SlimeConfig(Section):
     @classmethod
     def read_json(cls, path: str | Path) -> SlimeConfig:
         return cls.model_validate(json.loads(Path(path).read_text()))
-
-
-class ConfigError(ValueError):
-    """A config file or override is wrong; the message names the key and where it was set."""
 
 
 def _parse_value(text: str) -> Any:

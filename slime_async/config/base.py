@@ -12,3 +12,7 @@ class Section(BaseModel):
         use_attribute_docstrings=True,
         frozen=False,
     )
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key and where it was set."""

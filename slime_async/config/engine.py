@@ -33,7 +33,7 @@ class EngineConfig(Section):
     cuda_graphs: bool = True
     """Replay the embedded engine's decode step from CUDA graphs (GPU only): far fewer launches."""
     seed: int = 0
-    """Seed of the embedded engine's sampler."""
+    """Seed of the embedded engine's sampler (unset in a full config: run.seed)."""
     torch_threads: int = Field(0, ge=0)
     """CPU threads of the embedded engine's torch (0: torch's default)."""
     weight_sync_timeout_s: float = Field(300.0, gt=0)

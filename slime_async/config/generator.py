@@ -27,9 +27,9 @@ class GeneratorConfig(Section):
     """Wrap a text prompt as one user message with the tokenizer's chat template."""
     tokenizer_path: str | None = None
     """Model directory whose tokenizer is used (None: engine.model_path, then learner.model_path)."""
-    rollout: str = "slime_async.actors.rollout:single_turn"
-    """Rollout plugin, an async function, by import path `package.module:function`."""
-    reward: str = "slime_async.actors.rewards:exact_match"
+    rollout: str = "single_turn"
+    """Rollout plugin, an async function: a registered name (single_turn) or `package.module:function`."""
+    reward: str = "exact_match"
     """Reward function (sync or async) by registered name or import path."""
     group_size: int = Field(8, ge=1)
     """Rollouts per prompt (n samples of one prompt form a group)."""
@@ -40,7 +40,7 @@ class GeneratorConfig(Section):
     producer_id: str = "gen0"
     """Identity of this generator towards the buffer (sequence numbers are per producer)."""
     seed: int = 0
-    """Shuffling seed of the dataset (each epoch is a new permutation)."""
+    """Shuffling seed of the dataset, each epoch a new permutation (unset in a full config: run.seed)."""
     num_epochs: int | None = Field(None, ge=1)
     """Passes over the dataset before the generator finishes (None: run until stopped)."""
     num_shards: int = Field(1, ge=1)

@@ -51,4 +51,4 @@ class LearnerConfig(Section):
     torch_threads: int = Field(0, ge=0)
     """CPU threads of each learner process (torch.set_num_threads); 0: torch's default."""
     seed: int = 1234
-    """Seed of parameter init and dropout."""
+    """Seed of parameter init and dropout (unset in a full config: run.seed)."""

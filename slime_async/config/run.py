@@ -19,11 +19,11 @@ class RunConfig(Section):
     prepare: str | None = None
     """Function `package.module:fn(cfg)` that `slime-async run` calls first (build datasets, base model)."""
     seed: int = 0
-    """Global seed."""
+    """Seed of every role whose own `seed` is unset (engine sampler, dataset order, learner init)."""
     wandb: Literal["offline", "online", "disabled"] = "offline"
     """wandb mode; offline writes under the run dir, disabled never imports wandb."""
     wandb_project: str = "slime-async"
-    """wandb project name (the run name is the run directory's name)."""
+    """wandb project of every role's metrics (the run name is the run directory's name)."""
     restart_failed: int = Field(0, ge=0)
     """How often each child role that dies is restarted before the whole run stops."""
     num_generators: int = Field(1, ge=1)

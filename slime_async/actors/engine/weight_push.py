@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from slime_async.actors.engines.client import EngineClient, EngineError
-from slime_async.actors.engines.weight_sync import WeightGroup, init_weight_group
+from slime_async.actors.engine.client import EngineClient, EngineError
+from slime_async.actors.engine.weight_sync import WeightGroup, init_weight_group
 from slime_async.utils.procs import free_port
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The run directory and the readiness convention between `slime-async run` and its roles.
+"""The run directory: where `slime-async run` keeps everything of one run.
 
     <run_dir>/config.json          the resolved config every role starts from (run.run_dir set)
     <run_dir>/logs/<role>.log      stdout+stderr of each child; logs/supervisor.log: its events
@@ -6,33 +6,19 @@
     <run_dir>/ready/<role>         written by a role once it serves (see `announce_ready`)
     <run_dir>/checkpoints/         the learner's checkpoints unless learner.save says otherwise
 
-Readiness: the supervisor sets the environment variable `SLIME_ASYNC_READY_FILE` for each child
-it starts, and deletes that file before every (re)start. A role without a port to probe (the
-learner, the generators) calls `announce_ready()` once it can do its work; outside a supervised
-run the variable is unset and the call does nothing. Under torchrun every rank inherits the
-variable: call it on rank 0 after a barrier so the file means all ranks are ready.
+Relative paths in the config are placed by one rule (`slime_async/config/paths.py`); readiness
+files follow `slime_async/utils/readiness.py`.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-READY_ENV = "SLIME_ASYNC_READY_FILE"
+from slime_async.config.paths import CHECKPOINTS_DIR, written_path
+from slime_async.utils.readiness import READY_ENV, announce_ready
 
-
-def announce_ready(detail: str = "") -> Path | None:
-    """Tell the supervisor this process is ready (writes the file named by $SLIME_ASYNC_READY_FILE)."""
-    target = os.environ.get(READY_ENV)
-    if not target:
-        return None
-    path = Path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"pid {os.getpid()} time {time.time():.3f} {detail}".rstrip() + "\n")
-    os.replace(tmp, path)  # the supervisor never sees a half-written file
-    return path
+__all__ = ["READY_ENV", "RunDir", "announce_ready"]
 
 
 class RunDir:
@@ -100,7 +86,7 @@ class RunDir:
 
     @property
     def checkpoints_dir(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / CHECKPOINTS_DIR
 
     def log(self, role: str) -> Path:
         return self.logs_dir / f"{role}.log"
@@ -109,6 +95,5 @@ class RunDir:
         return self.ready_dir / role
 
     def under(self, path: str | Path) -> Path:
-        """`path` if absolute, else relative to the run directory (config paths like wal_dir)."""
-        p = Path(path)
-        return p if p.is_absolute() else self.path / p
+        """A path the run writes, by the config's one rule (`slime_async/config/paths.py`)."""
+        return written_path(self.path, path)

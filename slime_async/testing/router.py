@@ -1,18 +1,15 @@
-"""Start and stop the real sglang-router (PyPI `sglang-router`) in front of several engines.
+"""The real sglang-router as a child process for tests: `with Router(urls) as r: r.url`.
 
-Binds host:port for requests and host:prometheus_port for metrics (both default to 0.0.0.0 in the
-router, so both are always set). Ready when GET /workers lists every worker with is_healthy true
-(its own /health answers before workers are accepted). The router re-serialises /generate bodies
-and drops unknown fields, but passes response bodies through unchanged.
+Started with the same command line and readiness check as `slime-async run`
+(`slime_async/launch/router.py`).
 """
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 
-from slime_async.utils.procs import Child, free_port, python_module, wait_until
+from slime_async.launch.router import router_argv, router_ready, router_workers
+from slime_async.utils.procs import Child, free_port, wait_until
 
 
 class Router:
@@ -26,6 +23,7 @@ class Router:
         port: int = 0,
         log_path: str | Path | None = None,
         startup_timeout_s: float = 60.0,
+        api_key: str | None = None,
     ):
         if not worker_urls:
             raise ValueError("sglang-router needs at least one worker URL")
@@ -36,6 +34,7 @@ class Router:
         self.prometheus_port = free_port(host)
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
+        self.api_key = api_key
         self.child: Child | None = None
 
     @property
@@ -43,19 +42,18 @@ class Router:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> Router:
-        argv = python_module(
-            "sglang_router.launch_router",
-            "--host", self.host,
-            "--port", str(self.port),
-            "--prometheus-host", self.host,
-            "--prometheus-port", str(self.prometheus_port),
-            "--policy", self.policy,
-            "--worker-urls", *self.worker_urls,
-        )  # fmt: skip
+        argv = router_argv(
+            self.worker_urls,
+            host=self.host,
+            port=self.port,
+            prometheus_port=self.prometheus_port,
+            policy=self.policy,
+            api_key=self.api_key,
+        )
         self.child = Child("sglang-router", argv, log_path=self.log_path)
         try:
             wait_until(
-                lambda: self.healthy_workers() >= len(self.worker_urls),
+                lambda: router_ready(self.url, self.worker_urls, self.api_key),
                 self.startup_timeout_s,
                 f"sglang-router at {self.url} to accept {len(self.worker_urls)} workers",
                 interval=0.2,
@@ -68,8 +66,7 @@ class Router:
 
     def workers(self) -> list[dict]:
         """The router's GET /workers list."""
-        with urllib.request.urlopen(f"{self.url}/workers", timeout=2) as resp:
-            return json.loads(resp.read()).get("workers", [])
+        return router_workers(self.url, self.api_key)
 
     def healthy_workers(self) -> int:
         return sum(1 for w in self.workers() if w.get("is_healthy"))

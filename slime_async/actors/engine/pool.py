@@ -14,7 +14,7 @@ import contextlib
 import random
 from typing import Any
 
-from slime_async.actors.engines.client import (
+from slime_async.actors.engine.client import (
     EngineClient,
     EngineError,
     EngineRequestError,

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from slime_async import megatron_compat
-from slime_async.actors import learner_ckpt
-from slime_async.actors.learner_batch import (
+from slime_async.actors.learner import checkpoint as learner_ckpt
+from slime_async.actors.learner.trainer.batch import (
     MicroBatch,
     Row,
     check_ids,
@@ -43,7 +43,7 @@ from slime_async.actors.learner_batch import (
     rows_from_groups,
     vocab_parallel_logprobs,
 )
-from slime_async.actors.learner_optim import MasterAdamW, lr_at
+from slime_async.actors.learner.trainer.optim import MasterAdamW, lr_at
 from slime_async.config.algo import AlgoConfig
 from slime_async.config.learner import LearnerConfig
 from slime_async.models import convert

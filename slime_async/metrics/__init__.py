@@ -15,8 +15,8 @@ A value is a number or a histogram. Histograms are plain dicts so the JSONL stay
 `{"edges": [e0, ..., eK], "counts": [c1, ..., cK]}` for binned real values.
 Non-finite numbers are written as JSON null (a NaN loss is an event worth keeping).
 
-The names below are the ones the progress display and `slime-async plot` look for; roles may log
-any other names too.
+Every name a role writes and a reader looks for is defined once, in `slime_async/metrics/names.py`
+(re-exported here); roles may log other names too, but a name that someone reads belongs there.
 """
 
 from __future__ import annotations
@@ -30,26 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-# Learner records (metrics/learner.jsonl), one per optimizer step.
-REWARD = "reward"  # mean reward of the trajectories trained on in this step
-ACCURACY = "accuracy"  # fraction of those with a correct answer (when the reward knows)
-RESPONSE_LEN = "response_len/mean"  # mean response length in tokens
-STALENESS_MEAN = "staleness/mean"  # learner version - oldest token version, mean over trajectories
-STALENESS_MAX = "staleness/max"
-STALENESS_HIST = "staleness/hist"  # int_histogram of the same
-# Importance weights pi/mu over model tokens, as slime_async.algos.metrics.finalize_metrics names
-# them (losses that clip a PPO ratio report "ratio" and "ratio_max" instead).
-IW_MEAN = "is_weight"
-IW_MAX = "is_weight_max"
-CLIP_FRAC = "clip_frac"
-LOSS = "loss"
-GRAD_NORM = "grad_norm"
-TRAIN_TOKENS_PER_S = "train/tokens_per_s"
-LEARNER_WAIT_PCT = "learner/wait_pct"  # % of the step's wall time spent waiting for a batch
-PUSH_S = "push/seconds"  # wall time of the weight push after this step (0 when none)
-# Generator records (metrics/generator<i>.jsonl), `step` = the policy version it last saw.
-GEN_TOKENS_PER_S = "gen/tokens_per_s"
-GENERATOR_IDLE_PCT = "generator/idle_pct"  # % of wall time with no rollout in flight
+from slime_async.metrics.names import *  # noqa: F403  (one definition of each name)
 
 Histogram = dict[str, list]
 

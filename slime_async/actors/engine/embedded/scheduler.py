@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 import torch
 
-from slime_async.actors.engines.model_runner import ModelRunner
-from slime_async.actors.engines.sampling import SamplingParams, sample
+from slime_async.actors.engine.embedded.model_runner import ModelRunner
+from slime_async.actors.engine.embedded.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from slime_async.actors.engines.model_runner import ModelRunner
-from slime_async.actors.engines.sampling import SamplingParams
-from slime_async.actors.engines.scheduler import Request, Scheduler
-from slime_async.actors.engines.weight_sync import WeightGroup, init_weight_group, receive_tensors
+from slime_async.actors.engine.embedded.model_runner import ModelRunner
+from slime_async.actors.engine.embedded.sampling import SamplingParams
+from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
+from slime_async.actors.engine.weight_sync import WeightGroup, init_weight_group, receive_tensors
 from slime_async.config import EngineConfig
 
 log = logging.getLogger(__name__)

@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from slime_async.actors.run_dir import RunDir
-from slime_async.actors.supervisor import RoleSpec, ready_file_exists
 from slime_async.config import BufferConfig, ConfigError, SlimeConfig
+from slime_async.launch.router import router_argv, router_ready
+from slime_async.launch.run_dir import RunDir
+from slime_async.launch.supervisor import RoleSpec, ready_file_exists
+from slime_async.queue.client import ConsumerClient
 from slime_async.utils.procs import free_port, python_module, tcp_ready
 
 LOOPBACK = "127.0.0.1"
@@ -52,17 +54,6 @@ def http_ok(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> boo
         return resp.status == 200
 
 
-def router_ready(
-    router_url: str, worker_urls: list[str], api_key: str | None = None, timeout_s: float = 2.0
-) -> bool:
-    """The router's GET /workers lists every worker in `worker_urls` as healthy (with
-    --api-key the router answers 401 without it)."""
-    with _get(f"{router_url}/workers", api_key, timeout_s) as resp:
-        workers = json.loads(resp.read())["workers"]
-    healthy = {w["url"].rstrip("/") for w in workers if w.get("is_healthy")}
-    return all(u.rstrip("/") in healthy for u in worker_urls)
-
-
 def _endpoint_ready(endpoint: str) -> bool:
     if endpoint.startswith("ipc://"):
         return Path(endpoint.removeprefix("ipc://")).exists()
@@ -74,10 +65,6 @@ def buffer_ready(cfg: BufferConfig) -> bool:
     """Both endpoints accept connections and the buffer answers a stats request."""
     if not (_endpoint_ready(cfg.producer_endpoint) and _endpoint_ready(cfg.consumer_endpoint)):
         return False
-    try:
-        from slime_async.queue.client import ConsumerClient
-    except ImportError:  # clients not installed in this tree: the port probe has to do
-        return True
     client = ConsumerClient(cfg, consumer_id="supervisor-probe")
     try:
         return isinstance(client.stats(), dict)
@@ -101,6 +88,8 @@ def _nonempty_dir(save_dir: Path) -> Path | None:
 def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
     """The launch table for `cfg`, in start stages; the config file the children read is
     `run_dir.config_json` (written by the caller, with run.run_dir set)."""
+    if cfg.run.run_dir is None or Path(cfg.run.run_dir).resolve() != run_dir.path:
+        raise ConfigError(f"run.run_dir must be the run's directory {run_dir.path} before planning")
     config = str(run_dir.config_json)
     py = sys.executable
 
@@ -115,8 +104,9 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
         _arg("buffer.producer_endpoint", buf.producer_endpoint),
         _arg("buffer.consumer_endpoint", buf.consumer_endpoint),
     ]
-    if cfg.buffer.wal_dir is not None:  # the WAL is what lets --resume lose nothing
-        buffer_args.append(_arg("buffer.wal_dir", str(run_dir.under(cfg.buffer.wal_dir))))
+    paths = cfg.paths()  # cfg.run.run_dir is this run's directory
+    if paths.wal_dir is not None:  # the WAL is what lets --resume lose nothing
+        buffer_args.append(_arg("buffer.wal_dir", str(paths.wal_dir)))
     first = [
         RoleSpec(
             name="buffer",
@@ -129,6 +119,7 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
     # engines and router ------------------------------------------------------------------------
     stages: list[list[RoleSpec]] = [first]
     eng = cfg.engine
+    router_url: str | None = None
     if eng.kind == "embedded":
         ports = [
             free_port(eng.host) if eng.port == 0 else eng.port + i for i in range(eng.num_engines)
@@ -151,35 +142,32 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
                     ready_what=f"GET {url}/health",
                 )
             )
-        generate_urls = engine_urls
         if eng.num_engines > 1:
             rport = free_port(LOOPBACK) if eng.router_port == 0 else eng.router_port
             router_url = f"http://{LOOPBACK}:{rport}"
-            router_argv = [
-                py, "-m", "sglang_router.launch_router",
-                "--host", LOOPBACK, "--port", str(rport),
-                "--prometheus-host", LOOPBACK, "--prometheus-port", str(free_port(LOOPBACK)),
-                "--worker-urls", *engine_urls,
-                "--policy", eng.router_policy,
-            ]  # fmt: skip
-            if eng.api_key:
-                router_argv += ["--api-key", eng.api_key]
+            argv = router_argv(
+                engine_urls,
+                host=LOOPBACK,
+                port=rport,
+                prometheus_port=free_port(LOOPBACK),
+                policy=eng.router_policy,
+                api_key=eng.api_key,
+            )
             stages.append(
                 [
                     RoleSpec(
                         name="router",
-                        argv=lambda resume: router_argv,
+                        argv=lambda resume, argv=argv: argv,
                         ready=lambda _path: router_ready(router_url, engine_urls, eng.api_key),
                         ready_what=f"GET {router_url}/workers lists {len(engine_urls)} healthy",
                     )
                 ]
             )
-            generate_urls = [router_url]
     else:
         if not eng.urls:
             raise ConfigError("engine.urls: engine.kind = 'external' needs the engines' URLs")
         engine_urls = list(eng.urls)
-        generate_urls = [eng.router_url] if eng.router_url else engine_urls
+        router_url = eng.router_url
 
     # generators and learner --------------------------------------------------------------------
     last: list[RoleSpec] = []
@@ -189,8 +177,8 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
             _arg("buffer.producer_endpoint", buf.producer_endpoint),
             _arg("engine.urls", engine_urls),
         ]
-        if generate_urls != engine_urls:  # several engines: generation goes through the router
-            gen_args.append(_arg("engine.router_url", generate_urls[0]))
+        if router_url is not None:  # generation goes through the router, weights do not
+            gen_args.append(_arg("engine.router_url", router_url))
         if n_gen > 1:  # each takes its own shard of the prompts and its own sequence numbers
             gen_args += [
                 _arg("generator.producer_id", f"gen{i}"),
@@ -211,7 +199,7 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
             )
         )
 
-    save_dir = run_dir.under(cfg.learner.save) if cfg.learner.save else run_dir.checkpoints_dir
+    save_dir = paths.checkpoints or run_dir.checkpoints_dir  # never None with a run directory
     learner_args = [
         _arg("buffer.consumer_endpoint", buf.consumer_endpoint),
         _arg("engine.urls", engine_urls),  # weights go to each engine, never through the router

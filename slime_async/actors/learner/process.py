@@ -39,7 +39,7 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
     A checkpoint directory appears under its final name only once complete (it is written as
     `step_<n>.partial` and renamed), so a crash mid-save leaves nothing half-read here.
     """
-    from slime_async.actors.learner_ckpt import is_checkpoint
+    from slime_async.actors.learner.trainer.checkpoint import is_checkpoint
 
     root = Path(save_dir)
     if is_checkpoint(root):
@@ -90,7 +90,7 @@ class _Rank0:
         self.consumer = ConsumerClient(cfg.buffer, "learner")
         self.pusher = None
         if cfg.engine.urls:
-            from slime_async.actors.engines.weight_push import WeightPusher
+            from slime_async.actors.engine.weight_push import WeightPusher
 
             self.pusher = WeightPusher(
                 cfg.engine.urls,
@@ -148,13 +148,13 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
     import torch
     import torch.distributed as dist
 
-    from slime_async.actors.learner import Learner
-    from slime_async.actors.run_dir import announce_ready
+    from slime_async.actors.learner.trainer import Learner
+    from slime_async.utils.readiness import announce_ready
 
     lc = cfg.learner
     if lc.torch_threads:
         torch.set_num_threads(lc.torch_threads)
-    save_dir = Path(lc.save) if lc.save else (run_dir / "checkpoints" if run_dir else None)
+    save_dir = cfg.paths().checkpoints
     resume_from = latest_checkpoint(lc.load) if lc.load else None
     if lc.load and resume_from is None:
         if lc.model_path is None:

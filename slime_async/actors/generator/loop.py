@@ -33,9 +33,15 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from slime_async.actors.dataset import Cursor, CursorStore, Item, PromptDataset, PromptStream
-from slime_async.actors.rewards import RewardFn, check_own_reward, resolve_reward
-from slime_async.actors.rollout import (
+from slime_async.actors.generator.dataset import (
+    Cursor,
+    CursorStore,
+    Item,
+    PromptDataset,
+    PromptStream,
+)
+from slime_async.actors.generator.rewards import RewardFn, check_own_reward, resolve_reward
+from slime_async.actors.generator.rollout import (
     ROLLOUTS,
     EngineFailure,
     EngineLike,

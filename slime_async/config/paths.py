@@ -1,0 +1,83 @@
+"""Where a run's files are and where its requests go: decided here, once, for every role.
+
+The rule for relative paths:
+- Paths a run **writes** (`buffer.wal_dir`, `generator.state_path`, `learner.save`) are under
+  `run.run_dir` when the run has one (`slime-async run` always sets it), else under the working
+  directory. Left unset, the generator's cursor is `<run_dir>/state/<producer_id>.json` and the
+  learner's checkpoints `<run_dir>/checkpoints`; the write-ahead log stays off.
+- Paths a run **reads** (`generator.dataset`, `generator.tokenizer_path`, `engine.model_path`,
+  `learner.model_path`, `learner.load`) are relative to the working directory the command was
+  started in, as with any command-line tool.
+
+Defaults that depend on another key (the cursor on `producer_id`) are computed when asked, not
+written into the run's config.json, so a role's own overrides still apply to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from slime_async.config.base import ConfigError
+from slime_async.config.engine import EngineConfig
+
+if TYPE_CHECKING:  # the config package's __init__ imports this module
+    from slime_async.config import SlimeConfig
+
+
+CHECKPOINTS_DIR = "checkpoints"
+"""The learner's checkpoints inside the run directory, unless `learner.save` says otherwise."""
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The files of one role's run, every path absolute or None."""
+
+    run_dir: Path | None
+    """The run directory (`run.run_dir`), None outside a supervised run."""
+    wal_dir: Path | None
+    """The buffer's write-ahead log (None: off)."""
+    generator_state: Path | None
+    """This generator's dataset cursor (None: not kept, only without a run directory)."""
+    checkpoints: Path | None
+    """The learner's checkpoint directory (None: no checkpoints)."""
+
+
+def written_path(run_dir: str | Path | None, path: str | Path) -> Path:
+    """A path the run writes: absolute as given, else under `run_dir` (or the working dir)."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p
+    return (Path(run_dir) / p if run_dir else p).absolute()
+
+
+def run_paths(cfg: SlimeConfig) -> RunPaths:
+    """Every written path of `cfg`, by the rule in the module docstring."""
+    run_dir = Path(cfg.run.run_dir).absolute() if cfg.run.run_dir else None
+
+    def under(path: str | None, default: str | None) -> Path | None:
+        if path is not None:
+            return written_path(run_dir, path)
+        return run_dir / default if run_dir is not None and default is not None else None
+
+    return RunPaths(
+        run_dir=run_dir,
+        wal_dir=under(cfg.buffer.wal_dir, None),
+        generator_state=under(cfg.generator.state_path, f"state/{cfg.generator.producer_id}.json"),
+        checkpoints=under(cfg.learner.save, CHECKPOINTS_DIR),
+    )
+
+
+def generate_urls(engine: EngineConfig) -> list[str]:
+    """Where generators send /generate: `router_url`, else `urls`, else the embedded engine (or
+    the router `slime-async run` starts in front of several) at `host:port`. Weights never go
+    this way: the learner pushes them to each of `urls`."""
+    if engine.router_url:
+        return [engine.router_url]
+    if engine.urls:
+        return list(engine.urls)
+    port = engine.router_port if engine.num_engines > 1 else engine.port
+    if engine.kind == "external" or port == 0:
+        raise ConfigError("engine.urls: the generator needs the engines' URLs (none configured)")
+    return [f"http://{engine.host}:{port}"]

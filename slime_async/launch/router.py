@@ -1,0 +1,59 @@
+"""The one way this project starts the real sglang-router (PyPI `sglang-router`) and checks it.
+
+Binds host:port for requests and host:prometheus_port for metrics; both default to 0.0.0.0 in the
+router, so both are always given. Ready when GET /workers lists every worker as healthy (its own
+/health answers before workers are accepted); with an API key the router answers 401 without it.
+The router re-serialises /generate bodies and drops unknown fields, but passes response bodies
+through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+from slime_async.utils.procs import python_module
+
+
+def router_argv(
+    worker_urls: list[str],
+    *,
+    host: str,
+    port: int,
+    prometheus_port: int,
+    policy: str = "round_robin",
+    api_key: str | None = None,
+) -> list[str]:
+    """The command line of one sglang-router in front of `worker_urls`."""
+    if not worker_urls:
+        raise ValueError("sglang-router needs at least one worker URL")
+    argv = python_module(
+        "sglang_router.launch_router",
+        "--host", host,
+        "--port", str(port),
+        "--prometheus-host", host,
+        "--prometheus-port", str(prometheus_port),
+        "--worker-urls", *worker_urls,
+        "--policy", policy,
+    )  # fmt: skip
+    if api_key:
+        argv += ["--api-key", api_key]
+    return argv
+
+
+def router_workers(router_url: str, api_key: str | None = None, timeout_s: float = 2.0) -> list:
+    """The router's GET /workers list."""
+    req = urllib.request.Request(f"{router_url}/workers")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read()).get("workers", [])
+
+
+def router_ready(
+    router_url: str, worker_urls: list[str], api_key: str | None = None, timeout_s: float = 2.0
+) -> bool:
+    """The router lists every worker in `worker_urls` as healthy."""
+    workers = router_workers(router_url, api_key, timeout_s)
+    healthy = {w["url"].rstrip("/") for w in workers if w.get("is_healthy")}
+    return all(u.rstrip("/") in healthy for u in worker_urls)
