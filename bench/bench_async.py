@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from slime_async.metrics import names as m
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -64,14 +66,14 @@ def summarize(run_dir: Path, total_s: float) -> dict:
         "steps": len(learner),
         "wall_s": span,
         "total_s": total_s,
-        "final_reward": mean([r["reward"] for r in last]),
-        "first_reward": mean([r["reward"] for r in learner[:10]]),
-        "learner_idle_pct": 100.0 * sum(r["learner/wait_s"] for r in learner) / span,
-        "generator_idle_pct": mean([r.get("generator/idle_pct", 0.0) for r in gen_span]),
-        "train_tokens": sum(r.get("tokens", 0.0) for r in learner),
-        "staleness_max": max(r.get("staleness/max", 0) for r in learner),
-        "response_len_mean": mean([r["response_len/mean"] for r in learner]),
-        "response_len_max": max(r["response_len/max"] for r in learner),
+        "final_reward": mean([r[m.REWARD] for r in last]),
+        "first_reward": mean([r[m.REWARD] for r in learner[:10]]),
+        "learner_idle_pct": 100.0 * sum(r[m.LEARNER_WAIT_S] for r in learner) / span,
+        "generator_idle_pct": mean([r.get(m.GENERATOR_IDLE_PCT, 0.0) for r in gen_span]),
+        "train_tokens": sum(r.get(m.TOKENS, 0.0) for r in learner),
+        "staleness_max": max(r.get(m.STALENESS_MAX, 0) for r in learner),
+        "response_len_mean": mean([r[m.RESPONSE_LEN] for r in learner]),
+        "response_len_max": max(r[m.RESPONSE_LEN_MAX] for r in learner),
     }
 
 

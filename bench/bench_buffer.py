@@ -7,6 +7,10 @@ Each row runs in fresh processes: producer -> buffer -> consumer through the rea
 a bare PUSH/PULL pair carrying the same encoded frames (encoded once, ahead of time, never
 decoded: the transport alone). Throughput counts trajectories from the producer's first send to
 the consumer's last receipt. Latency: one group at a time, enqueue (send) to delivery.
+
+The project is imported inside the functions that use it: with spawn, every child process
+re-imports this file, and the raw PUSH/PULL children need neither the clients nor the config;
+`--help` answers in 0.15-0.2 s instead of 0.6-0.8 s (measured on the 2-core dev machine).
 """
 
 from __future__ import annotations

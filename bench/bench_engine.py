@@ -28,24 +28,26 @@ import urllib.request
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
 
-from slime_async.testing.models import QWEN3_05B_SHAPE
+from slime_async.actors.engine.client import EngineClient
+from slime_async.actors.engine.weight_push import WeightPusher
+from slime_async.actors.engine.weight_sync import init_weight_group
+from slime_async.testing.models import (
+    QWEN3_05B_SHAPE,
+    char_tokenizer,
+    make_tiny_model,
+    save_tokenizer,
+    tiny_config,
+)
 from slime_async.utils.procs import Child, free_port, python_module, wait_until
 
 
 def make_model(out: Path, name: str, dtype: torch.dtype) -> Path:
     """A random-init model directory: `tiny` (make_tiny_model) or `qwen3-0.5b` (Qwen3-0.6B shape)."""
-    from slime_async.testing.models import (
-        char_tokenizer,
-        make_tiny_model,
-        save_tokenizer,
-        tiny_config,
-    )
-
     if name == "tiny":
         return make_tiny_model(out, family="qwen3", seed=0)
-    from transformers import AutoModelForCausalLM
-
     cfg = tiny_config("qwen3", **QWEN3_05B_SHAPE)
     cfg.head_dim = 128  # as Qwen3-0.6B: 16 heads x 128 = 2048 wide attention on a 1024 model
     torch.manual_seed(0)
@@ -90,8 +92,6 @@ def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 async def engine_tokens_per_s(url: str, prompts: list[list[int]], new_tokens: int) -> float:
-    from slime_async.actors.engine.client import EngineClient
-
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     async with EngineClient(url, timeout_s=3600) as c:
         await asyncio.gather(
@@ -120,8 +120,6 @@ def sync(device: str) -> None:
 
 
 def bench_generation(args: argparse.Namespace, work: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     device = args.device
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     model_dir = make_model(work / args.model, args.model, dtype)
@@ -185,8 +183,6 @@ def buckets_of(
 
 
 def _raw_rank(rank: int, port: int, sizes: list[int], reps: int, backend: str, queue) -> None:
-    from slime_async.actors.engine.weight_sync import init_weight_group
-
     dev = f"cuda:{rank}" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -206,8 +202,6 @@ def _raw_rank(rank: int, port: int, sizes: list[int], reps: int, backend: str, q
 
 
 def raw_broadcast_seconds(sizes: list[int], reps: int, backend: str) -> list[float]:
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -224,10 +218,6 @@ def raw_broadcast_seconds(sizes: list[int], reps: int, backend: str) -> list[flo
 
 def bench_push(args: argparse.Namespace, work: Path) -> None:
     """cuda: learner on cuda:0, engine on cuda:1, NCCL. cpu (a dry run of the same path): gloo."""
-    from transformers import AutoModelForCausalLM
-
-    from slime_async.actors.engine.weight_push import WeightPusher
-
     gpu = args.device.startswith("cuda")
     # NVLink multicast stays off (it can take a shared host's GPUs down); the engine inherits it.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

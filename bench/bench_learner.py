@@ -28,13 +28,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
+
+from slime_async.actors.learner.batch import TrainGroup
+from slime_async.actors.learner.optim import MasterAdamW
+from slime_async.actors.learner.trainer import Learner
+from slime_async.config import AlgoConfig, LearnerConfig
+from slime_async.queue.schema import Trajectory
+from slime_async.testing.models import char_tokenizer, save_tokenizer, tiny_config
 
 
 def make_model_dir(out: Path, args) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    from slime_async.testing.models import char_tokenizer, save_tokenizer, tiny_config
-
     cfg = tiny_config(
         "qwen3",
         vocab_size=args.vocab,
@@ -56,9 +60,7 @@ def make_model_dir(out: Path, args) -> Path:
     return out
 
 
-def make_group(args, rng: np.random.Generator):
-    from slime_async.queue.schema import Trajectory
-
+def make_group(args, rng: np.random.Generator) -> TrainGroup:
     prompt_len = args.seq // 8
     prompt = rng.integers(10, args.vocab, size=prompt_len).astype(np.int32)
     group = []
@@ -78,7 +80,7 @@ def make_group(args, rng: np.random.Generator):
                 reward=float(rng.random()),
             )
         )
-    return [group]
+    return TrainGroup(tuple(group))
 
 
 def sync() -> None:
@@ -92,17 +94,13 @@ def hf_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
 
 
-def hf_train_steps(model, group, args, n: int) -> float:
+def hf_train_steps(model, group: TrainGroup, args, n: int) -> float:
     """Seconds per step of the HF baseline: log-probs, PPO clip, backward, fp32-master AdamW."""
-    from slime_async.actors.learner.trainer.optim import MasterAdamW
-
-    from slime_async.config import LearnerConfig
-
     opt = MasterAdamW(model, LearnerConfig(lr=1e-6))
     dev = next(model.parameters()).device
     tokens = torch.tensor(np.stack([np.concatenate([t.prompt_ids, t.response_ids]) for t in group]))
     tokens = tokens.long().to(dev)
-    p = len(group[0].prompt_ids)
+    p = len(group.trajectories[0].prompt_ids)
     rewards = torch.tensor([t.reward for t in group], device=dev)
     adv = ((rewards - rewards.mean()) / (rewards.std() + 1e-6))[:, None]
     behavior = torch.tensor(np.stack([t.logprobs for t in group]), device=dev)
@@ -137,11 +135,6 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
-    from transformers import AutoModelForCausalLM
-
-    from slime_async.actors.learner.trainer import Learner
-    from slime_async.config import AlgoConfig, LearnerConfig
-
     results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     rng = np.random.default_rng(0)
     group = make_group(args, rng)
@@ -155,7 +148,7 @@ def main() -> None:
         )
         learner = Learner(cfg, AlgoConfig(loss="ppo_clip", advantage="grpo"))
         results["params"] = sum(p.numel() for p in learner.model.parameters())
-        seqs = [np.concatenate([t.prompt_ids, t.response_ids]).tolist() for t in group[0]]
+        seqs = [np.concatenate([t.prompt_ids, t.response_ids]).tolist() for t in group]
 
         # Agreement first, on the starting weights shared with the HF model.
         ours = torch.stack([lp for lp, _ in learner.compute_logprobs(seqs)])  # [B, L-1]
@@ -177,7 +170,7 @@ def main() -> None:
         for i in range(args.warmup + args.steps):
             sync()
             t0 = time.perf_counter()
-            m = learner.train_step(group)
+            m = learner.train_step([group])
             sync()
             losses.append(m["loss"])
             if i >= args.warmup:
@@ -190,9 +183,7 @@ def main() -> None:
             results["learner_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         # The baseline runs while the learner's process group still exists (its optimizer
         # computes the grad norm through torch.distributed).
-        results["hf_tokens_per_s"] = tokens_per_step / hf_train_steps(
-            hf, group[0], args, args.steps
-        )
+        results["hf_tokens_per_s"] = tokens_per_step / hf_train_steps(hf, group, args, args.steps)
         learner.close()
         results["ratio_learner_over_hf"] = (
             results["learner_tokens_per_s"] / results["hf_tokens_per_s"]

@@ -46,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "_main", None):
         parser.print_help()
         return 2
+    # Here, not at the top: `slime-async --help` answers before pydantic is imported.
     from slime_async.config import ConfigError
     from slime_async.utils.plugins import PluginError
 

@@ -19,6 +19,10 @@ Megatron's DDP and DistributedOptimizer allocate on "cuda" and check `torch.cuda
 type strings, so on CPU the learner uses torch's AdamW with a data-parallel gradient all-reduce.
 
 Call `apply()` before importing megatron.core; it is idempotent and a no-op when CUDA exists.
+That holds for any `megatron.core` import, not only the GPT model's: the package's `__init__`
+already loads `megatron.core.transformer.moe` (measured on 0.16.1), the modules of (6). So the
+modules that use megatron-core import it inside their functions, which run after `apply()`,
+never at their top.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import types
+from importlib.metadata import version
 
 import torch
 
@@ -73,8 +78,6 @@ class _StubModule(types.ModuleType):
 def _megatron_needs_triton_stub() -> bool:
     if "triton" in sys.modules or importlib.util.find_spec("triton") is not None:
         return False
-    from importlib.metadata import version
-
     major, minor = (int(x) for x in version("megatron-core").split(".")[:2])
     return (major, minor) >= (0, 17)
 

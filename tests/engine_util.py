@@ -5,6 +5,8 @@ from __future__ import annotations
 import urllib.request
 from pathlib import Path
 
+import torch
+
 from slime_async.utils.procs import Child, free_port, python_module, wait_until
 
 
@@ -73,8 +75,6 @@ def start_engine(model_dir: Path, log_dir: Path, *overrides: str, **kw) -> tuple
 
 def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """Reference greedy decoding with HF transformers: (tokens, log_softmax of each chosen token)."""
-    import torch
-
     ids = torch.tensor([prompt])
     out = model.generate(
         ids,

@@ -13,8 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from slime_async.actors.learner.batch import TrainGroup
+from slime_async.actors.learner.trainer import Learner
 from slime_async.algos.api import LossOutput
+from slime_async.config import AlgoConfig, LearnerConfig
+from slime_async.queue.schema import Trajectory
+from slime_async.utils.procs import Child, free_port, python_module, wait_until
 
 SEQS = [[2, 5, 6, 7, 8, 9, 10, 11, 12], [2, 20, 21, 22], [2, 30, 31, 32, 33, 34, 35]]
 
@@ -46,10 +52,10 @@ def centered_adv(inp, cfg, state) -> torch.Tensor:
     return inp.rewards - inp.rewards.mean(dim=1, keepdim=True)
 
 
-def make_groups(seed: int, num_groups: int, group_size: int = 2, vocab: int = 100):
+def make_groups(
+    seed: int, num_groups: int, group_size: int = 2, vocab: int = 100
+) -> list[TrainGroup]:
     """Deterministic trajectories with env tokens, stale versions and varied lengths."""
-    from slime_async.queue.schema import Trajectory
-
     rng = np.random.default_rng(seed)
     groups = []
     for g in range(num_groups):
@@ -72,13 +78,15 @@ def make_groups(seed: int, num_groups: int, group_size: int = 2, vocab: int = 10
                     reward=float(rng.random()),
                 )
             )
-        groups.append(group)
+        groups.append(TrainGroup(tuple(group)))
     return groups
 
 
 def make_sharp_model(out_dir: Path, family: str, **shape) -> Path:
     """A tiny HF model with O(1) weights: random-init ones give near-uniform attention and
     logits, which would hide layout bugs (RoPE, q/k norm, QKV order) below any tolerance."""
+    # Imported here: transformers takes seconds to import, and the torchrun workers that run
+    # this file never need it.
     from transformers import AutoModelForCausalLM
 
     from slime_async.testing.models import make_tiny_model
@@ -98,17 +106,13 @@ def make_sharp_model(out_dir: Path, family: str, **shape) -> Path:
     return Path(out_dir)
 
 
-def learner_cfg(model_dir: str | None = None, **kw):
-    from slime_async.config import LearnerConfig
-
+def learner_cfg(model_dir: str | None = None, **kw) -> LearnerConfig:
     base = dict(model_path=model_dir, lr=1e-3, clip_grad=0.0, micro_batch_tokens=24, seed=7)
     base.update(kw)
     return LearnerConfig(**base)
 
 
-def algo_cfg(**kw):
-    from slime_async.config import AlgoConfig
-
+def algo_cfg(**kw) -> AlgoConfig:
     return AlgoConfig(loss="learner_worker:pg_loss", advantage="learner_worker:centered_adv", **kw)
 
 
@@ -138,8 +142,6 @@ def capture_grads(learner) -> dict:
 
 def task_tp2(out: Path, model_dirs: list[str]) -> None:
     """Log-probs and HF export at TP=2 for each model; train two steps and checkpoint the first."""
-    from slime_async.actors.learner.trainer import Learner
-
     for i, d in enumerate(model_dirs):
         learner = Learner(
             learner_cfg(d, tensor_parallel=2, **TP_TRAIN), algo_cfg(**TP_ALGO), temperature=0.7
@@ -161,10 +163,6 @@ def task_tp2(out: Path, model_dirs: list[str]) -> None:
 
 def task_dp2(out: Path, model_dirs: list[str]) -> None:
     """One step at DP=2, each rank on its own half of the groups; rank 0 saves the gradients."""
-    import torch.distributed as dist
-
-    from slime_async.actors.learner.trainer import Learner
-
     learner = Learner(learner_cfg(model_dirs[0]), algo_cfg())
     groups = make_groups(100, 4)
     mine = groups[:1] if learner.rank == 0 else groups[1:]  # unequal shares on purpose
@@ -177,8 +175,6 @@ def task_dp2(out: Path, model_dirs: list[str]) -> None:
 
 def run_two_ranks(task: str, out: Path, model_dirs: list[str], timeout: float) -> None:
     """Run `task` of this file under torchrun with 2 gloo ranks; fail with its log if it fails."""
-    from slime_async.utils.procs import Child, free_port, python_module, wait_until
-
     argv = python_module(
         "torch.distributed.run",
         "--nproc-per-node=2",
@@ -198,8 +194,6 @@ def run_two_ranks(task: str, out: Path, model_dirs: list[str], timeout: float) -
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     # One process group for all the learners of a task: re-creating it after a learner's
     # close() would rendezvous again on torchrun's store.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,8 +11,11 @@ import pytest
 import torch
 from learner_worker import algo_cfg, learner_cfg, make_sharp_model
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
+from slime_async.actors.learner.trainer import Learner
 from slime_async.models.megatron import ModelArch, UnsupportedModel
+from slime_async.models.tokenizer import load_tokenizer
 from slime_async.testing.models import tiny_config
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path (gloo)")
@@ -29,11 +33,6 @@ def assert_same_hf_weights(got_dir, want_dir):
 
 @pytest.mark.parametrize("family", list(SHAPES))
 def test_hf_megatron_hf_round_trip_is_bit_exact(tmp_path, family):
-    from transformers import AutoModelForCausalLM
-
-    from slime_async.actors.learner.trainer import Learner
-    from slime_async.models.tokenizer import load_tokenizer
-
     src = make_sharp_model(tmp_path / "src", family, **SHAPES[family])
     learner = Learner(learner_cfg(str(src)), algo_cfg())
     try:
@@ -55,13 +54,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=240,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
 
 def test_convert_command_both_ways(tmp_path):
-    from slime_async.actors.learner.trainer import Learner
-
     src = make_sharp_model(tmp_path / "src", "qwen3")
     r = run_cli(str(src), str(tmp_path / "ckpt"))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 from engine_util import hf_greedy
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
 from slime_async.actors.engine.embedded.sampling import SamplingParams
@@ -51,8 +51,6 @@ def test_batched_prefill_and_decode_match_hf(tmp_path, family):
 
 
 def test_unsupported_family_is_named(tmp_path):
-    from transformers import AutoConfig
-
     cfg = AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=32)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match="model_type 'gpt2' is not served"):

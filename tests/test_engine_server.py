@@ -2,6 +2,7 @@
 one-at-a-time decoding, abort, pause, bad requests and the API key."""
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -12,7 +13,9 @@ from engine_util import hf_greedy, start_engine
 from transformers import AutoModelForCausalLM
 
 from slime_async.actors.engine.client import EngineClient, EngineError, EngineRequestError
+from slime_async.actors.engine.pool import EnginePool
 from slime_async.testing.models import make_tiny_model
+from slime_async.utils.procs import free_port
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -301,8 +304,6 @@ async def test_api_key_guards_every_endpoint(engine):
 
 
 async def test_client_names_engine_and_call_and_retries():
-    from slime_async.utils.procs import free_port
-
     port = free_port()
     async with EngineClient(f"http://127.0.0.1:{port}", max_retries=2, backoff_s=0.01) as c:
         with pytest.raises(
@@ -377,3 +378,60 @@ async def test_client_requests_use_sglang_fields():
     }  # fmt: skip
     assert seen["/destroy_weights_update_group"] == {"group_name": "g"}
     assert seen["/update_weights_from_disk"] == {"model_path": "/ckpt", "weight_version": "9"}
+
+
+@contextlib.asynccontextmanager
+async def failing_server(status: dict[str, int], hits: list[str]):
+    """A server that answers every call with `status["code"]` and records the paths it got."""
+
+    async def answer(request: web.Request) -> web.Response:
+        hits.append(request.path)
+        return web.json_response({"error": {"message": "busy"}}, status=status["code"])
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_client_retries_5xx_but_not_4xx():
+    status, hits = {"code": 503}, []
+    async with (
+        failing_server(status, hits) as url,
+        EngineClient(url, max_retries=2, backoff_s=0.001) as c,
+    ):
+        with pytest.raises(EngineError, match="HTTP 503: busy") as err:
+            await c.call("GET", "/get_server_info")
+        assert type(err.value) is EngineError and err.value.status == 503
+        assert hits == ["/get_server_info"] * 3  # the first attempt and max_retries retries
+        hits.clear()
+        assert not await c.health()  # health checks are never retried
+        assert hits == ["/health"]
+        hits.clear()
+        status["code"] = 400
+        with pytest.raises(EngineRequestError, match="HTTP 400: busy"):
+            await c.call("GET", "/get_server_info")
+        assert hits == ["/get_server_info"]
+
+
+async def test_pool_fails_over_then_backs_off_and_gives_up():
+    status, hits_a, hits_b = {"code": 503}, [], []
+    async with failing_server(status, hits_a) as a, failing_server(status, hits_b) as b:
+        pool = EnginePool([a, b], max_retries=2, backoff_s=0.001, probe_interval_s=60)
+        async with pool:
+            # attempt 1 fails on one engine, attempt 2 on the other at once, attempt 3 finds none
+            with pytest.raises(EngineError, match=r"no engine succeeded in 3 attempts.*HTTP 503"):
+                await pool.generate([2], {"max_new_tokens": 1})
+            assert (hits_a, hits_b) == (["/generate"], ["/generate"])
+            assert pool.down == {a, b}
+        status["code"] = 400
+        async with EnginePool([a], max_retries=2, backoff_s=0.001) as pool:
+            with pytest.raises(EngineRequestError, match="HTTP 400"):
+                await pool.generate([2], {"max_new_tokens": 1})
+            assert hits_a == ["/generate"] * 2 and not pool.down  # a 4xx is not the engine's fault

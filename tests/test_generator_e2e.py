@@ -17,6 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from slime_async.actors.engine.client import EngineClient
 from slime_async.actors.engine.pool import EnginePool
@@ -24,8 +26,10 @@ from slime_async.actors.generator.loop import Generator, GeneratorError
 from slime_async.actors.generator.rewards import exact_match
 from slime_async.actors.generator.rollout import RolloutContext, Sample
 from slime_async.config import BufferConfig, GeneratorConfig, SamplingConfig
+from slime_async.launch.router import router_ready
 from slime_async.models.tokenizer import load_tokenizer
 from slime_async.queue.client import ConsumerClient, ProducerClient
+from slime_async.testing.models import char_tokenizer, make_tiny_model, save_tokenizer
 from slime_async.utils.procs import Child, free_port, python_module, tcp_ready, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,11 +38,6 @@ EPISODE = ("12*3+4", "<call>12*3+4</call>", "<tool>40<eos><assistant>", "#### 40
 
 def train_replay_model(out_dir: Path) -> Path:
     """A tiny qwen3 model that, greedily, replays the calculator episode EPISODE."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from slime_async.testing.models import char_tokenizer, make_tiny_model, save_tokenizer
-
     torch.set_num_threads(1)
     make_tiny_model(out_dir, family="qwen3", seed=0)
     tok = char_tokenizer()
@@ -328,8 +327,6 @@ async def long_rollout(ctx, sample):
 
 
 def test_through_sglang_router_to_two_engines(engine, second_engine, buffer, tokenizer, tmp_path):
-    from slime_async.launch.router import router_ready
-
     _, url2 = second_engine
     buf = buffer()
     port = free_port()

@@ -18,6 +18,10 @@ from learner_worker import (
     make_groups,
     make_sharp_model,
 )
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from slime_async.actors.learner.trainer import Learner
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path (gloo)")
 
@@ -37,8 +41,6 @@ def model_dirs(tmp_path_factory):
 
 def hf_reference(model_dir, temperature: float = 1.0):
     """[(logp [L-1], entropy [L-1])] per SEQS row from the HF model at `temperature`."""
-    from transformers import AutoModelForCausalLM
-
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
@@ -60,8 +62,6 @@ def assert_close(got, want, tol=1e-5):
 
 @pytest.mark.parametrize("family", list(MODELS))
 def test_logprobs_match_hf_at_tp1(model_dirs, family):
-    from slime_async.actors.learner.trainer import Learner
-
     for temperature in (1.0, 0.7):
         learner = Learner(learner_cfg(str(model_dirs[family])), algo_cfg(), temperature)
         try:
@@ -90,8 +90,6 @@ def test_logprobs_match_hf_at_tp2(model_dirs, tp2_run):
 
 
 def test_hf_export_at_tp2_is_bit_exact(model_dirs, tp2_run):
-    from safetensors.torch import load_file
-
     for i, fam in enumerate(MODELS):
         exported = torch.load(tp2_run / f"tp2_{i}.pt")["export"]
         original = load_file(str(model_dirs[fam] / "model.safetensors"))
@@ -101,8 +99,6 @@ def test_hf_export_at_tp2_is_bit_exact(model_dirs, tp2_run):
 
 
 def test_tp2_checkpoint_resumes_at_tp1(tp2_run):
-    from slime_async.actors.learner.trainer import Learner
-
     trained = torch.load(tp2_run / "tp2_trained.pt")
     learner = Learner(learner_cfg(None, load=str(tp2_run / "ckpt_tp2")), algo_cfg(), 0.7)
     try:
@@ -117,8 +113,6 @@ def test_tp2_checkpoint_resumes_at_tp1(tp2_run):
 
 def test_tp2_training_equals_tp1(model_dirs, tp2_run):
     """Two clipped steps with an entropy term: same losses, grad norms and resulting log-probs."""
-    from slime_async.actors.learner.trainer import Learner
-
     trained = torch.load(tp2_run / "tp2_trained.pt")
     cfg = learner_cfg(str(model_dirs["llama"]), **TP_TRAIN)
     learner = Learner(cfg, algo_cfg(**TP_ALGO), 0.7)

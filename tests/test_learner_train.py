@@ -10,6 +10,11 @@ import pytest
 import torch
 from learner_worker import algo_cfg, capture_grads, learner_cfg, make_groups, make_sharp_model
 
+from slime_async.actors.learner.optim import lr_at
+from slime_async.actors.learner.trainer import Learner
+from slime_async.config import AlgoConfig
+from slime_async.utils.plugins import PluginError
+
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path (gloo)")
 
 
@@ -23,8 +28,6 @@ def learner_factory():
     made = []
 
     def make(cfg, algo=None, temperature=1.0):
-        from slime_async.actors.learner.trainer import Learner
-
         learner = Learner(cfg, algo or algo_cfg(), temperature)
         made.append(learner)
         return learner
@@ -101,8 +104,6 @@ def test_sft_steps_lower_the_loss_and_count_versions(model_dir, learner_factory)
 
 
 def test_lr_schedule_warms_up_then_decays():
-    from slime_async.actors.learner.trainer.optim import lr_at
-
     cfg = learner_cfg(None, lr=1.0, min_lr=0.1, lr_warmup_steps=2, lr_decay_steps=4)
     lrs = [lr_at(s, cfg) for s in range(8)]
     assert lrs[:3] == [0.5, 1.0, 1.0]
@@ -147,25 +148,20 @@ def test_equal_rewards_give_zero_loss_and_gradient(model_dir, learner_factory):
 def test_bad_trajectories_are_named(model_dir, learner_factory, field, value, message):
     learner = learner_factory(learner_cfg(str(model_dir)))
     groups = make_groups(9, 2)
-    setattr(groups[1][0], field, value)
+    bad = groups[1].trajectories[0]
+    setattr(bad, field, value)
     with pytest.raises(ValueError, match=message) as err:
         learner.train_step(groups)
-    assert groups[1][0].id in str(err.value)
+    assert bad.id in str(err.value)
     assert learner.version == 0  # nothing was applied
 
 
 def test_unknown_loss_fails_at_construction(model_dir):
-    from slime_async.actors.learner.trainer import Learner
-    from slime_async.config import AlgoConfig
-    from slime_async.utils.plugins import PluginError
-
     with pytest.raises(PluginError, match="no_such_loss"):
         Learner(learner_cfg(str(model_dir)), AlgoConfig(loss="no_such_loss"))
 
 
 def test_kl_reference_is_the_frozen_starting_policy(model_dir, learner_factory):
-    from slime_async.config import AlgoConfig
-
     algo = AlgoConfig(
         loss="learner_worker:ref_probe_loss", advantage="learner_worker:centered_adv", kl_coef=0.1
     )

@@ -4,17 +4,19 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from slime_async import megatron_compat
 from slime_async.utils.procs import free_port
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path only")
 
+# megatron.core is imported inside the tests, after megatron_compat.apply(): that order is what
+# this file checks (see megatron_compat's docstring).
+
 
 @pytest.fixture()
 def single_rank_megatron():
-    import torch.distributed as dist
-
     megatron_compat.apply()
     from megatron.core import parallel_state
 

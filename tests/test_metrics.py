@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from slime_async import metrics as m
+from slime_async.launch.progress import ProgressDisplay, summary_text
 from slime_async.metrics import IdleMeter, MetricsLogger, MetricsTail, Stopwatch
-from slime_async.progress import ProgressDisplay, summary_text
 
 
 class FakeClock:
@@ -83,7 +83,10 @@ def test_disabled_mode_never_imports_wandb(tmp_path):
 
 def test_offline_wandb_writes_under_the_run_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
-    with MetricsLogger(tmp_path, "learner", wandb_mode="offline", config={"a": 1}) as log:
+    with MetricsLogger(
+        tmp_path, "learner", wandb_mode="offline", config={"a": 1}, project="my-project"
+    ) as log:
+        assert log._wandb_run.project == "my-project"  # run.wandb_project reaches wandb
         log.log(1, {m.REWARD: 0.5, m.STALENESS_HIST: m.int_histogram([0, 0, 2])})
         log.log(2, {m.REWARD: 0.7, "empty": {"values": [], "counts": []}})
     runs = list((tmp_path / "wandb").glob("offline-run-*"))

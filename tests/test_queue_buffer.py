@@ -11,7 +11,8 @@ import zmq
 
 from slime_async.config import BufferConfig
 from slime_async.queue.client import BufferRejected, ConsumerClient, ProducerClient
-from slime_async.queue.schema import SCHEMA_VERSION, encode_trajectory, pack_header, unpack_header
+from slime_async.queue.messages import pack_header, unpack_header
+from slime_async.queue.schema import SCHEMA_VERSION, encode_trajectory
 from slime_async.queue.server import Buffer
 from slime_async.testing.trajectories import synthetic_group
 
@@ -229,7 +230,8 @@ def test_every_bad_input_gets_a_named_error_and_the_buffer_keeps_serving():
             assert asyncio.run(_put_all(cfg, [g])) == ["ok"]
             assert raw.put(0, synthetic_group("after", 1, response_len=8))["status"] == "ok"
             with ConsumerClient(cfg, "learner") as c, pytest.raises(BufferRejected) as e:
-                c._request("fly")  # an unknown op on the consumer socket
+                fly = pack_header("fly", rid="f", consumer="learner", session=c.session)
+                c._roundtrip(fly, "f", 0.0)  # an unknown op on the consumer socket
             assert "unknown message type 'fly' on the consumer socket" in str(e.value)
         finally:
             raw.close()
@@ -319,7 +321,7 @@ def test_admission_keeps_work_within_the_staleness_budget():
         asyncio.run(go())
         with ConsumerClient(cfg, "learner") as c:
             c.set_version(0, groups_per_step=5)  # the learner's step size sets the budget
-        assert buf.state.admission("d", 100) == 2 * 5 - 2 - 4
+        assert buf.state.admit("d", 100) == 2 * 5 - 2 - 4
 
 
 def test_backpressure_waits_instead_of_dropping():
@@ -408,20 +410,20 @@ def test_admission_counts_the_batch_in_training_until_the_next_version():
             c.set_version(0, groups_per_step=2)
             batch = c.get_batch(num_groups=2, timeout_s=5)
             assert batch is not None and batch.staleness == [0, 0]
-            assert buf.state.admission("q", 5) == 0  # the learner is training on it
+            assert buf.state.admit("q", 5) == 0  # the learner is training on it
             c.set_version(1, groups_per_step=2)  # done: the new weights are on the engines
-            assert buf.state.admission("q", 5) == 2
+            assert buf.state.admit("q", 5) == 2
             c.commit(batch.batch_id)  # (the learner commits at its next checkpoint)
-            assert buf.state.admission("q", 5) == 0  # q holds those 2 grants now
+            assert buf.state.admit("q", 5) == 0  # q holds those 2 grants now
 
     # A consumer that commits right after training frees the budget the same way.
     with running(max_staleness=0, groups_per_step=1) as (buf, cfg):
         asyncio.run(_put_one(cfg, "g0"))
         with ConsumerClient(cfg, "learner") as c:
             batch = c.get_batch(num_groups=1, timeout_s=5)
-            assert buf.state.admission("q", 5) == 0
+            assert buf.state.admit("q", 5) == 0
             c.commit(batch.batch_id)
-            assert buf.state.admission("q", 5) == 1
+            assert buf.state.admit("q", 5) == 1
 
 
 async def _put_one(cfg, gid: str) -> None:

@@ -6,14 +6,13 @@ import msgpack
 import numpy as np
 import pytest
 
+from slime_async.queue.messages import pack_header, unpack_header
 from slime_async.queue.schema import (
     SCHEMA_VERSION,
     SchemaError,
     Trajectory,
     decode_trajectory,
     encode_trajectory,
-    pack_header,
-    unpack_header,
 )
 from slime_async.testing.trajectories import synthetic_group
 

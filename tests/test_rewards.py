@@ -3,10 +3,12 @@
 import asyncio
 import math
 
+import numpy as np
 import pytest
 
 from slime_async.actors.generator.rewards import (
     REWARDS,
+    check_own_reward,
     check_reward,
     exact_match,
     final_answer,
@@ -14,7 +16,7 @@ from slime_async.actors.generator.rewards import (
     numeric_match,
     resolve_reward,
 )
-from slime_async.actors.generator.rollout import PluginContractError, Sample
+from slime_async.actors.generator.rollout import PluginContractError, Sample, Transcript
 from slime_async.utils.plugins import PluginError
 
 
@@ -118,15 +120,10 @@ def test_check_reward_rejects_bad_results(value, problem):
 def test_check_reward_accepts_numbers():
     assert check_reward("r", 1) == (1.0, {})
     assert check_reward("r", True) == (1.0, {})
-    import numpy as np
-
     assert check_reward("r", np.float32(0.5)) == (0.5, {})
 
 
 def test_a_reward_set_by_the_rollout_is_checked_too():
-    from slime_async.actors.generator.rewards import check_own_reward
-    from slime_async.actors.generator.rollout import Transcript
-
     t = Transcript([1])
     t.reward = 0.5
     assert check_own_reward("r", t) == (0.5, {})

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from slime_async.actors.engine.client import EngineRequestError
+from slime_async.actors.generator.loop import Generator
 from slime_async.actors.generator.rollout import (
     ROLLOUTS,
     EngineFailure,
@@ -23,7 +25,7 @@ from slime_async.actors.generator.rollout import (
     check_rollout_result,
     single_turn,
 )
-from slime_async.config.generator import SamplingConfig
+from slime_async.config.generator import GeneratorConfig, SamplingConfig
 from slime_async.queue.schema import decode_trajectory, encode_trajectory
 from slime_async.testing.models import char_tokenizer
 from slime_async.utils.plugins import PluginError
@@ -229,9 +231,33 @@ def test_rollout_signature_checked_at_resolve():
 
 
 def test_a_rejected_request_is_not_retried_as_an_engine_failure(tok):
-    from slime_async.actors.engine.client import EngineRequestError
-
     err = EngineRequestError("http://e", "POST /generate", "HTTP 400: prompt too long", 400)
     ctx = RolloutContext(ScriptedEngine([err]), tok)
     with pytest.raises(EngineRequestError, match="prompt too long"):
         asyncio.run(ctx.generate([3]))
+
+
+def test_generator_retries_a_rollout_after_engine_failures(tok, tmp_path, caplog):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    cfg = GeneratorConfig(dataset=str(data), group_size=1, retry_backoff_s=0.001)
+    sample = Sample("1+1", {}, "g", 0, 0)
+    down = ConnectionError("refused")
+    eng = ScriptedEngine([down, down, Out([10, 1], [-0.1, -0.2], [0, 0], "stop")])
+    gen = Generator(cfg, eng, tok)
+    with caplog.at_level("WARNING", logger="slime_async.generator"):
+        _, [t] = asyncio.run(gen._rollout(sample))
+    assert t.response_ids == [10, 1]
+    assert [r[2].split("/")[2] for r in eng.requests] == ["a0", "a1", "a2"]  # a fresh rid each
+    assert gen.stats()["rollout_retries"] == 2 and gen.stats()["engine_errors"] == 2
+    assert [m for m in caplog.messages if "retry" in m] == [
+        "rollout g/0: engine request failed: ConnectionError: refused; retry 1 in 0.0s",
+        "rollout g/0: engine request failed: ConnectionError: refused; retry 2 in 0.0s",
+    ]
+    # With rollout_max_attempts, the generator gives up and stops with a fatal error.
+    eng = ScriptedEngine([down] * 2)
+    gen = Generator(cfg.model_copy(update={"rollout_max_attempts": 2}), eng, tok)
+    with pytest.raises(EngineFailure, match="ConnectionError: refused"):
+        asyncio.run(gen._rollout(sample))
+    assert len(eng.requests) == 2 and gen.stats()["rollout_retries"] == 2
+    assert "rollout of g failed 2 times" in str(gen._fatal) and gen._stop.is_set()

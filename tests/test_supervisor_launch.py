@@ -78,7 +78,7 @@ def test_one_engine_no_router(tmp_path):
 
 
 def test_router_generators_and_torchrun(tmp_path):
-    _cfg, run_dir, stages = planned(
+    cfg, run_dir, stages = planned(
         tmp_path, "engine.num_engines=2", "run.num_generators=2", "run.learner_procs=2"
     )
     assert names(stages) == [
@@ -89,6 +89,8 @@ def test_router_generators_and_torchrun(tmp_path):
     by_name = {s.name: s for stage in stages for s in stage}
     ports = [child_config(run_dir, by_name[f"engine{i}"].argv(False)).engine.port for i in (0, 1)]
     engine_urls = [f"http://127.0.0.1:{p}" for p in ports]
+    seeds = [child_config(run_dir, by_name[f"engine{i}"].argv(False)).engine.seed for i in (0, 1)]
+    assert seeds == [cfg.run.seed, cfg.run.seed + 1]  # one sampler stream per engine
     router = by_name["router"].argv(False)
     assert router[1:3] == ["-m", "sglang_router.launch_router"]
     rport = router[router.index("--port") + 1]

@@ -42,7 +42,11 @@ def main(args: argparse.Namespace) -> int:
 def _convert(src: Path, dst: Path, tensor_parallel: int, dtype: str) -> int:
     if dst.exists():
         raise FileExistsError(f"{dst} exists already")
+    # Here, not at the top: the CLI imports every command module to build its parser, and
+    # `slime-async --help` loads neither torch nor pydantic.
     from slime_async.actors.learner import checkpoint as learner_ckpt
+    from slime_async.actors.learner.trainer import Learner
+    from slime_async.config import AlgoConfig, LearnerConfig
 
     if learner_ckpt.is_checkpoint(src):
         to_hf = True
@@ -53,9 +57,6 @@ def _convert(src: Path, dst: Path, tensor_parallel: int, dtype: str) -> int:
             f"{src} is neither an HF model directory (config.json) "
             "nor a torch_dist checkpoint (metadata.json, common.pt)"
         )
-
-    from slime_async.actors.learner.trainer import Learner
-    from slime_async.config import AlgoConfig, LearnerConfig
 
     where = {"load": str(src)} if to_hf else {"model_path": str(src)}
     cfg = LearnerConfig(tensor_parallel=tensor_parallel, dtype=dtype, **where)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import signal
 
 from slime_async.commands import add_config_arguments, config_from_args
 
@@ -19,16 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
-    import signal
-
     cfg = config_from_args(args).engine
     model_path = args.model_path or cfg.model_path
     host = args.host or cfg.host
     port = cfg.port if args.port is None else args.port
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
 
+    # Imported here, not at the top: torch and transformers would make `--help` take seconds.
     from slime_async.actors.engine.embedded.server import EmbeddedEngine, serve
 
     engine = EmbeddedEngine(cfg, model_path)

@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from slime_async.actors.learner.trainer.process import run_learner
+    from slime_async.actors.learner.process import run_learner
 
     run_dir = Path(cfg.run.run_dir) if cfg.run.run_dir else None
     return run_learner(cfg, run_dir)

@@ -21,11 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from slime_async.config import ConfigError, load_config, split_cli_args
+    from slime_async.launch.progress import ProgressDisplay
     from slime_async.launch.run_dir import RunDir
     from slime_async.launch.supervisor import Supervisor
     from slime_async.launch.table import plan_roles
     from slime_async.metrics import metrics_path, read_metrics
-    from slime_async.progress import ProgressDisplay
 
     files, overrides = split_cli_args(args.config)
     if args.resume:
@@ -81,14 +81,16 @@ def main(args: argparse.Namespace) -> int:
 
 def summarize_run(records: list[dict], window: int = 10) -> str:
     """Accuracy (or reward) over the first and the last `window` learner steps."""
-    key = "accuracy" if any("accuracy" in r for r in records) else "reward"
+    from slime_async.metrics import names as m
+
+    key = m.ACCURACY if any(m.ACCURACY in r for r in records) else m.REWARD
     values = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
     if len(values) < 2:
         return ""
     w = max(1, min(window, len(values) // 2))
     first = sum(v for _, v in values[:w]) / w
     last = sum(v for _, v in values[-w:]) / w
-    scale, unit = (100.0, " points") if key == "accuracy" else (1.0, "")
+    scale, unit = (100.0, " points") if key == m.ACCURACY else (1.0, "")
     return (
         f"{key}: start {first * scale:.1f} (steps {values[0][0]}-{values[w - 1][0]}) -> "
         f"end {last * scale:.1f} (steps {values[-w][0]}-{values[-1][0]}): "

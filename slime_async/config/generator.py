@@ -54,7 +54,7 @@ class GeneratorConfig(Section):
     rollout_max_attempts: int = Field(0, ge=0)
     """Attempts of one rollout whose engine calls keep failing (0: retry forever, with back-off)."""
     retry_backoff_s: float = Field(1.0, gt=0)
-    """First back-off after an engine failure; doubles per attempt up to 30 s."""
+    """First back-off after an engine failure; doubles per attempt up to 30 s (+ up to 50% jitter)."""
     admission_poll_s: float = Field(0.05, gt=0)
     """Wait between admission requests while the buffer grants nothing."""
     max_resumes: int = Field(64, ge=0)

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TextIO
 
+from slime_async.launch.progress import ProgressDisplay
 from slime_async.launch.run_dir import READY_ENV, RunDir
 from slime_async.metrics import MetricsTail
-from slime_async.progress import ProgressDisplay
 from slime_async.utils.procs import Child, wait_until
 
 

@@ -130,7 +130,13 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
             model_args = [_arg("engine.model_path", cfg.learner.model_path)]
         for i, (port, url) in enumerate(zip(ports, engine_urls, strict=True)):
             argv = python_module(
-                "slime_async", "engine", config, _arg("engine.port", port), *model_args
+                "slime_async",
+                "engine",
+                config,
+                _arg("engine.port", port),
+                *model_args,
+                # Each engine its own sampler stream (run.seed seeds the first).
+                _arg("engine.seed", eng.seed + i),
             )
             devices = cfg.run.engine_cuda_devices
             first.append(

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from slime_async.models.megatron import ModelArch
 
@@ -145,8 +147,6 @@ class HFCheckpoint:
     """The safetensors files of an HF model directory, read lazily by tensor name."""
 
     def __init__(self, model_dir: str | Path):
-        from safetensors import safe_open
-
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
@@ -170,7 +170,7 @@ class HFCheckpoint:
 
 def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path, arch: ModelArch) -> None:
     """Copy an HF checkpoint into this TP rank's Megatron parameters (every one, checked)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # after megatron_compat.apply() (see there)
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -219,8 +219,6 @@ def write_hf_dir(
     shard_bytes: int = 4 << 30,
 ) -> Path:
     """A complete HF model directory: config.json, safetensors (sharded past `shard_bytes`), tokenizer."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]

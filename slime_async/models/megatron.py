@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+# megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -107,7 +110,6 @@ def build_gpt_model(
     on_cpu: bool = True,
 ):
     """A GPTModel for `arch` on this rank's TP shard; `init=False` skips random init (to load)."""
-    import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -18,23 +18,42 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 
 from slime_async.config.buffer import BufferConfig
 from slime_async.queue import security
-from slime_async.queue.schema import (
-    SchemaError,
-    Trajectory,
-    decode_trajectory,
-    encode_trajectory,
-    pack_header,
-    unpack_header,
+from slime_async.queue.messages import (
+    Ack,
+    AckStatus,
+    Admit,
+    BatchReply,
+    Commit,
+    Committed,
+    Empty,
+    Error,
+    Get,
+    Granted,
+    Heartbeat,
+    Hello,
+    HelloReply,
+    Ok,
+    Ping,
+    Put,
+    Reply,
+    Request,
+    SetVersion,
+    StatsReply,
+    StatsRequest,
+    decode_reply,
 )
+from slime_async.queue.schema import SchemaError, Trajectory, decode_trajectory, encode_trajectory
+from slime_async.utils.retry import RetryPolicy
 
-_BUSY_BACKOFF_S = (0.002, 0.1)  # first and largest wait before resending a put refused as busy
+_BUSY_RETRY = RetryPolicy(first_s=0.002, max_s=0.1)  # resending a put refused as busy
+R = TypeVar("R", bound=Reply)
 
 
 class BufferRejected(ValueError):
@@ -53,10 +72,13 @@ def _socket(ctx: zmq.Context, cfg: BufferConfig, endpoint: str) -> zmq.Socket:
     return sock
 
 
-def _check(h: dict[str, Any]) -> dict[str, Any]:
-    if h["op"] == "error":
-        raise BufferRejected(h.get("error", "rejected"))
-    return h
+def _check(reply: Reply, kind: type[R]) -> R:
+    """`reply` as the kind of reply its request expects; BufferRejected for an `Error`."""
+    if isinstance(reply, Error):
+        raise BufferRejected(reply.error)
+    if not isinstance(reply, kind):
+        raise SchemaError("op", f"expected a {kind.OP!r} reply, got {reply.OP!r}")
+    return reply
 
 
 @dataclass
@@ -64,7 +86,7 @@ class _Put:
     frames: list[bytes]
     future: asyncio.Future
     sent_at: float
-    busy_wait: float = _BUSY_BACKOFF_S[0]
+    busy_replies: int = 0
 
 
 @dataclass
@@ -88,11 +110,11 @@ def ping(endpoint: str, cfg: BufferConfig, timeout_s: float = 0.5) -> dict[str, 
     ctx = zmq.Context()
     sock = _socket(ctx, cfg, endpoint)
     try:
-        sock.send_multipart([pack_header("ping", rid="ping")])
+        sock.send_multipart([Ping(rid="ping").encode()])
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        h = unpack_header(sock.recv_multipart()[0])
-        return h.get("stats")
+        reply = decode_reply(sock.recv_multipart()[0])
+        return reply.stats if isinstance(reply, StatsReply) else None
     finally:
         sock.close(0)
         ctx.term()
@@ -107,7 +129,7 @@ class ProducerClient:
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._puts: dict[int, _Put] = {}
-        self._calls: dict[str, tuple[list[bytes], asyncio.Future, float]] = {}
+        self._calls: dict[str, tuple[list[bytes], asyncio.Future[Reply], float]] = {}
         self._seq = 0
         self._rids = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -118,8 +140,8 @@ class ProducerClient:
     async def __aenter__(self) -> ProducerClient:
         self._connect()
         self._tasks.append(asyncio.create_task(self._watchdog()))
-        hello = await self._call("hello")
-        self._seq = int(hello["next_seq"])
+        hello = await self._call(Hello(rid=self._rid(), producer=self.producer_id), HelloReply)
+        self._seq = hello.next_seq
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -157,19 +179,19 @@ class ProducerClient:
         self._last_sent = time.monotonic()
         await self._sock.send_multipart(frames)
 
-    async def put_group(self, trajs: list[Trajectory]) -> str:
+    async def put_group(self, trajs: list[Trajectory]) -> AckStatus:
         """Send trajectories (normally one whole group); return once the buffer stored them.
 
-        Returns "ok"; "duplicate" when the buffer already had this put (a resend); "stale" when
-        the group was stored but already beyond max_staleness, so it was dropped (counted).
-        Waits and resends while the buffer is full; raises BufferRejected for bad input.
+        Returns OK; DUPLICATE when the buffer already had this put (a resend); STALE when the
+        group was stored but already beyond max_staleness, so it was dropped (counted).
+        Waits and resends while the buffer is full (BUSY); raises BufferRejected for bad input.
         """
         now = time.time()
         for t in trajs:
             t.enqueued_at = now
         seq = self._seq
         self._seq += 1
-        header = pack_header("put", seq=seq, producer=self.producer_id)
+        header = Put(seq=seq, producer=self.producer_id).encode()
         frames = [header, *(encode_trajectory(t) for t in trajs)]
         size = sum(len(f) for f in frames)
         if size > self.cfg.max_message_bytes:  # far above it ZeroMQ would just drop the link
@@ -187,46 +209,57 @@ class ProducerClient:
 
     async def admission(self, want: int) -> int:
         """How many new groups may be started now (each grant is used up when its group arrives)."""
-        return int((await self._call("admit", want=want))["n"])
+        granted = await self._call(
+            Admit(rid=self._rid(), producer=self.producer_id, want=want), Granted
+        )
+        return granted.n
 
     async def stats(self) -> dict[str, Any]:
-        return (await self._call("stats"))["stats"]
+        ask = StatsRequest(rid=self._rid(), producer=self.producer_id)
+        return (await self._call(ask, StatsReply)).stats
 
-    async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
-        rid = f"{self.producer_id}:{next(self._rids)}"
-        frames = [pack_header(op, rid=rid, producer=self.producer_id, **fields)]
+    def _rid(self) -> str:
+        return f"{self.producer_id}:{next(self._rids)}"
+
+    async def _call(self, request: Request, kind: type[R]) -> R:
+        """Send `request` (it has a rid) and wait for its reply, resent by the watchdog."""
+        assert request.rid is not None
+        frames = [request.encode()]
         fut = asyncio.get_running_loop().create_future()
-        self._calls[rid] = (frames, fut, time.monotonic())
+        self._calls[request.rid] = (frames, fut, time.monotonic())
         await self._send(frames)
         try:
-            return _check(await fut)
+            return _check(await fut, kind)
         finally:
-            self._calls.pop(rid, None)
+            self._calls.pop(request.rid, None)
 
     async def _receive(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             frames = await sock.recv_multipart()
             self._last_reply = time.monotonic()
             try:
-                h = unpack_header(frames[0])
+                reply = decode_reply(frames[0])
             except SchemaError:
                 continue
-            if h.get("rid") in self._calls:
-                fut = self._calls[h["rid"]][1]
+            if not isinstance(reply, Ack) and reply.rid in self._calls:
+                fut = self._calls[reply.rid][1]
                 if not fut.done():
-                    fut.set_result(h)
+                    fut.set_result(reply)
                 continue
-            put = self._puts.get(h.get("seq")) if "seq" in h else None
+            if not isinstance(reply, Ack | Error) or reply.seq is None:
+                continue
+            put = self._puts.get(reply.seq)
             if put is None or put.future.done():
                 continue  # the answer to a resend already answered
-            if h["op"] == "error":
-                put.future.set_exception(BufferRejected(h.get("error", "rejected")))
-            elif h.get("status") == "busy":
-                asyncio.get_running_loop().call_later(put.busy_wait, self._resend_busy, h["seq"])
-                put.busy_wait = min(put.busy_wait * 2, _BUSY_BACKOFF_S[1])
+            if isinstance(reply, Error):
+                put.future.set_exception(BufferRejected(reply.error))
+            elif reply.status == AckStatus.BUSY:
+                put.busy_replies += 1
+                wait = _BUSY_RETRY.delay(put.busy_replies)
+                asyncio.get_running_loop().call_later(wait, self._resend_busy, reply.seq)
                 put.sent_at = float("inf")  # not lost, just waiting: keep the watchdog off it
             else:
-                put.future.set_result(h["status"])
+                put.future.set_result(reply.status)
 
     def _resend_busy(self, seq: int) -> None:
         put = self._puts.get(seq)
@@ -265,7 +298,7 @@ class ProducerClient:
                     self._calls[rid] = (frames, fut, now)
                     await self._send(frames)
             elif now - self._last_sent > self.cfg.grant_timeout_s / 3:
-                await self._send([pack_header("heartbeat", producer=self.producer_id)])
+                await self._send([Heartbeat(producer=self.producer_id).encode()])
 
 
 class ConsumerClient:
@@ -281,25 +314,31 @@ class ConsumerClient:
         self._rids = itertools.count()
         self._cursor = 0
 
-    def _request(self, op: str, wait_s: float = 0.0, **fields: Any) -> tuple[dict, list[zmq.Frame]]:
-        rid = f"{self.session}:{next(self._rids)}"
-        frames = [
-            pack_header(op, rid=rid, consumer=self.consumer_id, session=self.session, **fields)
-        ]
+    def _rid(self) -> str:
+        return f"{self.session}:{next(self._rids)}"
+
+    def _request(self, request: Request, wait_s: float = 0.0) -> tuple[Reply, list[zmq.Frame]]:
+        """Send `request` (it has a rid) until its reply comes; BufferRejected for an `Error`."""
+        assert request.rid is not None
+        return self._roundtrip(request.encode(), request.rid, wait_s)
+
+    def _roundtrip(self, header: bytes, rid: str, wait_s: float) -> tuple[Reply, list[zmq.Frame]]:
         give_up = time.monotonic() + wait_s + self.cfg.give_up_s
         while True:
-            self._sock.send_multipart(frames)
+            self._sock.send_multipart([header])
             deadline = time.monotonic() + wait_s + self.cfg.request_timeout_s
             while (left := deadline - time.monotonic()) > 0:
                 if not self._sock.poll(int(left * 1000) + 1):
                     break
-                reply = self._sock.recv_multipart(copy=False)  # decoded straight from zmq's buffer
+                frames = self._sock.recv_multipart(copy=False)  # decoded straight from zmq's buffer
                 try:
-                    h = unpack_header(reply[0].buffer)
+                    reply = decode_reply(frames[0].buffer)
                 except SchemaError:
                     continue
-                if h.get("rid") == rid:
-                    return _check(h), reply[1:]
+                if not isinstance(reply, Ack) and reply.rid == rid:
+                    if isinstance(reply, Error):
+                        raise BufferRejected(reply.error)
+                    return reply, frames[1:]
             if time.monotonic() > give_up:
                 raise BufferUnavailable(
                     f"no answer from the buffer at {self.cfg.consumer_endpoint} for "
@@ -321,26 +360,43 @@ class ConsumerClient:
         groups_per_step. Batches a previous session left uncommitted come first.
         """
         wait = 0.0 if timeout_s is None else float(timeout_s)
-        h, frames = self._request(
-            "get", wait, num_groups=num_groups, num_tokens=num_tokens, timeout_s=wait
+        get = Get(
+            rid=self._rid(),
+            consumer=self.consumer_id,
+            session=self.session,
+            num_groups=num_groups,
+            num_tokens=num_tokens,
+            timeout_s=wait,
         )
-        if h["op"] == "empty":
+        reply, frames = self._request(get, wait)
+        if isinstance(reply, Empty):
             return None
+        h = _check(reply, BatchReply)
         trajs = [decode_trajectory(f.buffer) for f in frames]
         groups, start = [], 0
-        for n in h["sizes"]:
+        for n in h.sizes:
             groups.append(trajs[start : start + n])
             start += n
-        self._cursor = max(self._cursor, h["batch_id"])
-        return Batch(h["batch_id"], groups, h["staleness"], h["version"])
+        self._cursor = max(self._cursor, h.batch_id)
+        return Batch(h.batch_id, groups, h.staleness, h.version)
+
+    def _commit(self, batch_id: int, through: bool) -> int:
+        commit = Commit(
+            rid=self._rid(),
+            consumer=self.consumer_id,
+            session=self.session,
+            batch_id=batch_id,
+            through=through,
+        )
+        return _check(self._request(commit)[0], Committed).n
 
     def commit(self, batch_id: int) -> None:
         """Retire a batch for good (idempotent)."""
-        self._request("commit", batch_id=batch_id)
+        self._commit(batch_id, through=False)
 
     def commit_through(self, batch_id: int) -> int:
         """Retire every batch of this consumer id up to `batch_id`; return how many were open."""
-        return int(self._request("commit", batch_id=batch_id, through=True)[0]["n"])
+        return self._commit(batch_id, through=True)
 
     def cursor(self) -> int:
         """The newest batch id received: store it in a checkpoint, pass it to `resume`."""
@@ -353,10 +409,18 @@ class ConsumerClient:
 
     def set_version(self, version: int, groups_per_step: int) -> None:
         """Announce the learner's policy version (staleness) and step size (admission)."""
-        self._request("version", version=version, groups_per_step=groups_per_step)
+        announce = SetVersion(
+            rid=self._rid(),
+            consumer=self.consumer_id,
+            session=self.session,
+            version=version,
+            groups_per_step=groups_per_step,
+        )
+        _check(self._request(announce)[0], Ok)
 
     def stats(self) -> dict[str, Any]:
-        return self._request("stats")[0]["stats"]
+        ask = StatsRequest(rid=self._rid(), consumer=self.consumer_id, session=self.session)
+        return _check(self._request(ask)[0], StatsReply).stats
 
     def close(self) -> None:
         self._sock.close(0)

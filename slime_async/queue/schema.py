@@ -1,14 +1,14 @@
-"""The wire schema of the trajectory buffer: one versioned module, validated on decode.
+"""The trajectory wire format of the buffer: one versioned module, validated on decode.
 
 A trajectory travels as one MessagePack map (never pickle). Token arrays are raw little-endian
-bytes inside the map (int32 ids and versions, float32 log-probs, uint8 loss mask): packing a list
-of ints costs 5-7x more (DESIGN.md). `decode_trajectory` checks every field and raises
-`SchemaError` naming the first field that is wrong, so a bad message gets a precise reply.
+bytes inside the map (int32 ids and versions, float32 log-probs, uint8 loss mask): packing them
+as lists of ints costs 5-7x more (measured with pyzmq 27.3 / msgpack 1.2.4 on loopback; the
+"raw + encode/decode" row of `bench/bench_buffer.py` shows the codec's cost today).
+`decode_trajectory` checks every field and raises `SchemaError` naming the first field that is
+wrong, so a bad message gets a precise reply.
 
-Messages between clients and the buffer are ZeroMQ multipart messages: frame 0 is a small
-MessagePack header map (`{"v": SCHEMA_VERSION, "op": ...}`), the following frames are encoded
-trajectories. The buffer stores and forwards trajectory frames as they came: it validates them
-once and never re-encodes them.
+Trajectories are the frames after a message's header (frame 0, see `messages.py`). The buffer
+stores and forwards them as they came: it validates them once and never re-encodes them.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import msgpack
 import numpy as np
 
 SCHEMA_VERSION = 1
+"""Version of the trajectory map and of the message headers (`messages.py`): both ends check it."""
 _LITTLE_ENDIAN_HOST = sys.byteorder == "little"
 
 Scalar = str | int | float | bool
@@ -151,17 +152,23 @@ def _array(m: dict, name: str, copy: bool) -> np.ndarray:
     return arr.astype(dtype.newbyteorder("="))
 
 
+def unpack_map(blob: bytes | memoryview, what: str) -> dict[str, Any]:
+    """A MessagePack map, or `SchemaError(what, ...)` for malformed bytes or another type."""
+    try:
+        m = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise SchemaError(what, f"malformed MessagePack: {e}") from None
+    if not isinstance(m, dict):
+        raise SchemaError(what, f"expected a map, got {type(m).__name__}")
+    return m
+
+
 def decode_trajectory(blob: bytes | memoryview, copy: bool = True) -> Trajectory:
     """Decode and validate one trajectory; raise `SchemaError` naming the bad field.
 
     copy=False returns read-only arrays viewing `blob` (the buffer's validation path).
     """
-    try:
-        m = msgpack.unpackb(blob, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated exception types
-        raise SchemaError("trajectory", f"malformed MessagePack: {e}") from None
-    if not isinstance(m, dict):
-        raise SchemaError("trajectory", f"expected a map, got {type(m).__name__}")
+    m = unpack_map(blob, "trajectory")
     version = m.get("schema")
     if version != SCHEMA_VERSION:
         raise SchemaError(
@@ -217,25 +224,3 @@ def decode_trajectory(blob: bytes | memoryview, copy: bool = True) -> Trajectory
         metadata=metadata,
         **arrays,
     )
-
-
-def pack_header(op: str, **fields: Any) -> bytes:
-    """Frame 0 of every message: `{"v": SCHEMA_VERSION, "op": op, ...}`."""
-    return msgpack.packb({"v": SCHEMA_VERSION, "op": op, **fields}, use_bin_type=True)
-
-
-def unpack_header(frame: bytes | memoryview) -> dict[str, Any]:
-    """Decode and check frame 0; raise `SchemaError` for malformed or foreign headers."""
-    try:
-        h = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as e:
-        raise SchemaError("header", f"malformed MessagePack: {e}") from None
-    if not isinstance(h, dict):
-        raise SchemaError("header", f"expected a map, got {type(h).__name__}")
-    if h.get("v") != SCHEMA_VERSION:
-        raise SchemaError(
-            "v", f"unknown schema version {h.get('v')!r} (this side speaks {SCHEMA_VERSION})"
-        )
-    if not isinstance(h.get("op"), str):
-        raise SchemaError("op", "missing message type")
-    return h

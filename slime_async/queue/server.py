@@ -1,17 +1,20 @@
 """The trajectory buffer process: one thread, two ROUTER sockets, an optional write-ahead log.
 
     generators (ProducerClient, DEALER) --connect--> [ROUTER  producer_endpoint]
-        hello [hdr{producer}]               ->  hello{next_seq}   (numbering survives restarts)
-        put   [hdr{seq}, traj, traj, ...]   ->  ack{seq, ok|duplicate|busy|stale} | error{reason}
-        admit [hdr{want}]                   ->  granted{n}
-        heartbeat                           ->  ok               (keeps admission grants alive)
+        Hello{producer}                 -> HelloReply{next_seq}  (numbering survives restarts)
+        Put{seq, producer}, traj, ...   -> Ack{seq, ok|duplicate|busy|stale} | Error{reason}
+        Admit{producer, want}           -> Granted{n}            (Admission: staleness budget)
+        Heartbeat{producer}             -> Ok                    (keeps admission grants alive)
                                                  |  BufferState: pending -> ready -> delivered
                                                  |  WAL: PUT / DELIVER / COMMIT / DROP records
     learner (ConsumerClient, DEALER)   --connect--> [ROUTER  consumer_endpoint]
-        get    [hdr{num_groups|num_tokens}] ->  batch[hdr{batch_id, sizes}, traj, ...] | empty
-        commit [hdr{batch_id}]              ->  committed{n}
-        version[hdr{version, groups_per_step}] -> ok
-    any client: ping / stats -> stats{...} (readiness probe)
+        Get{num_groups|num_tokens, timeout_s} -> BatchReply{batch_id, sizes}, traj, ... | Empty
+        Commit{batch_id, through}       -> Committed{n}
+        SetVersion{version, groups_per_step} -> Ok
+    either socket: Ping / StatsRequest -> StatsReply{stats} (readiness probe)
+
+Every header is a typed message of `messages.py`, checked on decode: a bad request is answered
+with an `Error` naming the field, and counted by reason (stats `rejected`).
 
 The buffer binds both endpoints; clients connect (and reconnect after a restart). The loop polls
 both sockets, drains what is queued, appends WAL records, makes them durable once for the whole
@@ -19,8 +22,9 @@ turn (`wal_sync`), then sends the acks: an ack means the trajectory is stored (a
 that cannot be served yet is parked until enough groups are ready or its timeout passes.
 
 Memory is bounded by `capacity_trajectories` / `capacity_bytes` for stored groups (producers get
-`busy` and retry beyond them) and by RCVHWM x `max_message_bytes` per connected peer for
-messages still in ZeroMQ's queues (beyond that TCP pushes back on the sender).
+`busy` and retry beyond them), by RCVHWM x `max_message_bytes` per connected peer for messages
+still in ZeroMQ's queues (beyond that TCP pushes back on the sender), and by one parked `get` per
+connected consumer.
 """
 
 from __future__ import annotations
@@ -35,14 +39,44 @@ import zmq
 
 from slime_async.config.buffer import BufferConfig
 from slime_async.queue import security
-from slime_async.queue.schema import SchemaError, decode_trajectory, pack_header, unpack_header
-from slime_async.queue.state import BufferState, PutRejected
+from slime_async.queue.groups import PutRejected
+from slime_async.queue.messages import (
+    Ack,
+    Admit,
+    BatchReply,
+    Commit,
+    Committed,
+    Empty,
+    Error,
+    Get,
+    Granted,
+    Heartbeat,
+    Hello,
+    HelloReply,
+    Ok,
+    Ping,
+    Put,
+    Request,
+    SetVersion,
+    StatsReply,
+    StatsRequest,
+    unpack_header,
+)
+from slime_async.queue.schema import SchemaError, decode_trajectory
+from slime_async.queue.state import BufferState
 from slime_async.queue.wal import WriteAheadLog
 
 log = logging.getLogger(__name__)
 
 _DRAIN = 256  # messages handled per socket per turn before acks go out
 _RCVHWM = 64  # messages queued per peer inside ZeroMQ
+# What each socket serves.
+_PRODUCER_REQUESTS: dict[str, type[Request]] = {
+    m.OP: m for m in (Put, Heartbeat, Admit, Hello, Ping, StatsRequest)
+}
+_CONSUMER_REQUESTS: dict[str, type[Request]] = {
+    m.OP: m for m in (Get, Commit, SetVersion, Ping, StatsRequest)
+}
 
 
 def _reason(e: SchemaError) -> str:
@@ -72,7 +106,7 @@ class Buffer:
         self._serving = False
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._parked: dict[bytes, tuple[dict[str, Any], float]] = {}
+        self._parked: dict[bytes, tuple[Get, float]] = {}  # consumer -> its get, deadline
         self.producer_sock = self._bind(cfg.producer_endpoint)
         self.consumer_sock = self._bind(cfg.consumer_endpoint)
         self.producer_endpoint = self.producer_sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -171,124 +205,105 @@ class Buffer:
                 reply = self._handle(sock, ident, body)
             except Exception as e:  # never let one message take the buffer down
                 log.exception("internal error handling a message")
-                self.state.rejected["internal"] += 1
-                reply = [pack_header("error", reason="internal", error=f"internal error: {e}")]
+                reply = self._refuse(Error(reason="internal", error=f"internal error: {e}"))
             if reply is not None:
                 out.append((sock, [ident, *reply]))
 
     # ---------------------------------------------------------------- messages
-    def _error(self, reason: str, error: str, h: dict[str, Any] | None = None) -> list[bytes]:
-        self.state.rejected[reason] += 1
-        echo = {k: h[k] for k in ("seq", "rid") if h and k in h}
-        return [pack_header("error", reason=reason, error=error, **echo)]
+    def _refuse(self, error: Error) -> list[bytes]:
+        self.state.reject(error.reason)
+        return [error.encode()]
 
     def _handle(self, sock: zmq.Socket, ident: bytes, body: list[zmq.Frame]) -> list | None:
         size = sum(len(f) for f in body)
         if not body:
-            return self._error("malformed", "empty message")
+            return self._refuse(Error(reason="malformed", error="empty message"))
         try:
             h = unpack_header(body[0].buffer)
         except SchemaError as e:
-            return self._error(_reason(e), f"header {e}")
+            return self._refuse(Error(reason=_reason(e), error=f"header {e}"))
         if size > self.cfg.max_message_bytes:
-            return self._error(
-                "too_large",
-                f"message of {size} B exceeds max_message_bytes={self.cfg.max_message_bytes}",
-                h,
-            )
+            error = f"message of {size} B exceeds max_message_bytes={self.cfg.max_message_bytes}"
+            return self._refuse(Error.answering(h, "too_large", error))
         op = h["op"]
+        producer = sock is self.producer_sock
+        kind = (_PRODUCER_REQUESTS if producer else _CONSUMER_REQUESTS).get(op)
+        if kind is None:
+            where = "producer" if producer else "consumer"
+            error = f"unknown message type {op!r} on the {where} socket"
+            return self._refuse(Error.answering(h, "unknown_op", error))
         try:
-            if op in ("ping", "stats"):
-                return [pack_header("stats", rid=h.get("rid"), stats=self.stats())]
-            if sock is self.producer_sock:
-                if op == "put":
-                    return self._put(h, body[1:])
-                if op == "admit":
-                    n = self.state.admission(_text(h, "producer"), _int(h, "want"))
-                    return [pack_header("granted", rid=h.get("rid"), n=n)]
-                if op == "hello":
-                    return [pack_header("hello", rid=h.get("rid"), next_seq=self._next_seq(h))]
-                if op == "heartbeat":
-                    self.state.producer(_text(h, "producer"))
-                    return [pack_header("ok", rid=h.get("rid"))]
-            else:
-                if op == "get":
-                    return self._get(ident, h)
-                if op == "commit":
-                    n = self.state.commit(
-                        _text(h, "consumer"), _int(h, "batch_id"), bool(h.get("through"))
-                    )
-                    return [pack_header("committed", rid=h.get("rid"), n=n)]
-                if op == "version":
-                    self.state.set_version(_int(h, "version"), max(1, _int(h, "groups_per_step")))
-                    return [pack_header("ok", rid=h.get("rid"))]
-        except (KeyError, TypeError) as e:
-            return self._error("bad_request", f"{op}: missing or wrong field {e}", h)
+            return self._serve(kind.decode(h), ident, body[1:])
+        except SchemaError as e:
+            return self._refuse(Error.answering(h, "bad_request", f"{op}: {e}"))
         except PutRejected as e:
-            return self._error("bad_request", str(e), h)
-        where = "producer" if sock is self.producer_sock else "consumer"
-        return self._error("unknown_op", f"unknown message type {op!r} on the {where} socket", h)
+            return self._refuse(Error.answering(h, "bad_request", str(e)))
 
-    def _next_seq(self, h: dict[str, Any]) -> int:
-        """Where a (re)started producer continues, so it never reuses an accepted number."""
-        st = self.state.producer(_text(h, "producer"))
-        # A (re)started producer holds no rollouts yet: grants of its earlier life are void,
-        # or they would count against the budget forever (it heartbeats under the same id).
-        if st.grants:
-            self.state.counts["grants_expired"] += st.grants
-            st.grants = 0
-        return max(st.done_below, max(st.done, default=-1) + 1)
+    def _serve(self, msg: Request, ident: bytes, blobs: list[zmq.Frame]) -> list | None:
+        match msg:
+            case Put():
+                return self._put(msg, blobs)
+            case Heartbeat():
+                self.state.heartbeat(msg.producer)
+                return [Ok(rid=msg.rid).encode()]
+            case Get():
+                return self._get(ident, msg)
+            case Commit():
+                n = self.state.commit(msg.consumer, msg.batch_id, msg.through)
+                return [Committed(rid=msg.rid, n=n).encode()]
+            case Admit():
+                n = self.state.admit(msg.producer, msg.want)
+                return [Granted(rid=msg.rid, n=n).encode()]
+            case Hello():
+                next_seq = self.state.producer_restarted(msg.producer)
+                return [HelloReply(rid=msg.rid, next_seq=next_seq).encode()]
+            case SetVersion():
+                self.state.set_version(msg.version, max(1, msg.groups_per_step))
+                return [Ok(rid=msg.rid).encode()]
+            case Ping() | StatsRequest():
+                return [StatsReply(rid=msg.rid, stats=self.stats()).encode()]
 
-    def _put(self, h: dict[str, Any], blobs: list[zmq.Frame]) -> list[bytes]:
-        seq, pid = _int(h, "seq"), _text(h, "producer")
+    def _put(self, msg: Put, blobs: list[zmq.Frame]) -> list[bytes]:
         if not blobs:
-            return self._error("bad_request", "put: no trajectories", h)
+            error = Error(reason="bad_request", error="put: no trajectories", seq=msg.seq)
+            return self._refuse(error)
         try:
             trajs = [decode_trajectory(b.buffer, copy=False) for b in blobs]
-            status = self.state.put(pid, seq, blobs, trajs)
+            status = self.state.put(msg.producer, msg.seq, blobs, trajs)
         except (SchemaError, PutRejected) as e:
-            # The number is used up, so the producer's dedupe window keeps moving.
-            self.state.producer(pid).mark(seq)
+            self.state.discard_put(msg.producer, msg.seq)
             if isinstance(e, SchemaError):
-                return self._error(_reason(e), f"trajectory {e}", h)
-            return self._error("group", str(e), h)
-        return [pack_header("ack", seq=seq, status=status)]
+                return self._refuse(Error(reason=_reason(e), error=f"trajectory {e}", seq=msg.seq))
+            return self._refuse(Error(reason="group", error=str(e), seq=msg.seq))
+        return [Ack(seq=msg.seq, status=status).encode()]
 
-    def _get(self, ident: bytes, h: dict[str, Any]) -> list | None:
-        num_groups, num_tokens = h.get("num_groups"), h.get("num_tokens")
-        for name, v in (("num_groups", num_groups), ("num_tokens", num_tokens)):
-            if v is not None and (not isinstance(v, int) or v < 1):
-                return self._error("bad_request", f"get: {name} must be a positive integer", h)
-        _text(h, "consumer")
-        _text(h, "session")
-        reply = self._try_get(h)
+    def _get(self, ident: bytes, msg: Get) -> list | None:
+        reply = self._try_get(msg)
         if reply is None:
-            self._parked[ident] = (h, time.monotonic() + float(h.get("timeout_s") or 0.0))
+            self._parked[ident] = (msg, time.monotonic() + msg.timeout_s)
         return reply
 
-    def _try_get(self, h: dict[str, Any]) -> list | None:
-        b = self.state.get(h["consumer"], h["session"], h.get("rid", ""), h.get("num_groups"),
-                           h.get("num_tokens"))  # fmt: skip
+    def _try_get(self, msg: Get) -> list | None:
+        b = self.state.get(msg.consumer, msg.session, msg.rid or "", msg.num_groups, msg.num_tokens)
         if b is None:
             return None
-        header = pack_header(
-            "batch",
-            rid=h.get("rid"),
+        header = BatchReply(
+            rid=msg.rid,
             batch_id=b.batch_id,
             sizes=[len(g.blobs) for g in b.groups],
             staleness=[self.state.staleness(g) for g in b.groups],
             version=self.state.version,
         )
-        return [header, *(blob for g in b.groups for blob in g.blobs)]
+        return [header.encode(), *(blob for g in b.groups for blob in g.blobs)]
 
     def _serve_parked(self, out: list) -> None:
         now = time.monotonic()
-        for ident, (h, deadline) in list(self._parked.items()):
-            reply = self._try_get(h)
+        for ident, (msg, deadline) in list(self._parked.items()):
+            reply = self._try_get(msg)
             if reply is None and now < deadline:
                 continue
             del self._parked[ident]
-            reply = reply or [pack_header("empty", rid=h.get("rid"))]
+            reply = reply or [Empty(rid=msg.rid).encode()]
             out.append((self.consumer_sock, [ident, *reply]))
 
     def stats(self) -> dict[str, Any]:
@@ -297,17 +312,3 @@ class Buffer:
         s["producer_endpoint"] = self.producer_endpoint
         s["consumer_endpoint"] = self.consumer_endpoint
         return s
-
-
-def _int(h: dict[str, Any], key: str) -> int:
-    v = h[key]
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{key!r} must be an integer")
-    return v
-
-
-def _text(h: dict[str, Any], key: str) -> str:
-    v = h[key]
-    if not isinstance(v, str) or not v:
-        raise TypeError(f"{key!r} must be a non-empty string")
-    return v

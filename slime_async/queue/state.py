@@ -1,4 +1,4 @@
-"""What the buffer holds and decides, without sockets: groups, staleness, admission, batches.
+"""What the buffer holds, without sockets: groups, batches, producers' ledgers, counters.
 
 Every change goes through the write-ahead log first (when one is configured) and is applied by
 the same `_apply_*` methods that recovery replays, so a restarted buffer rebuilds exactly the
@@ -8,69 +8,31 @@ acknowledged state. Lifecycle of a group:
                         \\________________________\\--stale--> dropped (counted by reason)
 
 Delivered groups are never dropped for staleness: the consumer has them (and may be training).
+What is stale, and how many groups producers may start, is decided by `Admission`.
 """
 
 from __future__ import annotations
 
-import heapq
-import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from slime_async.config.buffer import BufferConfig
 from slime_async.queue import wal as W
+from slime_async.queue.admission import NO_VERSION, Admission
+from slime_async.queue.groups import (
+    Delivered,
+    Group,
+    ProducerLedger,
+    PutRejected,
+    ReadyGroups,
+    RecentIds,
+    check_put,
+)
+from slime_async.queue.messages import AckStatus
 from slime_async.queue.schema import Trajectory, decode_trajectory
 
-_NO_VERSION = 1 << 62  # a trajectory without model tokens does not bound its group's staleness
-_RECENT_DROPS = 65536  # how many dropped group ids are remembered to discard late members
-
-
-class PutRejected(ValueError):
-    """A put that can never be accepted (bad input); the message names the problem."""
-
-
-@dataclass
-class Group:
-    group_id: str
-    size: int
-    blobs: list = field(default_factory=list)
-    """Encoded trajectories as received (zmq.Frame, or bytes after recovery): forwarded as is."""
-    traj_ids: set[str] = field(default_factory=set)
-    nbytes: int = 0
-    ntokens: int = 0
-    oldest: int = _NO_VERSION
-    arrival: int = 0
-    """Order of completion (ties in delivery order)."""
-    segments: set[int] = field(default_factory=set)
-
-
-@dataclass
-class Delivered:
-    batch_id: int
-    consumer: str
-    session: str
-    groups: list[Group]
-
-
-@dataclass
-class Producer:
-    done_below: int = 0
-    """Every sequence number below this was accepted."""
-    done: set[int] = field(default_factory=set)
-    """Accepted sequence numbers at or above `done_below` (out-of-order after a busy reply)."""
-    grants: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
-
-    def seen(self, seq: int) -> bool:
-        return seq < self.done_below or seq in self.done
-
-    def mark(self, seq: int) -> None:
-        self.done.add(seq)
-        while self.done_below in self.done:
-            self.done.remove(self.done_below)
-            self.done_below += 1
+_RECENT = 65536  # how many delivered / dropped group ids are remembered (late members, re-pushes)
 
 
 class BufferState:
@@ -78,39 +40,42 @@ class BufferState:
 
     def __init__(self, cfg: BufferConfig):
         self.cfg = cfg
-        self.version = 0
-        self.groups_per_step = cfg.groups_per_step
+        self.counts: Counter[str] = Counter()
+        self.admission = Admission(cfg, self.counts)
         self.pending: dict[str, Group] = {}
-        self.ready: dict[str, Group] = {}
-        # Delivery order without sorting per request: (key, key, group_id), removed lazily.
-        self._order: list[tuple[int, int, str]] = []
-        self.ready_tokens = 0
-        self._sign = 1 if cfg.order == "oldest_first" else -1
+        self.ready = ReadyGroups(cfg.order)
         self.delivered: dict[int, Delivered] = {}
         self.sessions: dict[str, str] = {}
         self.redeliver: dict[str, list[int]] = {}
         self.last_get: dict[str, tuple[str, int]] = {}
-        self.producers: dict[str, Producer] = {}
+        self.producers: dict[str, ProducerLedger] = {}
         self.next_batch = 1
         # Batches delivered since the learner last announced a new version and not committed:
         # it is training on them, so they still count against the staleness budget.
         self.in_training: dict[int, int] = {}  # batch id -> groups
         # Group ids delivered recently: a producer that re-pushes one (it crashed between the
         # ack and saving its cursor) is answered "duplicate" instead of training on it twice.
-        self._recent_done: deque[str] = deque()
-        self._recent_done_set: set[str] = set()
+        self._recent_done = RecentIds(_RECENT)
+        # Group ids dropped recently: their late members are discarded, not grown into a group.
+        self._recent_drops = RecentIds(_RECENT)
         self.held_trajectories = 0
         self.held_bytes = 0
         self._arrivals = 0
-        self._recent_drops: deque[str] = deque()
-        self._recent_drop_set: set[str] = set()
-        self.counts: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
         self.dropped_trajectories: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.staleness_hist: Counter[int] = Counter()
         self.wal: W.WriteAheadLog | None = None
         self._replaying = False
+
+    @property
+    def version(self) -> int:
+        """The policy version the learner announced last."""
+        return self.admission.version
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.admission.groups_per_step
 
     # ---------------------------------------------------------------- durability
     def attach_wal(self, wal: W.WriteAheadLog) -> None:
@@ -136,12 +101,12 @@ class BufferState:
     def _replay(self, rtype: int, rec: dict[str, Any], blobs: list[bytes]) -> None:
         if rtype == W.SNAPSHOT:
             for p, (below, done) in rec["producers"].items():
-                st = self.producers.setdefault(p, Producer())
+                st = self.producers.setdefault(p, ProducerLedger())
                 st.done_below = max(st.done_below, below)
                 st.done.update(done)
                 st.done = {s for s in st.done if s >= st.done_below}
             self.next_batch = max(self.next_batch, rec["next_batch"])
-            self.version, self.groups_per_step = rec["version"], rec["groups_per_step"]
+            self.admission.set_version(rec["version"], rec["groups_per_step"])
         elif rtype == W.PUT:
             trajs = [decode_trajectory(b, copy=False) for b in blobs]
             self._apply_put(rec["p"], rec["s"], blobs, trajs)
@@ -152,9 +117,7 @@ class BufferState:
         elif rtype == W.DROP:
             self._apply_drop(rec["g"], rec["why"])
         elif rtype == W.VERSION:
-            if rec["version"] != self.version:
-                self.in_training.clear()
-            self.version, self.groups_per_step = rec["version"], rec["groups_per_step"]
+            self._apply_version(rec["version"], rec["groups_per_step"])
 
     def _log(self, rtype: int, payload: dict[str, Any], blobs: Sequence = ()) -> int:
         if self.wal is None or self._replaying:
@@ -162,56 +125,57 @@ class BufferState:
         return self.wal.append(rtype, payload, blobs)
 
     # ---------------------------------------------------------------- producers
-    def producer(self, pid: str) -> Producer:
-        st = self.producers.get(pid)
-        if st is None:
-            st = self.producers[pid] = Producer()
-        st.last_seen = time.monotonic()
-        return st
+    def _producer(self, pid: str) -> ProducerLedger:
+        """The ledger of `pid`, which was just heard from (that keeps its grants alive)."""
+        self.admission.heard_from(pid)
+        return self._ledger(pid)
 
-    def put(self, pid: str, seq: int, blobs: list, trajs: list[Trajectory]) -> str:
-        """Store one put; return "ok", "duplicate", "busy" (retry later) or "stale" (stored, but
-        its group was already beyond max_staleness and was dropped). PutRejected: bad input."""
-        st = self.producer(pid)
+    def _ledger(self, pid: str) -> ProducerLedger:
+        ledger = self.producers.get(pid)
+        if ledger is None:
+            ledger = self.producers[pid] = ProducerLedger()
+        return ledger
+
+    def heartbeat(self, pid: str) -> None:
+        self._producer(pid)
+
+    def producer_restarted(self, pid: str) -> int:
+        """`pid` says hello (a fresh start or a restart): void the grants of its earlier life (it
+        holds no rollouts yet) and return the sequence number it continues from."""
+        ledger = self._producer(pid)
+        self.admission.void(pid)
+        return ledger.next_seq
+
+    def discard_put(self, pid: str, seq: int) -> None:
+        """A put refused as bad input still uses up its number: the dedupe window keeps moving."""
+        self._producer(pid).mark(seq)
+
+    def reject(self, reason: str) -> None:
+        """Count a request refused for `reason`."""
+        self.rejected[reason] += 1
+
+    def admit(self, pid: str, want: int) -> int:
+        """New groups `pid` may start now, within the staleness budget (see `Admission`)."""
+        self._ledger(pid)
+        held = len(self.pending) + len(self.ready) + sum(self.in_training.values())
+        return self.admission.grant(pid, want, held)
+
+    def expire_grants(self) -> None:
+        self.admission.expire()
+
+    def put(self, pid: str, seq: int, blobs: list, trajs: list[Trajectory]) -> AckStatus:
+        """Store one put; see `AckStatus` for what the answer means. PutRejected: bad input."""
+        st = self._producer(pid)
         if st.seen(seq):
             self.counts["duplicates"] += 1
-            return "duplicate"
-        if all(t.group_id in self.ready or t.group_id in self._recent_done_set for t in trajs):
+            return AckStatus.DUPLICATE
+        if all(t.group_id in self.ready or t.group_id in self._recent_done for t in trajs):
             # The whole group is here already (a producer restarted between our ack and its
             # cursor save): acknowledge without storing it twice.
             st.mark(seq)
             self.counts["duplicate_groups"] += 1
-            return "duplicate"
-        new_groups: dict[str, int] = {}
-        for t in trajs:
-            g = self.pending.get(t.group_id)
-            size = g.size if g else new_groups.setdefault(t.group_id, t.group_size)
-            if t.group_size != size:
-                raise PutRejected(
-                    f"group_size: trajectory {t.id!r} says {t.group_size}, "
-                    f"group {t.group_id!r} has size {size}"
-                )
-            if t.group_id in self.ready:
-                raise PutRejected(f"group_id: group {t.group_id!r} is already complete")
-            if g and t.id in g.traj_ids:
-                raise PutRejected(f"id: trajectory {t.id!r} is already in group {t.group_id!r}")
-        ids = [t.id for t in trajs]
-        if len(set(ids)) != len(ids):
-            raise PutRejected("id: the same trajectory id appears twice in one message")
-        incoming = Counter(t.group_id for t in trajs)
-        for gid, n in incoming.items():
-            g = self.pending.get(gid)
-            have, size = (len(g.blobs), g.size) if g else (0, new_groups[gid])
-            if have + n > size:
-                raise PutRejected(
-                    f"group_size: group {gid!r} would hold {have + n} trajectories, size is {size}"
-                )
-        for gid, size in new_groups.items():
-            if size > self.cfg.capacity_trajectories:
-                raise PutRejected(
-                    f"group_size: group {gid!r} of {size} exceeds capacity_trajectories "
-                    f"{self.cfg.capacity_trajectories}"
-                )
+            return AckStatus.DUPLICATE
+        new_groups = check_put(trajs, self.pending, self.ready, self.cfg.capacity_trajectories)
         nbytes = sum(len(b) for b in blobs)
         if nbytes > self.cfg.capacity_bytes:
             raise PutRejected(f"message of {nbytes} B exceeds capacity_bytes")
@@ -220,16 +184,16 @@ class BufferState:
             or self.held_bytes + nbytes > self.cfg.capacity_bytes
         ):
             self.counts["busy"] += 1
-            return "busy"
+            return AckStatus.BUSY
         for gid in new_groups:
-            if gid not in self._recent_drop_set and st.grants > 0:
-                st.grants -= 1
+            if gid not in self._recent_drops:
+                self.admission.use(pid)
         self._log(W.PUT, {"p": pid, "s": seq}, blobs)
         self._apply_put(pid, seq, blobs, trajs)
-        return "stale" if self.drop_stale([t.group_id for t in trajs]) else "ok"
+        return AckStatus.STALE if self.drop_stale([t.group_id for t in trajs]) else AckStatus.OK
 
     def _apply_put(self, pid: str, seq: int, blobs: list, trajs: list[Trajectory]) -> None:
-        st = self.producers.setdefault(pid, Producer())
+        st = self._ledger(pid)
         if st.seen(seq):
             return
         st.mark(seq)
@@ -237,7 +201,7 @@ class BufferState:
         segment = self.wal.segment if self.wal else 0
         for blob, t in zip(blobs, trajs, strict=True):
             self.counts["trajectories_in"] += 1
-            if t.group_id in self._recent_drop_set:
+            if t.group_id in self._recent_drops:
                 self.dropped["late_member_of_dropped_group"] += 1
                 self.dropped_trajectories["late_member_of_dropped_group"] += 1
                 continue
@@ -258,64 +222,33 @@ class BufferState:
             self.held_bytes += len(blob)
             if len(g.blobs) == g.size:
                 del self.pending[g.group_id]
-                if g.oldest == _NO_VERSION:
+                if g.oldest == NO_VERSION:
                     g.oldest = self.version
                 self._arrivals += 1
                 g.arrival = self._arrivals
-                self.ready[g.group_id] = g
-                self.ready_tokens += g.ntokens
-                key = (self._sign * g.oldest, self._sign * g.arrival, g.group_id)
-                heapq.heappush(self._order, key)
-
-    def admission(self, pid: str, want: int) -> int:
-        """New groups `pid` may start now, within the staleness budget.
-
-        With the learner at version v (announced after its weights reached the engines), a
-        group started now is behind at most (max_staleness + 1) * groups_per_step - 1 others:
-        the batch in training (delivered, neither committed nor followed by a new version),
-        then the buffered, pending and granted ones. So it
-        is trained at version <= v + max_staleness: the bound holds by construction, and with
-        max_staleness = 0 generation waits for each step (synchronous RL).
-        """
-        self.expire_grants()
-        st = self.producer(pid)
-        budget = (self.cfg.max_staleness + 1) * self.groups_per_step
-        outstanding = sum(p.grants for p in self.producers.values())
-        held = len(self.pending) + len(self.ready) + sum(self.in_training.values())
-        free = budget - held - outstanding
-        grant = max(0, min(want, free))
-        st.grants += grant
-        self.counts["granted"] += grant
-        return grant
-
-    def expire_grants(self) -> None:
-        """Release the grants of producers not heard from within `grant_timeout_s`."""
-        horizon = time.monotonic() - self.cfg.grant_timeout_s
-        for st in self.producers.values():
-            if st.grants and st.last_seen < horizon:
-                self.counts["grants_expired"] += st.grants
-                st.grants = 0
+                self.ready.add(g)
 
     # ---------------------------------------------------------------- staleness
     def set_version(self, version: int, groups_per_step: int) -> None:
-        if version != self.version:
-            self.in_training.clear()  # the batches trained at the old version are done
-        self.version, self.groups_per_step = version, groups_per_step
+        self._apply_version(version, groups_per_step)
         self._log(W.VERSION, {"version": version, "groups_per_step": groups_per_step})
         self.drop_stale()
 
+    def _apply_version(self, version: int, groups_per_step: int) -> None:
+        if self.admission.set_version(version, groups_per_step):
+            self.in_training.clear()  # the batches trained at the old version are done
+
     def staleness(self, g: Group) -> int:
-        return self.version - g.oldest if g.oldest != _NO_VERSION else 0
+        return self.admission.staleness(g.oldest)
 
     def drop_stale(self, group_ids: list[str] | None = None) -> list[str]:
         """Drop held, undelivered groups beyond max_staleness (only `group_ids` if given)."""
-        k = self.cfg.max_staleness
         if group_ids is None:
-            candidates = [*self.ready.values(), *self.pending.values()]
+            candidates = [*self.ready, *self.pending.values()]
         else:
             found = (self.ready.get(gid) or self.pending.get(gid) for gid in set(group_ids))
             candidates = [g for g in found if g is not None]
-        stale = [g.group_id for g in candidates if self.staleness(g) > k]
+        stale = [g.group_id for g in candidates if self.admission.is_stale(g.oldest)]
         if stale:
             self._log(W.DROP, {"g": stale, "why": "stale"})
             self._apply_drop(stale, "stale")
@@ -323,18 +256,13 @@ class BufferState:
 
     def _apply_drop(self, group_ids: list[str], why: str) -> None:
         for gid in group_ids:
-            g = self.pending.pop(gid, None)
-            if g is None and (g := self.ready.pop(gid, None)) is not None:
-                self.ready_tokens -= g.ntokens
+            g = self.pending.pop(gid, None) or self.ready.pop(gid)
             if g is None:
                 continue
             self.dropped[why] += 1
             self.dropped_trajectories[why] += len(g.blobs)
             self._forget(g)
-            self._recent_drops.append(gid)
-            self._recent_drop_set.add(gid)
-            if len(self._recent_drops) > _RECENT_DROPS:
-                self._recent_drop_set.discard(self._recent_drops.popleft())
+            self._recent_drops.add(gid)
 
     def _forget(self, g: Group) -> None:
         self.held_trajectories -= len(g.blobs)
@@ -373,7 +301,9 @@ class BufferState:
                 self._log(W.DELIVER, rec)
                 self.counts["redelivered"] += 1
                 return self._apply_deliver(b.batch_id, consumer, session, [], rid)
-        chosen = self._choose(num_groups, num_tokens)
+        if num_groups is None and num_tokens is None:
+            num_groups = self.groups_per_step
+        chosen = self.ready.choose(num_groups, num_tokens)
         if not chosen:
             return None
         gids = [g.group_id for g in chosen]
@@ -384,36 +314,6 @@ class BufferState:
         for g in chosen:
             self.staleness_hist[self.staleness(g)] += 1
         return self._apply_deliver(batch_id, consumer, session, gids, rid)
-
-    def _choose(self, num_groups: int | None, num_tokens: int | None) -> list[Group]:
-        if num_groups is None and num_tokens is None:
-            num_groups = self.groups_per_step
-        if num_groups is not None and num_tokens is None and len(self.ready) < num_groups:
-            return []
-        if num_tokens is not None and num_groups is None and self.ready_tokens < num_tokens:
-            return []
-        chosen: list[Group] = []
-        popped: list[tuple[int, int, str]] = []
-        tokens = 0
-        while self._order and (num_groups is None or len(chosen) < num_groups):
-            entry = self._order[0]
-            g = self.ready.get(entry[2])
-            if g is None or g.arrival != self._sign * entry[1]:
-                heapq.heappop(self._order)  # delivered or dropped since it was queued
-                continue
-            if num_tokens is not None and chosen and tokens + g.ntokens > num_tokens:
-                break  # the token budget is full
-            popped.append(heapq.heappop(self._order))
-            chosen.append(g)
-            tokens += g.ntokens
-        # Exactly num_groups, or the token budget filled (one group alone may exceed it).
-        if (num_groups is not None and len(chosen) == num_groups) or (
-            num_tokens is not None and (tokens >= num_tokens or len(chosen) < len(self.ready))
-        ):
-            return chosen
-        for entry in popped:  # not enough yet: leave them queued
-            heapq.heappush(self._order, entry)
-        return []
 
     def _apply_deliver(
         self, batch_id: int, consumer: str, session: str, gids: list[str], rid: str
@@ -427,16 +327,12 @@ class BufferState:
         if batch_id in self.delivered:  # a redelivery to a new session
             self.delivered[batch_id].session = session
             return self.delivered[batch_id]
-        groups = [g for gid in gids if (g := self.ready.pop(gid, None)) is not None]
+        groups = [g for gid in gids if (g := self.ready.pop(gid)) is not None]
         if not groups:
             return None
-        self.ready_tokens -= sum(g.ntokens for g in groups)
         self.in_training[batch_id] = len(groups)
         for g in groups:
-            self._recent_done.append(g.group_id)
-            self._recent_done_set.add(g.group_id)
-            if len(self._recent_done) > _RECENT_DROPS:
-                self._recent_done_set.discard(self._recent_done.popleft())
+            self._recent_done.add(g.group_id)
         self.counts["delivered_batches"] += 1
         self.counts["delivered_groups"] += len(groups)
         b = self.delivered[batch_id] = Delivered(batch_id, consumer, session, groups)
@@ -480,7 +376,7 @@ class BufferState:
             "batches_delivered_uncommitted": len(self.delivered),
             "trajectories_held": self.held_trajectories,
             "bytes_held": self.held_bytes,
-            "grants_outstanding": sum(p.grants for p in self.producers.values()),
+            "grants_outstanding": self.admission.outstanding,
             "producers": len(self.producers),
             "counts": dict(self.counts),
             "dropped": dict(self.dropped),

@@ -1,6 +1,6 @@
 """Builders for tests, benchmarks and the examples' toy models; runtime code never imports this.
 
-    models.py        tiny HF models of the supported families and a character tokenizer
-    trajectories.py  synthetic trajectories and groups for the buffer
-    router.py        the real sglang-router as a child process, for tests
+models.py        tiny HF models of the supported families and a character tokenizer
+trajectories.py  synthetic trajectories and groups for the buffer
+router.py        the real sglang-router as a child process, for tests
 """

@@ -8,9 +8,14 @@ model.safetensors, tokenizer.json, tokenizer_config.json) that `AutoModelForCaus
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 from typing import Literal
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 # Role markers for the examples' chat template (single tokens, so masks stay token-exact).
@@ -42,8 +47,6 @@ QWEN3_05B_SHAPE = dict(
 
 def char_tokenizer():
     """A PreTrainedTokenizerFast with one token per character plus SPECIAL_TOKENS."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARS:
@@ -74,7 +77,6 @@ def tiny_config(
     rope_theta: float = 10000.0,
 ):
     """An HF config of `family` with the given shape (GQA when num_kv_heads < num_heads)."""
-    from transformers import AutoConfig
 
     model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[family]
     kwargs = dict(
@@ -110,8 +112,6 @@ def tiny_config(
 
 def make_tiny_model(out_dir: str | Path, family: Family = "qwen3", seed: int = 0, **shape) -> Path:
     """Write a random-init tiny HF causal LM plus the char tokenizer into `out_dir`."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,6 @@ def save_tokenizer(tok, out_dir: str | Path) -> None:
     transformers 5 otherwise picks the family's own tokenizer class (Qwen2Tokenizer, ...),
     which adds tokens and normalises text.
     """
-    import json
 
     out = Path(out_dir)
     tok.save_pretrained(out)

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import psutil
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free now on `host` (the OS picks it)."""
@@ -119,8 +121,6 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     # kill(0) also succeeds on zombies that nobody reaps (pid 1 of a container may not): look.
-    import psutil
-
     for p in psutil.process_iter(["status"]):
         try:
             if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:

@@ -1,9 +1,9 @@
 """Asyncio client for SGLang's native HTTP API (real SGLang servers, sglang-router, or the embedded
 engine). Only SGLang's own field names are sent, since sglang-router drops unknown ones.
 
-Every call has a timeout and is retried with exponential back-off on connection errors, timeouts
-and 5xx answers; a 4xx answer is the caller's fault and raises `EngineRequestError` at once.
-Errors name the engine URL and the call.
+Every call has a timeout and is retried (`retry_async`, `engine_retry_policy`: exponential back-off
+with jitter) on connection errors, timeouts and 5xx answers; a 4xx answer is the caller's fault
+and raises `EngineRequestError` at once. Errors name the engine URL and the call.
 
 Per-token versions: the embedded engine adds `meta_info.output_token_weight_versions`; a real SGLang
 server does not, and then every token is taken to be of the response's `weight_version`.
@@ -11,13 +11,25 @@ server does not, and then every token is taken to be of the response's `weight_v
 
 from __future__ import annotations
 
-import asyncio
 import json
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from slime_async.utils.retry import RetryPolicy, retry_async
+
+RETRY_JITTER = 0.5
+"""Every client-side back-off of an engine call (this client's retries, the pool's fail-over, the
+generator's rollout retries and resumes) is stretched by a random factor in [1, 1.5), so that the
+callers an engine failed together do not all come back in the same instant."""
+
+
+def engine_retry_policy(
+    first_s: float, max_attempts: int | None, max_s: float = 30.0
+) -> RetryPolicy:
+    """The back-off shape of every retried engine call: doubling from `first_s`, capped, jittered."""
+    return RetryPolicy(first_s=first_s, max_s=max_s, jitter=RETRY_JITTER, max_attempts=max_attempts)
 
 
 class EngineError(RuntimeError):
@@ -147,31 +159,29 @@ class EngineClient:
         timeout = aiohttp.ClientTimeout(
             total=timeout_s or self.timeout_s, connect=self.connect_timeout_s
         )
-        attempt = 0
-        while True:
-            try:
-                async with self._get_session().request(
-                    method, self.url + path, json=body, timeout=timeout
-                ) as resp:
-                    raw = await resp.read()
-                    if resp.status < 400:
-                        return _decode(raw) if raw else None
-                    message = _error_message(raw) or resp.reason or ""
-                    if 400 <= resp.status < 500:
-                        raise EngineRequestError(
-                            self.url, name, f"HTTP {resp.status}: {message}", resp.status
-                        )
-                    error = EngineError(
-                        self.url, name, f"HTTP {resp.status}: {message}", resp.status
-                    )
-            except EngineError:
-                raise
-            except (TimeoutError, aiohttp.ClientError, OSError) as e:
-                error = EngineError(self.url, name, f"{type(e).__name__}: {e}")
-            if attempt >= retries:
-                raise error
-            attempt += 1
-            await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1) * (1 + random.random() / 2))
+        policy = engine_retry_policy(self.backoff_s, max_attempts=retries + 1)
+        return await retry_async(
+            lambda _attempt: self._call_once(method, path, name, body, timeout),
+            policy,
+            retry_on=_retryable,
+        )
+
+    async def _call_once(
+        self, method: str, path: str, name: str, body: Any, timeout: aiohttp.ClientTimeout
+    ) -> Any:
+        try:
+            async with self._get_session().request(
+                method, self.url + path, json=body, timeout=timeout
+            ) as resp:
+                raw = await resp.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            raise EngineError(self.url, name, f"{type(e).__name__}: {e}") from e
+        if resp.status < 400:
+            return _decode(raw) if raw else None
+        message = f"HTTP {resp.status}: {_error_message(raw) or resp.reason or ''}"
+        if resp.status < 500:
+            raise EngineRequestError(self.url, name, message, resp.status)
+        raise EngineError(self.url, name, message, resp.status)
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -308,6 +318,11 @@ class EngineClient:
         if isinstance(out, dict) and out.get("success") is False:
             raise EngineRequestError(self.url, f"POST {path}", str(out.get("message")))
         return out or {}
+
+
+def _retryable(e: BaseException) -> bool:
+    """Connection errors, timeouts and 5xx are retried; a 4xx would fail the same way again."""
+    return isinstance(e, EngineError) and not isinstance(e, EngineRequestError)
 
 
 def _decode(raw: bytes) -> Any:

@@ -1,9 +1,11 @@
 """A pool of engines behind one `generate`: least in-flight first, fail-over, health probing.
 
 A failed request (connection error, timeout, 5xx) marks its engine down and is retried at once on
-another engine that is up, or after exponential back-off when none is; a 4xx is the request's own
-fault and is raised. A down engine is probed with GET /health every `probe_interval_s` and used
-again as soon as it answers. With one URL (e.g. a sglang-router) the pool is a retrying client.
+another engine that is up, or, when none is, after the back-off of `engine_retry_policy` (the
+client's: doubling from `backoff_s`, jittered); a 4xx is the request's own fault and is raised.
+A down engine is probed with GET /health every `probe_interval_s` and used again as soon as it
+answers. With one URL (e.g. a sglang-router) the pool is a retrying client. Ties between equally
+busy engines are broken by the pool's own `random.Random(seed)` (the generator's seed).
 Memory: one client and one counter per engine, plus one probe task per down engine.
 """
 
@@ -19,6 +21,7 @@ from slime_async.actors.engine.client import (
     EngineError,
     EngineRequestError,
     GenerateOutput,
+    engine_retry_policy,
 )
 
 
@@ -33,6 +36,7 @@ class EnginePool:
         max_retries: int = 5,
         backoff_s: float = 0.2,
         probe_interval_s: float = 1.0,
+        seed: int | None = None,
     ):
         if not urls:
             raise ValueError("EnginePool needs at least one engine URL")
@@ -40,8 +44,8 @@ class EnginePool:
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"duplicate engine URLs: {urls}")
         self.clients = {u: EngineClient(u, api_key, timeout_s, max_retries=0) for u in self.urls}
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
+        self.retry = engine_retry_policy(backoff_s, max_attempts=max_retries + 1)
+        self._rng = random.Random(seed)
         self.probe_interval_s = probe_interval_s
         self.in_flight = dict.fromkeys(self.urls, 0)
         self.down: set[str] = set()
@@ -49,13 +53,14 @@ class EnginePool:
         self._probes: dict[str, asyncio.Task] = {}
 
     @classmethod
-    def from_config(cls, cfg, urls: list[str] | None = None) -> EnginePool:
+    def from_config(cls, cfg, urls: list[str] | None = None, seed: int | None = None) -> EnginePool:
         """From an `EngineConfig` (its `urls` unless `urls` is given)."""
         return cls(
             urls or cfg.urls,
             api_key=cfg.api_key,
             timeout_s=cfg.request_timeout_s,
             max_retries=cfg.max_retries,
+            seed=seed,
         )
 
     async def __aenter__(self) -> EnginePool:
@@ -78,7 +83,7 @@ class EnginePool:
         if not up:
             return None
         least = min(self.in_flight[u] for u in up)
-        return random.choice([u for u in up if self.in_flight[u] == least])
+        return self._rng.choice([u for u in up if self.in_flight[u] == least])
 
     async def generate(
         self,
@@ -105,14 +110,14 @@ class EnginePool:
                 finally:
                     self.in_flight[url] -= 1
             attempt += 1
-            if attempt > self.max_retries:
+            if self.retry.exhausted(attempt):
                 raise EngineError(
                     ",".join(self.urls),
                     "POST /generate",
                     f"no engine succeeded in {attempt} attempts; last error: {last_error}",
                 )
-            if self._pick() is None:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            if self._pick() is None:  # fail over at once while an engine is up, else back off
+                await asyncio.sleep(self.retry.delay(attempt, self._rng))
 
     def _mark_down(self, url: str) -> None:
         self.failures[url] += 1

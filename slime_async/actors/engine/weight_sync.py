@@ -16,6 +16,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    Backend,
+    PrefixStore,
+    _new_process_group_helper,
+    _world,
+)
 
 
 @dataclass
@@ -48,13 +54,6 @@ def init_weight_group(
     timeout_s: float = 300.0,
 ) -> WeightGroup:
     """Join (rank > 0) or host (rank 0) the group; blocks until all `world_size` ranks are in."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-    )
-
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight-update backend must be gloo or nccl, got {backend!r}")
     if not 0 <= rank < world_size:

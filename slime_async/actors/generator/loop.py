@@ -1,6 +1,6 @@
 """The generator: prompts -> groups of rollouts (asyncio plugins) -> rewards -> the buffer.
 
-    dataset (JSONL) --cursor--> start group k  <-- producer.admission(want): the staleness budget
+    dataset (JSONL) --cursor--> start group k  <-- sink.admission(want): the staleness budget
                                     |  group_size rollouts, each `await plugin(ctx, sample)`
                                     v
                      ctx.generate --HTTP--> engines (EnginePool or one sglang-router URL)
@@ -9,7 +9,7 @@
                      reward(sample, text, info) -> checks -> Trajectory x n
                                     |
                                     v
-                     producer.put_group(group)  --ack-->  cursor.mark_done(k), state file
+                     sink.put_group(group)  --ack-->  cursor.mark_done(k), state file
 
 Connects to: the buffer's producer endpoint (ProducerClient: ZeroMQ) and the engines (HTTP).
 Sends: whole groups only. Waits on: admission grants, engine responses, buffer acks; never on
@@ -17,7 +17,8 @@ the learner. Memory is bounded by `max_inflight` rollouts (max_inflight // group
 plus the dataset held in memory.
 
 Failures: an engine call that fails after the engine client's retries (`EngineFailure`) makes
-the rollout run again after a back-off (forever, or `rollout_max_attempts`); nothing is lost.
+the rollout run again after a back-off (`engine_retry_policy`: doubling from `retry_backoff_s` up
+to 30 s, jittered; forever, or `rollout_max_attempts` attempts); nothing is lost.
 A plugin or reward that breaks its contract (or raises) drops its group: the group is not
 pushed, the error is logged with the plugin's name and counted, its prompt is marked done, and
 after `max_plugin_errors` such groups the generator stops with `GeneratorError`.
@@ -33,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from slime_async.actors.engine.client import engine_retry_policy
 from slime_async.actors.generator.dataset import (
     Cursor,
     CursorStore,
@@ -53,21 +55,57 @@ from slime_async.actors.generator.rollout import (
     check_rollout_result,
 )
 from slime_async.config.generator import GeneratorConfig
-from slime_async.metrics import GEN_TOKENS_PER_S, GENERATOR_IDLE_PCT, IdleMeter, MetricsLogger
+from slime_async.metrics import (
+    GEN_ADMISSION_REQUESTS,
+    GEN_ADMISSION_WAIT_S,
+    GEN_GROUPS_DROPPED,
+    GEN_GROUPS_PUSHED,
+    GEN_GROUPS_STARTED,
+    GEN_INFLIGHT,
+    GEN_PLUGIN_ERRORS,
+    GEN_RESPONSE_LEN_MAX,
+    GEN_RESPONSE_LEN_MEAN,
+    GEN_RESUMES,
+    GEN_REWARD_MEAN,
+    GEN_REWARD_STD,
+    GEN_ROLLOUT_RETRIES,
+    GEN_TOKENS_PER_S,
+    GEN_TRAJECTORIES_PUSHED,
+    GENERATOR_IDLE_PCT,
+    IdleMeter,
+    MetricsLogger,
+)
 from slime_async.queue.client import BufferRejected
 from slime_async.queue.schema import Trajectory
+from slime_async.utils.retry import retry_async
 
 log = logging.getLogger("slime_async.generator")
 
 MAX_BACKOFF_S = 30.0
+"""Longest back-off between two attempts of a rollout (before jitter)."""
+
+TOTALS = {
+    "groups_started": GEN_GROUPS_STARTED,
+    "groups_pushed": GEN_GROUPS_PUSHED,
+    "trajectories_pushed": GEN_TRAJECTORIES_PUSHED,
+    "groups_dropped": GEN_GROUPS_DROPPED,
+    "plugin_errors": GEN_PLUGIN_ERRORS,
+    "rollout_retries": GEN_ROLLOUT_RETRIES,
+    "admission_requests": GEN_ADMISSION_REQUESTS,
+    "admission_wait_s": GEN_ADMISSION_WAIT_S,
+}
+"""The generator's running totals: key in `stats()` -> metric name in its records."""
 
 
 class GeneratorError(RuntimeError):
     """The generator cannot go on (too many plugin errors, an engine that never answers)."""
 
 
-class Producer(Protocol):
-    """What the generator needs from `slime_async.queue.client.ProducerClient`."""
+class GroupSink(Protocol):
+    """Where finished groups go: admission (the staleness budget) and whole-group puts.
+
+    `slime_async.queue.client.ProducerClient` (the buffer's producer endpoint) is the one in use.
+    """
 
     async def admission(self, want: int) -> int: ...
 
@@ -78,8 +116,8 @@ class Generator:
     """One generator: a loop that keeps admitted groups in flight and pushes them whole.
 
     gen = Generator(cfg, EnginePool(urls), tokenizer)    # resolves and checks the plugins
-    async with ProducerClient(buffer_cfg, cfg.producer_id) as producer:
-        stats = await gen.run(producer)
+    async with ProducerClient(buffer_cfg, cfg.producer_id) as sink:
+        stats = await gen.run(sink)
     """
 
     def __init__(
@@ -93,7 +131,7 @@ class Generator:
     ):
         self.cfg = cfg
         self.engine = engine
-        self.producer: Producer | None = None
+        self.sink: GroupSink | None = None
         self.tokenizer = tokenizer
         self.rollout_fn: Callable = ROLLOUTS.resolve(cfg.rollout)
         self.reward: RewardFn = resolve_reward(cfg.reward)
@@ -113,19 +151,10 @@ class Generator:
         self._spare_grants = 0  # grants of dropped groups, reused before asking again
         self._pushing: set[int] = set()
         self._inflight_rollouts = 0
-        self._totals: dict[str, float] = dict.fromkeys(
-            (
-                "groups_started",
-                "groups_pushed",
-                "trajectories_pushed",
-                "groups_dropped",
-                "plugin_errors",
-                "rollout_retries",
-                "admission_requests",
-                "admission_wait_s",
-            ),
-            0,
+        self.retry = engine_retry_policy(
+            cfg.retry_backoff_s, max_attempts=cfg.rollout_max_attempts or None, max_s=MAX_BACKOFF_S
         )
+        self._totals: dict[str, float] = dict.fromkeys(TOTALS, 0)
         self._window: dict[str, list[float]] = {"reward": [], "response_len": []}
         self._window_t0 = time.perf_counter()
         self._window_tokens = 0
@@ -136,12 +165,12 @@ class Generator:
         """Stop starting groups; in-flight rollouts are cancelled (redone after a restart)."""
         self._stop.set()
 
-    async def run(self, producer: Producer) -> dict[str, float]:
-        """Push groups through `producer` until the epochs are done or `stop()`; return stats.
+    async def run(self, sink: GroupSink) -> dict[str, float]:
+        """Push groups into `sink` until the epochs are done or `stop()`; return stats.
 
         Plugins, dataset and cursor were checked in the constructor, before any connection.
         """
-        self.producer = producer
+        self.sink = sink
         inflight: dict[int, asyncio.Task] = {}
         pending = self.cursor.pending()
         next_item: Item | None = self.stream.at(next(pending))
@@ -194,9 +223,9 @@ class Generator:
         self._totals["admission_requests"] += 1
         if idle:
             with self._idle.waiting():
-                granted = await self.producer.admission(want - spare)
+                granted = await self.sink.admission(want - spare)
         else:
-            granted = await self.producer.admission(want - spare)
+            granted = await self.sink.admission(want - spare)
         self._totals["admission_wait_s"] += time.perf_counter() - t0
         return spare + max(0, min(int(granted), want - spare))
 
@@ -243,7 +272,7 @@ class Generator:
             now = time.time()
             for t in trajs:
                 t.enqueued_at = now
-            await self.producer.put_group(trajs)
+            await self.sink.put_group(trajs)
         except asyncio.CancelledError:
             raise
         except BufferRejected as e:  # the buffer refused the group's content
@@ -293,39 +322,40 @@ class Generator:
     async def _rollout(self, sample: Sample) -> tuple[Sample, list[Transcript]]:
         """Run the plugin for one sample; engine failures retry it after a back-off."""
         name = self.cfg.rollout
-        attempt = 0
-        while True:
+
+        async def attempt(n: int) -> tuple[Sample, list[Transcript]]:
             ctx = RolloutContext(
                 self.engine,
                 self.tokenizer,
                 self.cfg.sampling,
                 apply_chat_template=self.cfg.apply_chat_template,
                 max_resumes=self.cfg.max_resumes,
-                rid_prefix=f"{sample.group_id}/{sample.sample_index}/a{attempt}/",
+                rid_prefix=f"{sample.group_id}/{sample.sample_index}/a{n}/",
                 stats=self.rollout_stats,
             )
             self._inflight_rollouts += 1
             try:
-                result = await self.rollout_fn(ctx, sample)
-                return sample, check_rollout_result(name, result)
-            except EngineFailure as e:
-                attempt += 1
-                self._totals["rollout_retries"] += 1
-                limit = self.cfg.rollout_max_attempts
-                if limit and attempt >= limit:
-                    self._fatal = GeneratorError(
-                        f"rollout of {sample.group_id} failed {attempt} times; last: {e}"
-                    )
-                    self._stop.set()
-                    raise
-                delay = min(self.cfg.retry_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
-                log.warning(
-                    "rollout %s/%d: %s; retry %d in %.1fs",
-                    sample.group_id, sample.sample_index, e, attempt, delay,
-                )  # fmt: skip
+                return sample, check_rollout_result(name, await self.rollout_fn(ctx, sample))
             finally:
                 self._inflight_rollouts -= 1
-            await asyncio.sleep(delay)
+
+        def on_retry(n: int, e: BaseException, delay: float) -> None:
+            self._totals["rollout_retries"] += 1
+            log.warning(
+                "rollout %s/%d: %s; retry %d in %.1fs",
+                sample.group_id, sample.sample_index, e, n, delay,
+            )  # fmt: skip
+
+        try:
+            return await retry_async(attempt, self.retry, retry_on=EngineFailure, on_retry=on_retry)
+        except EngineFailure as e:
+            # The counter counts failed attempts, so the last one too.
+            self._totals["rollout_retries"] += 1
+            self._fatal = GeneratorError(
+                f"rollout of {sample.group_id} failed {self.retry.max_attempts} times; last: {e}"
+            )
+            self._stop.set()
+            raise
 
     async def _score(self, sample: Sample, tr: Transcript) -> None:
         tr.finalize(self.cfg.rollout)
@@ -380,13 +410,13 @@ class Generator:
         rec = {
             GEN_TOKENS_PER_S: tokens / dt,
             GENERATOR_IDLE_PCT: self._idle.take_pct(),
-            "gen/inflight": self._inflight_rollouts,
-            "gen/reward/mean": _mean(rewards),
-            "gen/reward/std": _std(rewards),
-            "gen/response_len/mean": _mean(lens),
-            "gen/response_len/max": max(lens, default=math.nan),
-            **{f"gen/{k}": v for k, v in self._totals.items()},
-            "gen/resumes": self.rollout_stats.resumes,
+            GEN_INFLIGHT: self._inflight_rollouts,
+            GEN_REWARD_MEAN: _mean(rewards),
+            GEN_REWARD_STD: _std(rewards),
+            GEN_RESPONSE_LEN_MEAN: _mean(lens),
+            GEN_RESPONSE_LEN_MAX: max(lens, default=math.nan),
+            **{TOTALS[k]: v for k, v in self._totals.items()},
+            GEN_RESUMES: self.rollout_stats.resumes,
         }
         self._window_t0, self._window_tokens = now, self.rollout_stats.tokens
         self._window = {"reward": [], "response_len": []}
@@ -397,9 +427,9 @@ class Generator:
         log.info(
             "v%d pushed %d groups | %.0f tok/s | idle %.0f%% | in flight %d | reward %.3f | "
             "len %.1f | dropped %d | retries %d",
-            self.version, rec["gen/groups_pushed"], rec[GEN_TOKENS_PER_S],
-            rec[GENERATOR_IDLE_PCT], rec["gen/inflight"], rec["gen/reward/mean"],
-            rec["gen/response_len/mean"], rec["gen/groups_dropped"], rec["gen/rollout_retries"],
+            self.version, rec[GEN_GROUPS_PUSHED], rec[GEN_TOKENS_PER_S],
+            rec[GENERATOR_IDLE_PCT], rec[GEN_INFLIGHT], rec[GEN_REWARD_MEAN],
+            rec[GEN_RESPONSE_LEN_MEAN], rec[GEN_GROUPS_DROPPED], rec[GEN_ROLLOUT_RETRIES],
         )  # fmt: skip
         if self.metrics is not None:
             self.metrics.log(self.version, rec)

@@ -4,7 +4,8 @@ Connects to: the engines at `cfg.generate_urls()` (one sglang-router, or each en
 `EnginePool`) and the buffer's producer endpoint. Writes: its cursor (`cfg.paths().generator_state`)
 and `metrics/generator<i>.jsonl` in the run directory. Announces readiness once the buffer answered
 its hello. SIGTERM/SIGINT stop it after the groups in flight are cancelled (they are redone on a
-restart: the cursor only moves past acknowledged groups).
+restart: the cursor only moves past acknowledged groups). What it sends, what it waits on and
+what bounds its memory: see `Generator` (loop.py).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def run_generator(cfg: SlimeConfig) -> int:
 
 async def _run(cfg: SlimeConfig, gen_cfg, urls: list[str], tok_path: str) -> int:
     tokenizer = load_tokenizer(tok_path)
-    pool = EnginePool.from_config(cfg.engine, urls)
+    # The pool breaks ties between engines with the generator's seed (run.seed unless set).
+    pool = EnginePool.from_config(cfg.engine, urls, seed=gen_cfg.seed)
     metrics = None
     try:
         # Plugins, dataset and cursor are checked here, before anything connects.

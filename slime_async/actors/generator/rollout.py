@@ -18,7 +18,8 @@ from the token ids the engine returned, so the trained sequence is exactly the g
 
 `ctx.generate` resumes a request that an engine aborted for a weight update: it sends the
 prompt plus the tokens so far and keeps each token's policy version, so one response may hold
-tokens of several versions.
+tokens of several versions. An abort that brought no token (the engine is mid-update) is
+resumed after a back-off (`RESUME_BACKOFF_S` doubling up to `MAX_RESUME_BACKOFF_S`, jittered).
 """
 
 from __future__ import annotations
@@ -32,12 +33,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from slime_async.actors.engine.client import EngineRequestError
+from slime_async.actors.engine.client import EngineRequestError, engine_retry_policy
 from slime_async.config.generator import SamplingConfig
 from slime_async.queue.schema import Trajectory
 from slime_async.utils.plugins import PluginError, Registry
 
 ROLLOUTS = Registry("rollout", params=("ctx", "sample"), is_async=True)
+
+RESUME_BACKOFF_S = 0.05
+"""Wait before resuming a request whose engine aborted it without a token (a weight update)."""
+MAX_RESUME_BACKOFF_S = 1.0
+"""Longest such wait: a weight update takes seconds, the request should follow it closely."""
 
 
 class PluginContractError(PluginError):
@@ -254,6 +260,9 @@ class RolloutContext:
         self.sampling = sampling or SamplingConfig()
         self.use_chat_template = apply_chat_template
         self.max_resumes = max_resumes
+        self.resume_policy = engine_retry_policy(
+            RESUME_BACKOFF_S, max_attempts=max_resumes + 1, max_s=MAX_RESUME_BACKOFF_S
+        )  # attempts = the first request and its resumes
         self.rid_prefix = rid_prefix
         self.stats = stats or RolloutStats()
         self._calls = 0
@@ -332,11 +341,11 @@ class RolloutContext:
                 return out
             out.resumes += 1
             self.stats.resumes += 1
-            if out.resumes > self.max_resumes:
+            if self.resume_policy.exhausted(out.resumes):
                 raise EngineFailure(f"request {rid} aborted {out.resumes} times")
             if n == 0:
                 # An engine that aborts without progress is mid weight update: give it a moment.
-                await asyncio.sleep(min(0.05 * out.resumes, 1.0))
+                await asyncio.sleep(self.resume_policy.delay(out.resumes))
 
     async def _request(self, ids: list[int], params: dict, rid: str) -> Any:
         self.stats.requests += 1

@@ -1,4 +1,5 @@
-"""Micro-batches for the learner, and exact per-token log-probs from vocab-parallel logits.
+"""The learner's data: typed groups, rows, micro-batches, and exact per-token log-probs from
+vocab-parallel logits.
 
 Padding, not packing: megatron-core's local attention (no Transformer Engine) has no
 variable-length kernel, so a packed row would need a block-diagonal `[s, s]` mask and would
@@ -10,11 +11,32 @@ masked explicitly anyway.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from slime_async.queue.schema import Trajectory
+
+# megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
+
+
+@dataclass(frozen=True, eq=False)
+class TrainGroup:
+    """One prompt's trajectories: the unit the advantage estimator normalises over and the unit
+    that data parallelism splits a batch on."""
+
+    trajectories: tuple[Trajectory, ...]
+    staleness: int = 0
+    """The buffer's version at delivery minus the group's oldest model-token version."""
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __iter__(self) -> Iterator[Trajectory]:
+        return iter(self.trajectories)
 
 
 @dataclass
@@ -130,9 +152,9 @@ def vocab_parallel_logprobs(
     start = parallel_state.get_tensor_model_parallel_rank() * v_local
     m = z.detach().amax(dim=-1)  # [B, S]
     if tp > 1:
-        torch.distributed.all_reduce(
+        dist.all_reduce(
             m,
-            op=torch.distributed.ReduceOp.MAX,
+            op=dist.ReduceOp.MAX,
             group=parallel_state.get_tensor_model_parallel_group(),
         )
     shifted = z - m.unsqueeze(-1)
@@ -168,7 +190,7 @@ def check_ids(tokens: np.ndarray, vocab: int, what: str) -> None:
         raise ValueError(f"{what}: token id out of range [0, {vocab}): {int(tokens.max())}")
 
 
-def check_trajectory(t: Any, vocab_size: int) -> None:
+def check_trajectory(t: Trajectory, vocab_size: int) -> None:
     """Errors name the trajectory and the field."""
     r = len(t.response_ids)
     if len(t.prompt_ids) < 1 or r < 1:
@@ -182,7 +204,7 @@ def check_trajectory(t: Any, vocab_size: int) -> None:
     check_ids(np.concatenate([t.prompt_ids, t.response_ids]), vocab_size, f"trajectory {t.id!r}")
 
 
-def rows_from_groups(groups: list[list[Any]], vocab_size: int) -> list[Row]:
+def rows_from_groups(groups: Sequence[TrainGroup], vocab_size: int) -> list[Row]:
     """One Row per trajectory (prompt + response tokens, response-aligned per-token arrays)."""
     rows = []
     for g in groups:

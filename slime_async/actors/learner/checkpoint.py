@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from slime_async.models.convert import copy_tokenizer_files
 
+# megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
+
 COMMON_KEY = "learner"
 
 

@@ -1,7 +1,8 @@
 """The learner's optimizer: torch AdamW on fp32 master weights, DP gradient all-reduce, TP-aware clip.
 
-Megatron's DDP and DistributedOptimizer allocate on "cuda" and check CUDA tensor type strings,
-so they cannot run on the CPU path (DESIGN.md); this one optimizer serves CPU and GPU alike.
+Megatron's DDP and DistributedOptimizer create tensors on "cuda" and check
+`'torch.cuda.FloatTensor'` type strings, so they cannot run on the CPU path; this one optimizer
+serves CPU and GPU alike.
 With bf16 parameters it keeps fp32 master copies (and fp32 Adam moments), steps those and
 copies them back; with fp32 parameters the masters are the parameters themselves.
 Its state goes into dist_checkpointing as ShardedTensors shaped like the model's parameters,
@@ -17,6 +18,8 @@ import torch.distributed as dist
 
 from slime_async.config.learner import LearnerConfig
 from slime_async.models.convert import partition_dim
+
+# megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
 
 def lr_at(step: int, cfg: LearnerConfig) -> float:

@@ -23,12 +23,24 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
+import slime_async.metrics.names as M
+from slime_async.actors.engine.weight_push import WeightPusher
+from slime_async.actors.learner.batch import TrainGroup
+from slime_async.actors.learner.checkpoint import is_checkpoint
+from slime_async.actors.learner.trainer import Learner
 from slime_async.config import SlimeConfig
+from slime_async.metrics import MetricsLogger, int_histogram
+from slime_async.queue.client import Batch, ConsumerClient
+from slime_async.queue.schema import decode_trajectory, encode_trajectory
+from slime_async.utils.readiness import announce_ready
 
 log = logging.getLogger("slime_async.learner")
 
@@ -39,8 +51,6 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
     A checkpoint directory appears under its final name only once complete (it is written as
     `step_<n>.partial` and renamed), so a crash mid-save leaves nothing half-read here.
     """
-    from slime_async.actors.learner.trainer.checkpoint import is_checkpoint
-
     root = Path(save_dir)
     if is_checkpoint(root):
         return root
@@ -54,10 +64,13 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def batch_metrics(groups: list[list[Any]], staleness: list[int]) -> dict[str, Any]:
-    """Reward, accuracy, lengths and staleness of one batch (before training on it)."""
-    from slime_async.metrics import int_histogram
+def train_groups(batch: Batch) -> list[TrainGroup]:
+    """The buffer's batch as the learner's typed groups, each with its staleness."""
+    return [TrainGroup(tuple(g), s) for g, s in zip(batch.groups, batch.staleness, strict=True)]
 
+
+def batch_metrics(groups: Sequence[TrainGroup]) -> dict[str, Any]:
+    """Reward, accuracy, lengths and staleness of one batch (before training on it)."""
     trajs = [t for g in groups for t in g]
     rewards = np.array([t.reward for t in trajs], dtype=np.float64)
     # Accuracy: a reward's own "correct" part when it reports one, else reward > 0.
@@ -65,18 +78,18 @@ def batch_metrics(groups: list[list[Any]], staleness: list[int]) -> dict[str, An
         [float(t.reward_parts.get("correct", t.reward > 0)) for t in trajs], dtype=np.float64
     )
     lengths = np.array([int(t.loss_mask.sum()) for t in trajs], dtype=np.float64)
-    per_traj_staleness = [s for s, g in zip(staleness, groups, strict=False) for _ in g]
+    per_traj_staleness = [g.staleness for g in groups for _ in g]
     out: dict[str, Any] = {
-        "reward": float(rewards.mean()) if len(trajs) else 0.0,
-        "accuracy": float(correct.mean()) if len(trajs) else 0.0,
-        "response_len/mean": float(lengths.mean()) if len(trajs) else 0.0,
-        "response_len/max": float(lengths.max()) if len(trajs) else 0.0,
-        "trajectories": len(trajs),
+        M.REWARD: float(rewards.mean()) if len(trajs) else 0.0,
+        M.ACCURACY: float(correct.mean()) if len(trajs) else 0.0,
+        M.RESPONSE_LEN: float(lengths.mean()) if len(trajs) else 0.0,
+        M.RESPONSE_LEN_MAX: float(lengths.max()) if len(trajs) else 0.0,
+        M.TRAJECTORIES: len(trajs),
     }
     if per_traj_staleness:
-        out["staleness/mean"] = float(np.mean(per_traj_staleness))
-        out["staleness/max"] = int(max(per_traj_staleness))
-        out["staleness/hist"] = int_histogram(per_traj_staleness)
+        out[M.STALENESS_MEAN] = float(np.mean(per_traj_staleness))
+        out[M.STALENESS_MAX] = int(max(per_traj_staleness))
+        out[M.STALENESS_HIST] = int_histogram(per_traj_staleness)
     return out
 
 
@@ -84,29 +97,27 @@ class _Rank0:
     """What only learner rank 0 holds: the buffer consumer, the weight pusher, the metrics."""
 
     def __init__(self, cfg: SlimeConfig, run_dir: Path | None, backend: str):
-        from slime_async.queue.client import ConsumerClient
-
         self.cfg = cfg
         self.consumer = ConsumerClient(cfg.buffer, "learner")
-        self.pusher = None
+        self.pusher: WeightPusher | None = None
         if cfg.engine.urls:
-            from slime_async.actors.engine.weight_push import WeightPusher
-
             self.pusher = WeightPusher(
                 cfg.engine.urls,
                 backend=backend,
                 api_key=cfg.engine.api_key,
                 device=None if backend == "gloo" else "cuda",
             )
-        self.metrics = None
+        self.metrics: MetricsLogger | None = None
         if run_dir is not None:
-            from slime_async.metrics import MetricsLogger
-
             self.metrics = MetricsLogger(
-                run_dir, "learner", cfg.run.wandb, config=cfg.model_dump(mode="json")
+                run_dir,
+                "learner",
+                cfg.run.wandb,
+                config=cfg.model_dump(mode="json"),
+                project=cfg.run.wandb_project,
             )
 
-    def next_batch(self) -> tuple[Any, float]:
+    def next_batch(self) -> tuple[Batch, float]:
         """Block until the buffer delivers a batch; return it and the seconds waited."""
         t0 = time.perf_counter()
         while True:
@@ -124,33 +135,25 @@ class _Rank0:
             self.metrics.close()
 
 
-def _scatter_groups(learner, groups: list[list[Any]] | None) -> list[list[Any]]:
+def _scatter_groups(learner: Learner, groups: list[TrainGroup] | None) -> list[TrainGroup]:
     """Rank 0's batch, split over data-parallel ranks; TP ranks of one DP rank get the same."""
-    import torch.distributed as dist
-
-    from slime_async.queue.schema import decode_trajectory, encode_trajectory
-
     if dist.get_world_size() == 1:
         return groups or []
-    # Encoded with the wire schema so nothing but bytes crosses the process group.
+    # Encoded with the wire schema so nothing but bytes (and ints) crosses the process group.
     payload = (
-        [[[encode_trajectory(t) for t in g] for g in groups]] if groups is not None else [None]
+        [[(g.staleness, [encode_trajectory(t) for t in g]) for g in groups]]
+        if groups is not None
+        else [None]
     )
     dist.broadcast_object_list(payload, src=0)
     encoded = payload[0]
     dp_size = dist.get_world_size(learner.dp_group)
     mine = encoded[learner.dp_rank :: dp_size]
-    return [[decode_trajectory(b) for b in g] for g in mine]
+    return [TrainGroup(tuple(decode_trajectory(b) for b in blobs), s) for s, blobs in mine]
 
 
 def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
     """Train `learner.num_steps` optimizer steps on batches from the buffer; 0 when done."""
-    import torch
-    import torch.distributed as dist
-
-    from slime_async.actors.learner.trainer import Learner
-    from slime_async.utils.readiness import announce_ready
-
     lc = cfg.learner
     if lc.torch_threads:
         torch.set_num_threads(lc.torch_threads)
@@ -196,7 +199,7 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
         learner.close()
 
 
-def _push(learner, rank0: _Rank0 | None) -> float:
+def _push(learner: Learner, rank0: _Rank0 | None) -> float:
     """Every rank exports (TP gathers); rank 0 streams the buckets to the engines."""
     buckets = learner.export_hf_buckets(learner.cfg.push_bucket_bytes)
     if rank0 is None or rank0.pusher is None:
@@ -209,8 +212,6 @@ def _push(learner, rank0: _Rank0 | None) -> float:
 
 def _broadcast_flag(value: bool) -> bool:
     """Rank 0's `value` on every rank."""
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     flag = [value]
@@ -219,16 +220,21 @@ def _broadcast_flag(value: bool) -> bool:
 
 
 def _train(
-    cfg: SlimeConfig, learner, rank0: _Rank0 | None, save_dir: Path | None, has_pusher: bool
+    cfg: SlimeConfig,
+    learner: Learner,
+    rank0: _Rank0 | None,
+    save_dir: Path | None,
+    has_pusher: bool,
 ) -> int:
     lc = cfg.learner
     while learner.step < lc.num_steps:
         t_step = time.perf_counter()
-        batch, waited, info = None, 0.0, {}
+        batch, waited, info, given = None, 0.0, {}, None
         if rank0 is not None:
             batch, waited = rank0.next_batch()
-            info = batch_metrics(batch.groups, batch.staleness)
-        groups = _scatter_groups(learner, batch.groups if batch is not None else None)
+            given = train_groups(batch)
+            info = batch_metrics(given)
+        groups = _scatter_groups(learner, given)
         t_train = time.perf_counter()
         m = learner.train_step(groups)
         train_s = time.perf_counter() - t_train
@@ -242,21 +248,21 @@ def _train(
             record = {
                 **info,
                 **{k: v for k, v in m.items() if isinstance(v, int | float)},
-                "version": learner.version,
-                "learner/wait_s": waited,
-                "learner/wait_pct": 100.0 * waited / max(step_s, 1e-9),
-                "train/seconds": train_s,
-                "train/tokens_per_s": m.get("tokens", 0.0) / max(train_s, 1e-9),
-                "push/seconds": push_s,
-                "step/seconds": step_s,
+                M.VERSION: learner.version,
+                M.LEARNER_WAIT_S: waited,
+                M.LEARNER_WAIT_PCT: 100.0 * waited / max(step_s, 1e-9),
+                M.TRAIN_SECONDS: train_s,
+                M.TRAIN_TOKENS_PER_S: m.get(M.TOKENS, 0.0) / max(train_s, 1e-9),
+                M.PUSH_S: push_s,
+                M.STEP_SECONDS: step_s,
             }
             if rank0.metrics is not None:
                 rank0.metrics.log(learner.step, record)
             log.info(
                 "step %d reward %.3f acc %.3f staleness %.2f loss %.4f wait %.0f%% push %.2fs",
-                learner.step, record.get("reward", 0.0), record.get("accuracy", 0.0),
-                record.get("staleness/mean", 0.0), record.get("loss", 0.0),
-                record["learner/wait_pct"], push_s,
+                learner.step, record.get(M.REWARD, 0.0), record.get(M.ACCURACY, 0.0),
+                record.get(M.STALENESS_MEAN, 0.0), record.get(M.LOSS, 0.0),
+                record[M.LEARNER_WAIT_PCT], push_s,
             )  # fmt: skip
         last = learner.step == lc.num_steps
         checkpoint = save_dir is not None and (

@@ -10,7 +10,7 @@ optimizer state (fp32 moments, and fp32 masters for bf16), one micro-batch of at
 `learner.micro_batch_tokens` padded tokens, and one weight-export bucket.
 
     learner = Learner(cfg.learner, cfg.algo, temperature=cfg.generator.sampling.temperature)
-    metrics = learner.train_step(groups)          # one optimizer step, version += 1
+    metrics = learner.train_step(groups)          # [TrainGroup]: one optimizer step, version += 1
     for bucket in learner.export_hf_buckets(256 << 20): ...   # HF names; rank 0 only
     learner.save_checkpoint(dir, extra={"cursor": ...})
 
@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import slime_async.metrics.names as M
 from slime_async import megatron_compat
 from slime_async.actors.learner import checkpoint as learner_ckpt
-from slime_async.actors.learner.trainer.batch import (
+from slime_async.actors.learner.batch import (
     MicroBatch,
     Row,
+    TrainGroup,
     check_ids,
     check_trajectory,
     collate,
@@ -43,12 +46,16 @@ from slime_async.actors.learner.trainer.batch import (
     rows_from_groups,
     vocab_parallel_logprobs,
 )
-from slime_async.actors.learner.trainer.optim import MasterAdamW, lr_at
+from slime_async.actors.learner.optim import MasterAdamW, lr_at
+from slime_async.algos import AdvantageInput, LossInput, build_algorithm
+from slime_async.algos.metrics import finalize_metrics, merge_metrics
 from slime_async.config.algo import AlgoConfig
 from slime_async.config.learner import LearnerConfig
 from slime_async.models import convert
 from slime_async.models.megatron import ModelArch, build_gpt_model
 from slime_async.utils.procs import free_port
+
+# megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
 LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
 
@@ -63,8 +70,6 @@ class Learner:
         self.algo_cfg = algo_cfg
         self.temperature = float(temperature)
         # Plug-ins first: a wrong name or a broken function fails before any process group.
-        from slime_async.algos import build_algorithm
-
         self.algo = build_algorithm(algo_cfg)
         if learner_cfg.load is None and learner_cfg.model_path is None:
             raise ValueError(
@@ -104,6 +109,10 @@ class Learner:
             self.hf_config = json.loads((Path(cfg.model_path) / "config.json").read_text())
             self.tokenizer_dir = Path(cfg.model_path)
 
+        # Every RNG of the process: torch's and megatron's for init and dropout, Python's and
+        # numpy's for whatever a plug-in draws.
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
         megatron_compat.seed_model_parallel(cfg.seed)
         on_cpu = megatron_compat.cpu_mode()
         self.model = build_gpt_model(self.arch, self.dtype, init=False, on_cpu=on_cpu)
@@ -227,10 +236,10 @@ class Learner:
                 "every TP rank must receive the same groups"
             )
 
-    def _run_step(self, rows: list[Row], loss_of: LossFn, extra_metrics: dict) -> dict[str, float]:
+    def _run_step(
+        self, rows: list[Row], loss_of: LossFn, extra_metrics: dict[str, float]
+    ) -> dict[str, float]:
         """Micro-batches, forward/backward, DP gradient SUM, clip, optimizer step, version += 1."""
-        from slime_async.algos.metrics import finalize_metrics, merge_metrics
-
         t0 = time.perf_counter()
         self._check_same_data_in_tp_group(rows)
         local = torch.tensor(
@@ -277,28 +286,26 @@ class Learner:
         dist.all_reduce(loss_t, group=self.dp_group)
         t_end = time.perf_counter()
         return {
-            "loss": float(loss_t),
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": token_den,
-            "sequences": seq_den,
-            "tokens_total": total_tokens,
-            "padding_frac": 1.0 - float(sum(r.input_len for r in rows)) / max(padded, 1),
+            M.LOSS: float(loss_t),
+            M.GRAD_NORM: grad_norm,
+            M.LR: lr,
+            M.TOKENS: token_den,
+            M.SEQUENCES: seq_den,
+            M.TOKENS_TOTAL: total_tokens,
+            M.PADDING_FRAC: 1.0 - float(sum(r.input_len for r in rows)) / max(padded, 1),
             **extra_metrics,
             **finalize_metrics(merged),
-            "time/forward_backward_s": t_fb - t0,
-            "time/optimizer_s": t_opt - t_fb,
-            "time/step_s": t_end - t0,
+            M.TIME_FORWARD_BACKWARD: t_fb - t0,
+            M.TIME_OPTIMIZER: t_opt - t_fb,
+            M.TIME_STEP: t_end - t0,
         }
 
-    def train_step(self, groups: list[list[Any]]) -> dict[str, float]:
-        """One RL optimizer step on this rank's groups (lists of `Trajectory`); version += 1.
+    def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
+        """One RL optimizer step on this rank's groups; version += 1.
 
         Groups the algorithm filters out (e.g. DAPO's zero-variance filter) are not trained on
         and count in no denominator.
         """
-        from slime_async.algos import LossInput
-
         kept, advantages = self._advantages(groups)
         rows = rows_from_groups(kept, self.arch.vocab_size)
         for row, adv in zip(rows, advantages, strict=True):
@@ -330,28 +337,23 @@ class Learner:
             )
             return out.loss, out.metrics
 
-        rewards = [float(t.reward) for g in groups for t in g]
-        extra = {
-            "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
-            "groups_kept": float(len(kept)),
-            "groups_given": float(len(groups)),
-        }
+        extra = {M.GROUPS_KEPT: float(len(kept)), M.GROUPS_GIVEN: float(len(groups))}
         return self._run_step(rows, loss_of, extra)
 
-    def _advantages(self, groups: list[list[Any]]) -> tuple[list[list[Any]], list[np.ndarray]]:
+    def _advantages(
+        self, groups: Sequence[TrainGroup]
+    ) -> tuple[list[TrainGroup], list[np.ndarray]]:
         """The groups kept by the algorithm's filter, and [R] float32 advantages per trajectory.
 
         Groups of equal size go through the estimator together, as [G, n] (or [G, n, T]).
         """
-        from slime_async.algos import AdvantageInput
-
         for g in groups:
             for t in g:
                 check_trajectory(t, self.arch.vocab_size)
-        by_size: dict[int, list[list[Any]]] = {}
+        by_size: dict[int, list[TrainGroup]] = {}
         for g in groups:
             by_size.setdefault(len(g), []).append(g)
-        kept: list[list[Any]] = []
+        kept: list[TrainGroup] = []
         advantages: list[np.ndarray] = []
         for n, same in by_size.items():
             t_max = max(len(t.response_ids) for g in same for t in g)

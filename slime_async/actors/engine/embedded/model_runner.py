@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -44,8 +46,6 @@ class ModelRunner:
         max_slots: int = 64,
         max_context_len: int = 2048,
     ):
-        from transformers import AutoModelForCausalLM
-
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -242,8 +242,6 @@ class ModelRunner:
 
     def load_from_disk(self, model_path: str | Path) -> None:
         """Load every safetensors tensor of an HF directory into the running model."""
-        from safetensors.torch import load_file
-
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise ValueError(f"no *.safetensors files in {model_path}")

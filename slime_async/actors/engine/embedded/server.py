@@ -5,9 +5,11 @@ Binds `engine.host:engine.port` (127.0.0.1 by default; port 0 picks a free one) 
 (/server_info), /get_weight_version, /pause_generation, /continue_generation, /abort_request,
 /flush_cache and the weight-sync calls /init_weights_update_group,
 /update_weights_from_distributed, /destroy_weights_update_group, /update_weights_from_disk.
-Field names and shapes are SGLang's (see DESIGN.md). Errors are `{"error": {"message": ...}}`
-with a 4xx status; the server keeps serving. With `engine.api_key` set, every endpoint needs
-`Authorization: Bearer <key>`.
+Routes, field names and shapes follow SGLang 0.5.23: the routes of
+`python/sglang/srt/entrypoints/http_server.py`, and the request fields of `GenerateReqInput` and of
+the weight-update requests in `python/sglang/srt/managers/io_struct.py`. Errors are
+`{"error": {"message": ...}}` with a 4xx status; the server keeps serving. With `engine.api_key`
+set, every endpoint needs `Authorization: Bearer <key>`.
 
 Connects to: the learner's TCPStore (weight-update group) when asked to. Waits on: the scheduler
 thread, which owns the model (requests and weight updates are queued to it). Memory is bounded by
@@ -36,6 +38,7 @@ from slime_async.actors.engine.embedded.sampling import SamplingParams
 from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
 from slime_async.actors.engine.weight_sync import WeightGroup, init_weight_group, receive_tensors
 from slime_async.config import EngineConfig
+from slime_async.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +83,6 @@ class EmbeddedEngine:
     """Model runner + scheduler + tokenizer behind an aiohttp app."""
 
     def __init__(self, cfg: EngineConfig, model_path: str | None = None):
-        from slime_async.models.tokenizer import load_tokenizer
-
         path = model_path or cfg.model_path
         if not path:
             raise ValueError("engine.model_path is not set (the HF model directory to serve)")

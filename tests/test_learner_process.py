@@ -1,8 +1,9 @@
 """The learner process's pieces that need no model: checkpoint discovery and batch metrics."""
 
 import numpy as np
-from slime_async.actors.learner.trainer.process import batch_metrics, latest_checkpoint
 
+from slime_async.actors.learner.process import batch_metrics, latest_checkpoint, train_groups
+from slime_async.queue.client import Batch
 from slime_async.testing.trajectories import synthetic_group
 
 
@@ -26,7 +27,7 @@ def test_latest_complete_checkpoint_wins_and_partial_ones_are_ignored(tmp_path):
 
 def test_batch_metrics_counts_accuracy_lengths_and_staleness():
     groups = [synthetic_group("a", 2, response_len=8), synthetic_group("b", 2, response_len=8)]
-    m = batch_metrics(groups, staleness=[0, 2])
+    m = batch_metrics(train_groups(Batch(batch_id=1, groups=groups, staleness=[0, 2])))
     # synthetic rewards alternate 0, 1 and name a "correct" part
     assert m["reward"] == 0.5 and m["accuracy"] == 0.5
     assert m["trajectories"] == 4

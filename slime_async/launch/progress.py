@@ -14,6 +14,10 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Column
+
 from slime_async import metrics as m
 
 # (record key, label, format) in display order.
@@ -75,16 +79,6 @@ class ProgressDisplay:
         self._last_print = -math.inf
         self._bar = None
         if mode == "rich":
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-            from rich.table import Column
-
             # Step and ETA keep their width; the numbers take what is left and are cut at the end.
             self._bar = Progress(
                 TextColumn("step"),
