@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from examples.calculator_agent.calculator import calculator
-from slime_async.actors.generator.rewards import numeric_match
-from slime_async.actors.generator.rollout import RolloutContext, Sample, Transcript
+from slime_async.api import RolloutContext, Sample, Transcript, numeric_match
 
 MAX_CALLS = 3
 MAX_RESPONSE_TOKENS = 192
