@@ -64,6 +64,8 @@ def test_generate_urls_router_then_engines_then_embedded():
 
 
 def test_run_seed_seeds_every_role_unless_a_role_sets_its_own(tmp_path):
+    shipped = load_config([], [])  # the defaults a user gets: one seed for every role
+    assert shipped.engine.seed == shipped.generator.seed == shipped.learner.seed == shipped.run.seed
     cfg = load_config([], ["run.seed=7", "learner.seed=99"])
     assert (cfg.engine.seed, cfg.generator.seed, cfg.learner.seed) == (7, 7, 99)
     cfg.write_json(tmp_path / "config.json")  # recorded: the children read these values

@@ -105,6 +105,8 @@ def test_pipeline_runs_pushes_and_loses_nothing(tiny_setup, mode):
     # ... and the engine served them: the generator saw the advancing versions.
     gen = read_metrics(run_dir / "metrics" / "generator0.jsonl")
     assert max(r["step"] for r in gen) >= STEPS - 1
+    # A healthy engine: no call failed over, none failed for good (both counted in every record).
+    assert all(r["gen/engine_failovers"] == 0 and r["gen/engine_errors"] == 0 for r in gen)
     # The staleness bound held end to end (sync mode: 0).
     bound = 0 if mode == "sync" else MAX_STALENESS
     assert all(r["staleness/max"] <= bound for r in learner)

@@ -400,7 +400,8 @@ async def failing_server(status: dict[str, int], hits: list[str]):
         await runner.cleanup()
 
 
-async def test_client_retries_5xx_but_not_4xx():
+async def test_client_retries_5xx_but_not_4xx(caplog):
+    caplog.set_level("WARNING", logger="slime_async.actors.engine.client")
     status, hits = {"code": 503}, []
     async with (
         failing_server(status, hits) as url,
@@ -410,6 +411,8 @@ async def test_client_retries_5xx_but_not_4xx():
             await c.call("GET", "/get_server_info")
         assert type(err.value) is EngineError and err.value.status == 503
         assert hits == ["/get_server_info"] * 3  # the first attempt and max_retries retries
+        assert c.retries == 2  # every retry counted and logged with its reason
+        assert caplog.text.count("HTTP 503: busy; retry") == 2
         hits.clear()
         assert not await c.health()  # health checks are never retried
         assert hits == ["/health"]
@@ -420,7 +423,8 @@ async def test_client_retries_5xx_but_not_4xx():
         assert hits == ["/get_server_info"]
 
 
-async def test_pool_fails_over_then_backs_off_and_gives_up():
+async def test_pool_fails_over_then_backs_off_and_gives_up(caplog):
+    caplog.set_level("WARNING", logger="slime_async.actors.engine.pool")
     status, hits_a, hits_b = {"code": 503}, [], []
     async with failing_server(status, hits_a) as a, failing_server(status, hits_b) as b:
         pool = EnginePool([a, b], max_retries=2, backoff_s=0.001, probe_interval_s=60)
@@ -430,6 +434,9 @@ async def test_pool_fails_over_then_backs_off_and_gives_up():
                 await pool.generate([2], {"max_new_tokens": 1})
             assert (hits_a, hits_b) == (["/generate"], ["/generate"])
             assert pool.down == {a, b}
+            assert pool.stats()["failures"] == {a: 1, b: 1} and pool.backoffs == 1
+            assert caplog.text.count("is down (POST /generate") == 2
+            assert "no engine is up; /generate again in" in caplog.text
         status["code"] = 400
         async with EnginePool([a], max_retries=2, backoff_s=0.001) as pool:
             with pytest.raises(EngineRequestError, match="HTTP 400"):

@@ -13,7 +13,6 @@ import math
 import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from slime_async.actors.generator.loop import Generator, GeneratorError
 from slime_async.actors.generator.rewards import exact_match
 from slime_async.actors.generator.rollout import RolloutContext, Sample
 from slime_async.config import BufferConfig, GeneratorConfig, SamplingConfig
-from slime_async.launch.router import router_ready
+from slime_async.launch.router import http_ok, router_ready
 from slime_async.models.tokenizer import load_tokenizer
 from slime_async.queue.client import ConsumerClient, ProducerClient
 from slime_async.testing.models import char_tokenizer, make_tiny_model, save_tokenizer
@@ -55,11 +54,6 @@ def train_replay_model(out_dir: Path) -> Path:
     model.save_pretrained(out_dir)
     save_tokenizer(tok, out_dir)
     return out_dir
-
-
-def http_ok(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=2) as r:
-        return r.status == 200
 
 
 def start_engine(model_dir: Path, log_dir: Path, name: str) -> tuple[Child, str]:

@@ -324,7 +324,8 @@ def test_admission_keeps_work_within_the_staleness_budget():
         assert buf.state.admit("d", 100) == 2 * 5 - 2 - 4
 
 
-def test_backpressure_waits_instead_of_dropping():
+def test_backpressure_waits_instead_of_dropping(caplog):
+    caplog.set_level("INFO", logger="slime_async.queue.client")
     with running(capacity_trajectories=4) as (buf, cfg):
 
         async def go():
@@ -340,6 +341,8 @@ def test_backpressure_waits_instead_of_dropping():
                         b = await loop.run_in_executor(None, lambda: c.get_batch(2, timeout_s=2))
                         await loop.run_in_executor(None, c.commit, b.batch_id)
                 assert await asyncio.gather(*puts) == ["ok"] * 4
+                assert p.busy_replies >= 2  # each wait counted by the client too, and logged
+                assert caplog.text.count("buffer full: put") == 2  # once per waiting put
                 with pytest.raises(BufferRejected, match="exceeds capacity_trajectories"):
                     await p.put_group(synthetic_group("huge", 5))
 

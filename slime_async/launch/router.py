@@ -1,4 +1,5 @@
-"""The one way this project starts the real sglang-router (PyPI `sglang-router`) and checks it.
+"""The one way this project starts the real sglang-router (PyPI `sglang-router`), and the HTTP
+readiness probes of `slime-async run` (an engine's /health, the router's /workers).
 
 Binds host:port for requests and host:prometheus_port for metrics; both default to 0.0.0.0 in the
 router, so both are always given. Ready when GET /workers lists every worker as healthy (its own
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from typing import Any
 
 from slime_async.utils.procs import python_module
 
@@ -41,12 +43,22 @@ def router_argv(
     return argv
 
 
-def router_workers(router_url: str, api_key: str | None = None, timeout_s: float = 2.0) -> list:
-    """The router's GET /workers list."""
-    req = urllib.request.Request(f"{router_url}/workers")
+def _get(url: str, api_key: str | None, timeout_s: float) -> Any:
+    req = urllib.request.Request(url)
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+    return urllib.request.urlopen(req, timeout=timeout_s)
+
+
+def http_ok(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> bool:
+    """GET `url` answers 200."""
+    with _get(url, api_key, timeout_s) as resp:
+        return resp.status == 200
+
+
+def router_workers(router_url: str, api_key: str | None = None, timeout_s: float = 2.0) -> list:
+    """The router's GET /workers list."""
+    with _get(f"{router_url}/workers", api_key, timeout_s) as resp:
         return json.loads(resp.read()).get("workers", [])
 
 

@@ -8,7 +8,7 @@ here (free now on 127.0.0.1); on --resume they are chosen afresh.
 
 | role        | command                                              | ready when                       |
 | ----------- | ---------------------------------------------------- | -------------------------------- |
-| buffer      | slime_async buffer                                   | stats round-trip (or TCP ports)  |
+| buffer      | slime_async buffer                                   | ports open, stats round-trip     |
 | engine<i>   | slime_async engine, engine.port=P_i                  | GET /health is 200               |
 | router      | sglang_router.launch_router (num_engines > 1 only)   | GET /workers: all is_healthy     |
 | generator<i>| slime_async generator, engine.urls=[router or engine]| ready file (announce_ready)      |
@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import json
 import sys
-import urllib.request
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 from slime_async.config import BufferConfig, ConfigError, SlimeConfig
-from slime_async.launch.router import router_argv, router_ready
+from slime_async.launch.router import http_ok, router_argv, router_ready
 from slime_async.launch.run_dir import RunDir
 from slime_async.launch.supervisor import RoleSpec, ready_file_exists
 from slime_async.queue.client import ConsumerClient
@@ -39,19 +37,6 @@ LOOPBACK = "127.0.0.1"
 def _arg(key: str, value: object) -> str:
     """A `key=value` override whose value reads back as the same TOML value."""
     return f"{key}={json.dumps(value)}"
-
-
-def _get(url: str, api_key: str | None, timeout_s: float) -> Any:
-    req = urllib.request.Request(url)
-    if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
-    return urllib.request.urlopen(req, timeout=timeout_s)
-
-
-def http_ok(url: str, api_key: str | None = None, timeout_s: float = 2.0) -> bool:
-    """GET `url` answers 200."""
-    with _get(url, api_key, timeout_s) as resp:
-        return resp.status == 200
 
 
 def _endpoint_ready(endpoint: str) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ from slime_async.queue.messages import (
 )
 from slime_async.queue.schema import SchemaError, Trajectory, decode_trajectory, encode_trajectory
 from slime_async.utils.retry import RetryPolicy
+
+log = logging.getLogger(__name__)
 
 _BUSY_RETRY = RetryPolicy(first_s=0.002, max_s=0.1)  # resending a put refused as busy
 R = TypeVar("R", bound=Reply)
@@ -136,6 +139,10 @@ class ProducerClient:
         self._sends: set[asyncio.Future] = set()
         self._last_reply = time.monotonic()
         self._last_sent = 0.0
+        self.resends = 0
+        """Requests and puts sent again after no answer (each reconnect is logged)."""
+        self.busy_replies = 0
+        """Puts the buffer refused as full and that were sent again later (backpressure)."""
 
     async def __aenter__(self) -> ProducerClient:
         self._connect()
@@ -255,6 +262,9 @@ class ProducerClient:
                 put.future.set_exception(BufferRejected(reply.error))
             elif reply.status == AckStatus.BUSY:
                 put.busy_replies += 1
+                self.busy_replies += 1
+                if put.busy_replies == 1:  # once per put: a full buffer answers busy often
+                    log.info("buffer full: put %d waits and is sent again (busy)", reply.seq)
                 wait = _BUSY_RETRY.delay(put.busy_replies)
                 asyncio.get_running_loop().call_later(wait, self._resend_busy, reply.seq)
                 put.sent_at = float("inf")  # not lost, just waiting: keep the watchdog off it
@@ -290,6 +300,12 @@ class ProducerClient:
                         fut.set_exception(err)
                 continue
             if waiting and now - min(waiting) > self.cfg.request_timeout_s:
+                self.resends += len(self._puts) + len(self._calls)
+                log.warning(
+                    "no answer from the buffer at %s for %.1fs: reconnecting, resending %d puts "
+                    "and %d requests", self.cfg.producer_endpoint, now - min(waiting),
+                    len(self._puts), len(self._calls),
+                )  # fmt: skip
                 self._connect()
                 for p in list(self._puts.values()):
                     p.sent_at = now
@@ -313,6 +329,8 @@ class ConsumerClient:
         self._sock = _socket(self._ctx, cfg, cfg.consumer_endpoint)
         self._rids = itertools.count()
         self._cursor = 0
+        self.resends = 0
+        """Requests sent again on a fresh connection after no answer (each logged)."""
 
     def _rid(self) -> str:
         return f"{self.session}:{next(self._rids)}"
@@ -344,6 +362,11 @@ class ConsumerClient:
                     f"no answer from the buffer at {self.cfg.consumer_endpoint} for "
                     f"{self.cfg.give_up_s:.0f}s (down, unreachable, or refused our CURVE key)"
                 )
+            self.resends += 1
+            log.warning(
+                "no answer from the buffer at %s within %.1fs: reconnecting and resending",
+                self.cfg.consumer_endpoint, wait_s + self.cfg.request_timeout_s,
+            )  # fmt: skip
             self._sock.close(0)  # a fresh connection after a buffer restart
             self._sock = _socket(self._ctx, self.cfg, self.cfg.consumer_endpoint)
 

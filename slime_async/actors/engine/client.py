@@ -12,12 +12,15 @@ server does not, and then every token is taken to be of the response's `weight_v
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from slime_async.utils.retry import RetryPolicy, retry_async
+
+log = logging.getLogger(__name__)
 
 RETRY_JITTER = 0.5
 """Every client-side back-off of an engine call (this client's retries, the pool's fail-over, the
@@ -124,6 +127,8 @@ class EngineClient:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.connect_timeout_s = connect_timeout_s
+        self.retries = 0
+        """Calls sent again after a failure (each one logged with its reason)."""
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> EngineClient:
@@ -160,10 +165,16 @@ class EngineClient:
             total=timeout_s or self.timeout_s, connect=self.connect_timeout_s
         )
         policy = engine_retry_policy(self.backoff_s, max_attempts=retries + 1)
+
+        def on_retry(n: int, error: BaseException, delay: float) -> None:
+            self.retries += 1
+            log.warning("%s; retry %d of %d in %.2fs", error, n, retries, delay)
+
         return await retry_async(
             lambda _attempt: self._call_once(method, path, name, body, timeout),
             policy,
             retry_on=_retryable,
+            on_retry=on_retry,
         )
 
     async def _call_once(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from typing import Any
 
@@ -23,6 +24,8 @@ from slime_async.actors.engine.client import (
     GenerateOutput,
     engine_retry_policy,
 )
+
+log = logging.getLogger(__name__)
 
 
 class EnginePool:
@@ -50,6 +53,9 @@ class EnginePool:
         self.in_flight = dict.fromkeys(self.urls, 0)
         self.down: set[str] = set()
         self.failures = dict.fromkeys(self.urls, 0)
+        """Per engine: requests that failed there (each failed over or retried, and logged)."""
+        self.backoffs = 0
+        """Waits because no engine was up (each logged)."""
         self._probes: dict[str, asyncio.Task] = {}
 
     @classmethod
@@ -106,7 +112,7 @@ class EnginePool:
                     raise
                 except EngineError as e:
                     last_error = e
-                    self._mark_down(url)
+                    self._mark_down(url, e)
                 finally:
                     self.in_flight[url] -= 1
             attempt += 1
@@ -117,10 +123,17 @@ class EnginePool:
                     f"no engine succeeded in {attempt} attempts; last error: {last_error}",
                 )
             if self._pick() is None:  # fail over at once while an engine is up, else back off
-                await asyncio.sleep(self.retry.delay(attempt, self._rng))
+                delay = self.retry.delay(attempt, self._rng)
+                self.backoffs += 1
+                log.warning(
+                    "no engine is up; /generate again in %.2fs (attempt %d)", delay, attempt
+                )
+                await asyncio.sleep(delay)
 
-    def _mark_down(self, url: str) -> None:
+    def _mark_down(self, url: str, error: EngineError) -> None:
         self.failures[url] += 1
+        if url not in self.down:
+            log.warning("engine %s is down (%s); failing over, probing it", url, error)
         self.down.add(url)
         if url not in self._probes or self._probes[url].done():
             self._probes[url] = asyncio.get_running_loop().create_task(self._probe(url))
@@ -130,6 +143,7 @@ class EnginePool:
             await asyncio.sleep(self.probe_interval_s)
             if await self.clients[url].health(timeout_s=max(1.0, self.probe_interval_s)):
                 self.down.discard(url)
+                log.info("engine %s is back (GET /health answered)", url)
                 return
 
     async def for_all(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -147,4 +161,5 @@ class EnginePool:
             "down": sorted(self.down),
             "in_flight": dict(self.in_flight),
             "failures": dict(self.failures),
+            "backoffs": self.backoffs,
         }

@@ -58,6 +58,8 @@ from slime_async.config.generator import GeneratorConfig
 from slime_async.metrics import (
     GEN_ADMISSION_REQUESTS,
     GEN_ADMISSION_WAIT_S,
+    GEN_ENGINE_ERRORS,
+    GEN_ENGINE_FAILOVERS,
     GEN_GROUPS_DROPPED,
     GEN_GROUPS_PUSHED,
     GEN_GROUPS_STARTED,
@@ -402,6 +404,11 @@ class Generator:
             "cursor_next": self.cursor.next,
         }
 
+    def _engine_failovers(self) -> int:
+        """Failures the engine pool absorbed (0 for an engine without `stats`, e.g. in tests)."""
+        stats = getattr(self.engine, "stats", None)
+        return sum(stats()["failures"].values()) if callable(stats) else 0
+
     def _take_window(self) -> dict[str, float]:
         now = time.perf_counter()
         dt = max(now - self._window_t0, 1e-9)
@@ -417,6 +424,8 @@ class Generator:
             GEN_RESPONSE_LEN_MAX: max(lens, default=math.nan),
             **{TOTALS[k]: v for k, v in self._totals.items()},
             GEN_RESUMES: self.rollout_stats.resumes,
+            GEN_ENGINE_ERRORS: self.rollout_stats.engine_errors,
+            GEN_ENGINE_FAILOVERS: self._engine_failovers(),
         }
         self._window_t0, self._window_tokens = now, self.rollout_stats.tokens
         self._window = {"reward": [], "response_len": []}
