@@ -41,6 +41,16 @@ def test_round_trip_keeps_every_field():
     assert back.oldest_version() == 3
 
 
+def test_temperature_travels_when_set_and_is_optional():
+    t = _traj()
+    assert (
+        "temperature" not in _map(t) and decode_trajectory(encode_trajectory(t)).temperature is None
+    )
+    t.temperature = 0.7
+    assert _map(t)["temperature"] == 0.7
+    assert decode_trajectory(encode_trajectory(t)).temperature == 0.7
+
+
 def test_token_arrays_travel_as_little_endian_bytes():
     m = _map(_traj())
     assert m["schema"] == SCHEMA_VERSION
@@ -112,6 +122,9 @@ def _bad(mutate) -> SchemaError:
         (lambda m: m.pop("reward"), "reward", "missing field"),
         (lambda m: m.update(metadata={"x": [1, 2]}), "metadata.x", "scalar"),
         (lambda m: m.update(metadata={"x": math.nan}), "metadata.x", "finite"),
+        (lambda m: m.update(temperature=0.0), "temperature", "> 0"),
+        (lambda m: m.update(temperature=math.inf), "temperature", "finite"),
+        (lambda m: m.update(temperature="hot"), "temperature", "number"),
     ],
 )
 def test_bad_trajectory_names_the_field(mutate, field, words):

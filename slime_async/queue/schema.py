@@ -52,6 +52,8 @@ _FIELDS = frozenset(
         "metadata",
     }
 )
+_OPTIONAL_FIELDS = frozenset({"temperature"})
+"""Fields a trajectory may leave out (older producers); absent means the run's default."""
 
 
 class SchemaError(ValueError):
@@ -87,6 +89,9 @@ class Trajectory:
     created_at: float = field(default_factory=time.time)
     enqueued_at: float = 0.0
     metadata: dict[str, Scalar] = field(default_factory=dict)
+    temperature: float | None = None
+    """Sampling temperature the engine used (and scaled its log-probs by); None: the run's
+    `generator.sampling.temperature`. The learner computes its log-probs at this temperature."""
 
     @property
     def num_tokens(self) -> int:
@@ -113,6 +118,8 @@ def encode_trajectory(t: Trajectory) -> bytes:
         "enqueued_at": float(t.enqueued_at),
         "metadata": dict(t.metadata),
     }
+    if t.temperature is not None:
+        m["temperature"] = float(t.temperature)
     for name, dtype in _ARRAYS.items():
         # A byte view, not tobytes(): msgpack copies it once into the message.
         m[name] = memoryview(np.ascontiguousarray(getattr(t, name), dtype=dtype)).cast("B")
@@ -175,10 +182,17 @@ def decode_trajectory(blob: bytes | memoryview, copy: bool = True) -> Trajectory
             "schema", f"unknown schema version {version!r} (this side speaks {SCHEMA_VERSION})"
         )
     if m.keys() != _FIELDS:
-        unknown = set(m) - _FIELDS
+        unknown = set(m) - _FIELDS - _OPTIONAL_FIELDS
         if unknown:
             raise SchemaError(sorted(unknown)[0], "unknown field")
-        raise SchemaError(sorted(_FIELDS - set(m))[0], "missing field")
+        missing = _FIELDS - set(m)
+        if missing:
+            raise SchemaError(sorted(missing)[0], "missing field")
+    temperature = m.get("temperature")
+    if temperature is not None:
+        temperature = _finite("temperature", temperature)
+        if temperature <= 0:
+            raise SchemaError("temperature", f"must be > 0, got {temperature}")
     group_size = m["group_size"]
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise SchemaError("group_size", f"expected a positive integer, got {group_size!r}")
@@ -222,5 +236,6 @@ def decode_trajectory(blob: bytes | memoryview, copy: bool = True) -> Trajectory
         created_at=_finite("created_at", m["created_at"]),
         enqueued_at=_finite("enqueued_at", m["enqueued_at"]),
         metadata=metadata,
+        temperature=temperature,
         **arrays,
     )
