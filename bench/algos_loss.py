@@ -4,7 +4,9 @@
 
 Each iteration: the loss on one `[batch, seq]` micro-batch and its backward to the log-probs.
 The baseline is the shortest correct PPO clip (masked token mean, no metrics). The losses do
-the same work plus masking, the importance weights and per-version-lag metrics (one host sync).
+the same work plus masking, the importance weights and per-version-lag metrics (one host sync);
+pi_prox is a given tensor (as from the learner's forward at the start of the batch), and the KL
+case adds the importance-weighted KL penalty against a reference.
 Printed: milliseconds per micro-batch and the ratio to the baseline, measured in the same run.
 """
 
@@ -55,6 +57,8 @@ def main() -> None:
     adv = torch.randn(args.batch, 1, generator=g).expand(shape).contiguous().to(args.device)
     mask = (torch.rand(shape, generator=g) > 0.1).float().to(args.device)
     versions = (10 - torch.randint(0, 5, shape, generator=g)).to(args.device)
+    prox = (logp.detach() + 0.05 * torch.randn(shape, generator=g).to(args.device)).detach()
+    ref = (logp.detach() + 0.1 * torch.randn(shape, generator=g).to(args.device)).detach()
     denom = float(mask.sum())
 
     def run_baseline():
@@ -74,6 +78,8 @@ def main() -> None:
                 current_version=10,
                 token_denominator=denom,
                 seq_denominator=float(args.batch),
+                prox_logp=prox,
+                ref_logp=ref if cfg.kl_coef > 0 else None,
             )
             fn(inp, cfg).loss.backward()
             logp.grad = None
@@ -90,6 +96,8 @@ def main() -> None:
         ("mis sequence + veto", AlgoConfig(is_level="sequence", is_veto=1e-4)),
         ("aipo", AlgoConfig(loss="aipo")),
         ("gspo", AlgoConfig(loss="gspo")),
+        ("decoupled_gspo", AlgoConfig(loss="decoupled_gspo")),
+        ("decoupled_ppo + kl (k3, weighted)", AlgoConfig(kl_coef=0.01)),
     ]
     for label, cfg in cases:
         name = cfg.loss if "mis" not in label else "mis"

@@ -105,3 +105,142 @@ def test_advantage_input_shapes_are_checked():
     algo = build_algorithm(AlgoConfig())
     with pytest.raises(ValueError, match=r"must both be \[G, n\]"):
         algo.advantages(AdvantageInput(torch.ones(4), torch.ones(4)))
+
+
+# ------------------------------------------------- exact zeros, group sizes, across DP ranks
+
+GROUP_BASELINES = ["grpo", "dr_grpo", "rloo"]
+
+
+@pytest.mark.parametrize("name", [*GROUP_BASELINES, "reinforce_pp"])
+@pytest.mark.parametrize("value", [-0.3, 0.1, 1.0 / 3.0, 7.7])
+def test_equal_rewards_give_exact_zero_advantages(name, value):
+    # Eight equal rewards that are not exact in binary: the float32 mean is off by an ulp, and
+    # (r - mean) / (0 + eps) used to be about +-0.03 (a gradient from a group with no signal).
+    rewards = torch.full((3, 8), value, dtype=torch.float32)
+    rewards[1] = torch.tensor([1.0, 0.0] * 4)  # a group with signal stays non-zero
+    a = estimate(name, rewards=rewards)
+    assert a.dtype == torch.float32
+    if name == "reinforce_pp":  # batch-wide: only an all-equal batch is zero
+        assert (estimate(name, rewards=torch.full((3, 8), value)) == 0).all()
+        return
+    assert (a[0] == 0).all() and (a[2] == 0).all(), a
+    assert (a[1] != 0).all()
+
+
+def test_old_float32_grpo_gave_equal_rewards_a_gradient():
+    # The yardstick of the test above: the old formula on the same group is far from 0.
+    r = torch.full((1, 8), -0.3, dtype=torch.float32)
+    old = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-6)
+    assert old.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", GROUP_BASELINES)
+def test_group_baselines_refuse_groups_of_one(name):
+    with pytest.raises(ValueError, match=r"at least 2 samples.*generator.group_size"):
+        estimate(name, rewards=torch.ones(3, 1))
+
+
+def test_min_group_size_for_the_config_check(tmp_path, monkeypatch):
+    from slime_async.algos import min_group_size
+
+    assert {n: min_group_size(n) for n in ADVANTAGES.names()} == {
+        "grpo": 2,
+        "dr_grpo": 2,
+        "rloo": 2,
+        "reinforce_pp": 1,
+        "reinforce": 1,
+    }
+    (tmp_path / "my_adv.py").write_text(
+        "def pairwise(inp, cfg, state):\n    return inp.rewards\n"
+        "pairwise.min_group_size = 4\n"
+        "def plain(inp, cfg, state):\n    return inp.rewards\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert min_group_size("my_adv:pairwise") == 4 and min_group_size("my_adv:plain") == 1
+    # reinforce_pp and reinforce are fine with groups of one.
+    assert estimate("reinforce_pp", rewards=torch.tensor([[1.0], [0.0]])).abs().sum() > 0
+    assert estimate("reinforce", rewards=torch.tensor([[1.0], [0.0]])).abs().sum() > 0
+
+
+# Each rank's part of one batch; the parts are locally constant but differ across ranks in the
+# second case, which a per-rank equality check would wrongly zero.
+RANK_PARTS = {
+    "mixed": [[[1.0, 0.0, 0.5, 0.25]], [[2.0, 3.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]]],
+    "locally_constant": [[[1.0, 1.0]], [[0.0, 0.0], [0.0, 0.0]]],
+    "all_equal": [[[-0.3, -0.3]], [[-0.3, -0.3], [-0.3, -0.3]]],
+}
+
+
+def _rank_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+
+        def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            return t
+
+        results = {}
+        for case, parts in RANK_PARTS.items():
+            rewards = torch.tensor(parts[rank])
+            inp = AdvantageInput(rewards, torch.full(rewards.shape, 5), None, all_reduce_sum)
+            cfg = AlgoConfig(advantage_eps=1e-12, baseline_decay=0.5)
+            state: dict = {}
+            results[case] = {
+                "reinforce_pp": ADVANTAGES.resolve("reinforce_pp")(inp, cfg, state),
+                "reinforce_1": ADVANTAGES.resolve("reinforce")(inp, cfg, state),
+                "reinforce_2": ADVANTAGES.resolve("reinforce")(inp, cfg, state),
+                "baseline": state["baseline"],
+            }
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_batch_wide_estimators_span_data_parallel_ranks(tmp_path):
+    """Two gloo ranks, each with its part: reinforce_pp normalises over the union and every
+    rank ends with the same reinforce baseline, the one a single rank with the whole batch gets."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    world = 2
+    procs = [
+        ctx.Process(target=_rank_worker, args=(r, world, str(tmp_path / "init"), str(tmp_path)))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=120)
+            assert p.exitcode == 0, f"rank process {p.pid} exit code {p.exitcode} (timeout 120 s)"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for case, parts in RANK_PARTS.items():
+        flat = torch.tensor([x for part in parts for row in part for x in row])
+        whole = flat.reshape(1, -1)
+        cfg = dict(advantage_eps=1e-12, baseline_decay=0.5)
+        expect_pp = estimate("reinforce_pp", rewards=whole, **cfg).reshape(-1)
+        state: dict = {}
+        expect_r1 = estimate("reinforce", rewards=whole, state=state, **cfg).reshape(-1)
+        estimate("reinforce", rewards=whole, state=state, **cfg)
+        pp = torch.cat([got[r][case]["reinforce_pp"].reshape(-1) for r in range(world)])
+        r1 = torch.cat([got[r][case]["reinforce_1"].reshape(-1) for r in range(world)])
+        torch.testing.assert_close(pp, expect_pp)
+        torch.testing.assert_close(r1, expect_r1)
+        assert got[0][case]["baseline"] == got[1][case]["baseline"] == state["baseline"], case
+        if case == "all_equal":
+            assert (pp == 0).all()
+        else:
+            assert (pp != 0).any()
+    # The global mean, not a per-rank one: rank 0's first advantage is 1 - mean of all 12.
+    mixed = [x for part in RANK_PARTS["mixed"] for row in part for x in row]
+    mixed_mean = sum(mixed) / len(mixed)
+    assert len(mixed) == 12 and mixed_mean != pytest.approx(1.75 / 4)  # != rank 0's own mean
+    assert got[0]["mixed"]["reinforce_1"][0, 0].item() == pytest.approx(1.0 - mixed_mean)

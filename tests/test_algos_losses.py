@@ -350,3 +350,199 @@ def test_micro_batch_without_trained_tokens(name):
     loss, grad, m = run(name, inp)
     assert loss == 0.0 and grad.abs().sum() == 0
     assert m == {"tokens": 0.0}
+
+
+# ------------------------------------------------------------------------ KL gradients
+
+K = 5
+_g = torch.Generator().manual_seed(11)
+THETA_KL = torch.randn(K, generator=_g, dtype=torch.float64)
+REF_KL = THETA_KL + 0.8 * torch.randn(K, generator=_g, dtype=torch.float64)
+# pi_prox and mu near pi_theta: every weight pi_prox / mu and pi_theta / mu is inside (0.5, 2),
+# so the default truncation at 2 does not bind and the weighted estimate is exact.
+PROX_KL = THETA_KL + 0.25 * torch.randn(K, generator=_g, dtype=torch.float64)
+MU_KL = PROX_KL + 0.25 * torch.randn(K, generator=_g, dtype=torch.float64)
+KL_LOSSES = ["decoupled_ppo", "tis", "mis", "decoupled_gspo", "aipo"]
+
+
+def expected_kl_gradient(name, theta, mu_logits, prox_logits, kind, **cfg):
+    """sum_a mu(a) grad_theta l(a): the exact expectation over the sampler of the loss's
+    gradient with advantage 0 (so only the KL term), kl_coef = 1; no Monte Carlo."""
+    theta = theta.clone().requires_grad_()
+    logp = theta.log_softmax(0)
+    mu = mu_logits.log_softmax(0)
+    prox = prox_logits.log_softmax(0)
+    ref = REF_KL.log_softmax(0)
+    total = 0.0
+    for a in range(K):
+        inp = LossInput(
+            logp=logp[a].reshape(1, 1),
+            behavior_logp=mu[a].reshape(1, 1),
+            advantages=torch.zeros(1, 1, dtype=torch.float64),
+            loss_mask=torch.ones(1, 1, dtype=torch.float64),
+            versions=torch.full((1, 1), 3),
+            current_version=5,
+            token_denominator=1.0,
+            seq_denominator=1.0,
+            prox_logp=prox[a].reshape(1, 1).detach(),
+            ref_logp=ref[a].reshape(1, 1),
+        )
+        out = LOSSES.resolve(name)(inp, AlgoConfig(kl_coef=1.0, kl_estimator=kind, **cfg))
+        total = total + mu[a].exp().detach() * out.loss
+    (g,) = torch.autograd.grad(total, theta)
+    return g, float(total.detach())
+
+
+def kl_gradient(theta, p_first=True):
+    """grad_theta KL(pi || ref) (p_first) or KL(ref || pi), by autograd of the exact sum."""
+    theta = theta.clone().requires_grad_()
+    lp, ref = theta.log_softmax(0), REF_KL.log_softmax(0)
+    kl = (lp.exp() * (lp - ref)).sum() if p_first else (ref.exp() * (ref - lp)).sum()
+    (g,) = torch.autograd.grad(kl, theta)
+    return g, kl.item()
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("name", ["ppo_clip", "gspo", *KL_LOSSES])
+def test_kl_penalty_has_the_gradient_of_kl_pi_ref_on_policy(name, kind):
+    # Sampled from pi_theta = pi_prox = mu: E[grad] = grad KL(pi || ref) exactly, every kind.
+    # (Old code: k1's expected gradient was 0, k3's that of KL(ref || pi).)
+    target, kl = kl_gradient(THETA_KL)
+    got, value = expected_kl_gradient(name, THETA_KL, THETA_KL, THETA_KL, kind)
+    torch.testing.assert_close(got, target, rtol=1e-10, atol=1e-12)
+    if kind != "k2":  # k1 and k3 are unbiased estimates of the value too
+        assert value == pytest.approx(kl, rel=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("name", KL_LOSSES)
+def test_kl_penalty_is_importance_weighted_on_stale_tokens(name, kind):
+    # Sampled from mu != pi_prox != pi_theta, at the shipped bounds (truncation at 2, inactive
+    # here): sum_a mu(a) grad l(a) = grad KL(pi_theta || ref) for every weighted loss.
+    target, kl = kl_gradient(THETA_KL)
+    got, value = expected_kl_gradient(name, THETA_KL, MU_KL, PROX_KL, kind)
+    torch.testing.assert_close(got, target, rtol=1e-10, atol=1e-12)
+    if kind != "k2":
+        assert value == pytest.approx(kl, rel=1e-10)
+    # Without the weight (w = rho = 1, as ppo_clip does) the same samples are biased.
+    unweighted, _ = expected_kl_gradient("ppo_clip", THETA_KL, MU_KL, PROX_KL, kind)
+    assert (unweighted - target).abs().max() > 1e-3
+
+
+def test_raw_k1_and_k3_losses_had_the_wrong_gradient():
+    # The yardstick of the two tests above: autograd of the bare estimators, on-policy.
+    def bare(kind):
+        theta = THETA_KL.clone().requires_grad_()
+        lp, ref = theta.log_softmax(0), REF_KL.log_softmax(0)
+        (g,) = torch.autograd.grad((lp.exp().detach() * kl_estimate(lp, ref, kind)).sum(), theta)
+        return g
+
+    g1, g3 = bare("k1"), bare("k3")
+    torch.testing.assert_close(g1, torch.zeros(K, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(g3, kl_gradient(THETA_KL, p_first=False)[0])
+    assert (g3 - kl_gradient(THETA_KL)[0]).abs().max() > 1e-2
+
+
+def test_kl_penalty_value_gradient_and_metric_by_hand():
+    # One token: log pi = log 0.5, log ref = log 0.25, pi_prox / mu = 1.5, pi_theta / pi_prox = 1.
+    lp, ref = math.log(0.5), math.log(0.25)
+    inp = make_input(
+        [[lp]], [[lp - math.log(1.5)]], [[0.0]], prox_logp=torch.tensor([[lp]], dtype=torch.float64)
+    )
+    inp.ref_logp = torch.tensor([[ref]], dtype=torch.float64)
+    loss, grad, m = run("decoupled_ppo", inp, kl_coef=0.1, kl_estimator="k3")
+    k3 = 0.5 - 1 + math.log(2)
+    assert loss == pytest.approx(0.1 * 1.5 * k3)
+    assert grad.item() == pytest.approx(0.1 * 1.5 * math.log(2))  # w (log pi - log ref)
+    assert m["kl_ref_loss"] == pytest.approx(1.5 * k3) and m["kl_ref_k3"] == pytest.approx(k3)
+
+
+# ------------------------------------------------------------------------ GSPO
+
+
+def gspo_case(seed=14):
+    """Three sequences of 2, 3 and 5 tokens; log-ratios around 1e-3 so the 3e-4/4e-4 clip binds
+    on some sequences and not on others."""
+    g = torch.Generator().manual_seed(seed)
+    b, t = 3, 5
+    mask = torch.zeros(b, t, dtype=torch.float64)
+    for i, n in enumerate((2, 3, 5)):
+        mask[i, :n] = 1
+    prox = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2
+    logp = prox + 1e-3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    mu = prox - 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    adv = torch.tensor([[1.0], [-1.0], [0.5]], dtype=torch.float64).expand(b, t).clone()
+    return make_input(logp, mu, adv, mask, prox_logp=prox)
+
+
+def gspo_exact_loss(logp, old, w, adv, mask, eps_low=3e-4, eps_high=4e-4, normalise=True):
+    """GSPO written out at sequence level, for autograd: (1/N_seq) sum_i mean_t of
+    w_it * max(-A_i s_i, -A_i clip(s_i)), s_i = exp(mean_t log(pi_theta / pi_old))."""
+    m = mask > 0
+    n = m.sum(-1)
+    log_s = torch.where(m, logp - old, 0.0).sum(-1) / (n if normalise else 1)  # [B]
+    s = log_s.exp()
+    a = adv[:, 0]
+    seq = torch.maximum(-a * s, -a * s.clamp(1 - eps_low, 1 + eps_high))  # [B]
+    per_token = torch.where(m, w * seq[:, None], 0.0)
+    return (per_token.sum(-1) / n).sum() / logp.shape[0], s
+
+
+@pytest.mark.parametrize("name", ["gspo", "decoupled_gspo"])
+def test_gspo_gradient_is_the_length_normalised_sequence_objective(name):
+    # aggregation seq_mean_token_mean is GSPO's own; with a sequence-level behaviour weight
+    # (constant per sequence) the loss's gradient is autograd of the exact sequence objective.
+    # Drop the 1/|y_i| in s_i and both the value and the gradient change.
+    inp = gspo_case()
+    old = inp.prox_logp if name == "decoupled_gspo" else inp.behavior_logp
+    cfg = dict(aggregation="seq_mean_token_mean", ppo_old_policy="prox", is_level="sequence")
+    cfg["is_mode"] = "none"
+    loss, grad, m = run(name, inp, **cfg)
+    logp = inp.logp.detach().clone().requires_grad_()
+    if name == "decoupled_gspo":
+        w = torch.where(inp.loss_mask > 0, inp.prox_logp - inp.behavior_logp, 0.0).sum(-1).exp()
+        w = w[:, None].expand_as(logp)
+    else:
+        old = inp.prox_logp  # ppo_old_policy = prox
+        w = torch.ones_like(logp)
+    exact, s = gspo_exact_loss(logp, old, w, inp.advantages, inp.loss_mask)
+    (g_exact,) = torch.autograd.grad(exact, logp)
+    assert loss == pytest.approx(exact.item(), rel=1e-12)
+    torch.testing.assert_close(grad, g_exact, rtol=1e-10, atol=1e-14)
+    # Both regimes are exercised: the clip cuts the gradient of two sequences, not the third.
+    a = inp.advantages[:, 0]
+    cut = ((a > 0) & (s > 1 + 4e-4)) | ((a < 0) & (s < 1 - 3e-4))
+    assert cut.tolist() == [True, True, False], s
+    assert m["clip_frac"] == pytest.approx(5 / 10)  # the tokens of the 2- and 3-token ones
+    # The test sees the normalisation: without it the value and the gradient differ.
+    unnormalised, _ = gspo_exact_loss(logp, old, w, inp.advantages, inp.loss_mask, normalise=False)
+    (g_unnormalised,) = torch.autograd.grad(unnormalised, logp)
+    assert abs(unnormalised.item() - loss) > 1e-6
+    assert (g_unnormalised - grad).abs().max() > 1e-6
+
+
+def test_decoupled_gspo_token_weights_by_hand():
+    # Sequence of 2 tokens, log-ratio to pi_prox 1e-4 and 3e-4 (s = e^2e-4, inside the clip);
+    # pi_prox / mu = 3 and 0.5, truncated at 2: w = 2, 0.5. A = 1, token mean over 2 tokens.
+    prox = torch.tensor([log(0.3, 0.2)], dtype=torch.float64)
+    logp = prox + torch.tensor([[1e-4, 3e-4]], dtype=torch.float64)
+    mu = prox - torch.tensor([log(3.0, 0.5)], dtype=torch.float64)
+    inp = make_input(logp, mu, [[1.0, 1.0]], prox_logp=prox)
+    loss, grad, m = run("decoupled_gspo", inp)
+    s = math.exp(2e-4)
+    assert loss == pytest.approx(-(2 + 0.5) * s / 2)
+    torch.testing.assert_close(grad, torch.tensor([[-2 * s, -0.5 * s]], dtype=torch.float64) / 2)
+    assert m["is_weight_max"] == pytest.approx(2.0) and m["clip_frac"] == 0.0
+    assert m["ratio"] == pytest.approx(s)
+    # Against mu instead (gspo's default) the same tokens are far outside the tiny clip.
+    _, _, m_mu = run("gspo", inp)
+    assert m_mu["clip_frac"] == 1.0
+
+
+def test_decoupled_gspo_with_fresh_samples_is_gspo_against_prox():
+    inp = gspo_case(8)
+    inp.behavior_logp = inp.prox_logp.clone()  # mu = pi_prox: weights 1
+    a = run("decoupled_gspo", inp)
+    b = run("gspo", inp, ppo_old_policy="prox")
+    assert a[0] == pytest.approx(b[0])
+    torch.testing.assert_close(a[1], b[1])

@@ -63,7 +63,15 @@ def user_module(tmp_path, monkeypatch):
 
 
 def test_every_builtin_resolves_and_documents_its_formula():
-    assert set(LOSSES.names()) == {"ppo_clip", "decoupled_ppo", "tis", "mis", "aipo", "gspo"}
+    assert set(LOSSES.names()) == {
+        "ppo_clip",
+        "decoupled_ppo",
+        "tis",
+        "mis",
+        "aipo",
+        "gspo",
+        "decoupled_gspo",
+    }
     assert set(ADVANTAGES.names()) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce"}
     for registry in (LOSSES, ADVANTAGES):
         for name in registry.names():

@@ -7,13 +7,15 @@ losses' gradients and all-reduces them with SUM, whatever the aggregation.
 
 An advantage estimator is `fn(inp: AdvantageInput, cfg: AlgoConfig, state: dict) -> Tensor`
 returning one advantage per trajectory `[G, n]` (broadcast over its tokens by the learner) or
-per token `[G, n, T]`. `state` persists across steps (running baselines).
+per token `[G, n, T]`. `state` persists across steps (running baselines). Batch-wide estimators
+see the other data-parallel ranks' rewards only through `inp.all_reduce_sum`.
 
 Both registries also accept `package.module:function`; the signature is checked at start-up.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,9 +45,10 @@ class LossInput:
     seq_denominator: float
     """Sequences in the whole step (all micro-batches and ranks)."""
     prox_logp: torch.Tensor | None = None
-    """[B, T] proximal policy log-probs (no grad), when the loss asks for them."""
+    """[B, T] log pi_prox (no grad): the policy at the start of the batch, from a forward pass
+    before its first mini-batch update; the PPO family's trust region is around it."""
     ref_logp: torch.Tensor | None = None
-    """[B, T] reference policy log-probs for a KL penalty, when configured."""
+    """[B, T] reference (initial) policy log-probs for a KL penalty, when configured."""
     entropy: torch.Tensor | None = None
     """[B, T] per-token entropy of the current policy (with grad), when configured."""
 
@@ -66,3 +69,8 @@ class AdvantageInput:
     """[G, n] number of model (loss-mask 1) tokens of each trajectory."""
     token_mask: torch.Tensor | None = None
     """[G, n, T] loss mask, for estimators that return per-token advantages."""
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Given a tensor, its elementwise sum over all data-parallel ranks (None: one rank).
+
+    Batch-wide estimators (reinforce_pp, reinforce) call it so that the batch is every rank's
+    part; every rank must then call the estimator equally often each step, in the same order."""

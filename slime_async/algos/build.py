@@ -81,6 +81,7 @@ class Algorithm:
             rewards=shape_rewards(inp.rewards, inp.response_lengths, self.cfg),
             response_lengths=inp.response_lengths,
             token_mask=inp.token_mask,
+            all_reduce_sum=inp.all_reduce_sum,
         )
         adv = self.advantage_fn(shaped, self.cfg, self.state)
         g, n = inp.rewards.shape

@@ -22,8 +22,10 @@ from slime_async.config.algo import AlgoConfig
 def proximal_logp(inp: LossInput, cfg: AlgoConfig, mask: torch.Tensor) -> torch.Tensor:
     """`[B, T]` log pi_prox, detached.
 
-    forward:      `inp.prox_logp` if given, else `logp.detach()`; the two agree when the batch
-                  gets one optimizer step (logp is then the forward at the start of the step).
+    forward:      `inp.prox_logp`: the learner's no-grad forward pass at the start of the batch,
+                  before its first mini-batch update (the PPO trust region is around it). When it
+                  is not given, `logp.detach()`, which is pi_prox only on the batch's first
+                  mini-batch: after an update it makes the ratio 1 and the clip inert.
     interpolate:  log pi_prox = log mu + alpha * (log pi_theta - log mu),
                   alpha = (v_prox - v_mu) / (v_theta - v_mu) = lag / (lag + 1),
                   with v_prox = current_version, v_theta = current_version + 1 (the policy this

@@ -51,6 +51,7 @@ def _surrogate_output(
     stats: TokenStats,
     log_ratio: torch.Tensor,
     weight: torch.Tensor | None,
+    prox: torch.Tensor | None,
 ) -> LossOutput:
     ratio = torch.exp(masked(log_ratio, mask))
     pg, clipped, dual = clipped_surrogate(
@@ -64,7 +65,7 @@ def _surrogate_output(
     if cfg.dual_clip_c is not None:
         stats.mean("dual_clip_frac", dual)
     stats.mean("pg_loss", pg)
-    per_token = add_regularizers(pg, inp, cfg, mask, stats)
+    per_token = add_regularizers(pg, inp, cfg, mask, stats, weight, prox)
     return LossOutput(loss=aggregate(per_token, mask, inp, cfg), metrics=stats.raw())
 
 
@@ -84,7 +85,7 @@ def ppo_clip(inp: LossInput, cfg: AlgoConfig) -> LossOutput:
         old = inp.behavior_logp.detach()
     else:
         old = proximal_logp(inp, cfg, mask)
-    return _surrogate_output(inp, cfg, mask, stats, inp.logp - old, None)
+    return _surrogate_output(inp, cfg, mask, stats, inp.logp - old, None, None)
 
 
 def _decoupled(inp: LossInput, cfg: AlgoConfig, mode: str) -> LossOutput:
@@ -92,7 +93,7 @@ def _decoupled(inp: LossInput, cfg: AlgoConfig, mode: str) -> LossOutput:
     stats = TokenStats(mask, version_lag(inp))
     prox = proximal_logp(inp, cfg, mask)
     weight = behavior_weights(inp, cfg, mask, prox, stats, mode)
-    return _surrogate_output(inp, cfg, mask, stats, inp.logp - prox, weight)
+    return _surrogate_output(inp, cfg, mask, stats, inp.logp - prox, weight, prox)
 
 
 @LOSSES.register("decoupled_ppo")

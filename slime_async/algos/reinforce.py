@@ -36,5 +36,5 @@ def aipo(inp: LossInput, cfg: AlgoConfig) -> LossOutput:
     stats.weight("is_weight", w.weight)
     stats.mean("is_dropped_frac", w.dropped)
     stats.mean("pg_loss", pg)
-    per_token = add_regularizers(pg, inp, cfg, mask, stats)
+    per_token = add_regularizers(pg, inp, cfg, mask, stats, w.weight, None)
     return LossOutput(loss=aggregate(per_token, mask, inp, cfg), metrics=stats.raw())

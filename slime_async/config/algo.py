@@ -22,7 +22,7 @@ class AlgoConfig(Section):
     baseline_decay: float = Field(0.9, ge=0, lt=1)
     """reinforce: running baseline b <- decay * b + (1 - decay) * batch mean reward."""
     loss: str = "decoupled_ppo"
-    """Policy loss: ppo_clip, decoupled_ppo, tis, mis, aipo, gspo, or `package.module:fn`."""
+    """Policy loss: ppo_clip, decoupled_ppo, tis, mis, aipo, gspo, decoupled_gspo, or `pkg.m:fn`."""
     eps_clip_low: float = Field(0.2, ge=0)
     """Lower PPO clip: ratio >= 1 - eps_clip_low."""
     eps_clip_high: float = Field(0.2, ge=0)
@@ -30,17 +30,17 @@ class AlgoConfig(Section):
     dual_clip_c: float | None = Field(None, gt=1)
     """Dual clip: for negative advantages the loss is at most -c * A (None: off; 3 is usual)."""
     ppo_old_policy: Literal["behavior", "prox"] = "behavior"
-    """ppo_clip/gspo ratio denominator: the engine's policy mu (naive PPO) or pi_prox."""
+    """ppo_clip/gspo ratio denominator: mu (naive PPO) or pi_prox (the decoupled losses: pi_prox)."""
     gspo_eps_clip_low: float = Field(3e-4, ge=0)
-    """gspo: lower clip of the sequence-level ratio (GSPO's clip ranges are tiny)."""
+    """gspo, decoupled_gspo: lower clip of the sequence-level ratio (GSPO's ranges are tiny)."""
     gspo_eps_clip_high: float = Field(4e-4, ge=0)
-    """gspo: upper clip of the sequence-level ratio."""
+    """gspo, decoupled_gspo: upper clip of the sequence-level ratio."""
     prox_source: Literal["forward", "interpolate"] = "forward"
     """pi_prox: the learner's no-grad forward (or logp.detach()), or log-linear in versions."""
     is_level: Literal["token", "sequence", "geometric"] = "token"
     """Importance weight per token, per sequence (product), or the sequence's geometric mean."""
     is_mode: Literal["none", "truncate", "mask"] = "truncate"
-    """decoupled_ppo/aipo weight bound: none, clamp to [is_low, is_high], or zero outside it."""
+    """Weight bound of decoupled_ppo/_gspo and aipo: none, clamp to [is_low, is_high], or 0 outside."""
     is_low: float = Field(0.0, ge=0)
     """Lower bound of the importance weight (0: none)."""
     is_high: float | None = Field(2.0, gt=0)
@@ -56,7 +56,8 @@ class AlgoConfig(Section):
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty against the reference (initial) policy; 0 disables it."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator of the penalty: k1 = log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
+    """KL value estimate (r = ref/pi): k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 - log r; each has
+    the gradient of KL(pi || ref) (slime_async/algos/kl.py)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Weight of the entropy bonus; 0 disables it (and the entropy computation)."""
     overlong_max_len: int | None = Field(None, ge=1)
