@@ -4,14 +4,17 @@
 
     async def rollout(ctx: RolloutContext, sample: Sample) -> Transcript: ...   # generator.rollout
     def reward(sample: Sample, response_text: str, info: dict) -> float: ...      # generator.reward
+    class Judge: async def setup(self, ctx: SetupContext); async def teardown(self)  # .lifecycle
     def loss(inp: LossInput, cfg: AlgoConfig) -> LossOutput: ...                 # algo.loss
     def advantage(inp: AdvantageInput, cfg: AlgoConfig, state: dict) -> Tensor: ...  # algo.advantage
 
 This import path is stable: the modules behind it may move, these names stay. Each object's own
-docstring documents it; the README's "Rollout plugins" and "Algorithms" sections show complete
-plug-ins. Plug-ins are named in the config by registered name or by `package.module:function`.
+docstring documents it; docs/plugins.md is the reference of every object and field, and the
+README's "Rollout plugins" and "Algorithms" sections show complete plug-ins. Plug-ins are named
+in the config by registered name or by `package.module:function`.
 """
 
+from slime_async.actors.generator.lifecycle import SetupContext
 from slime_async.actors.generator.rewards import (
     REWARDS,
     exact_match,
@@ -50,6 +53,7 @@ __all__ = [
     "RolloutContext",
     "Sample",
     "SamplingConfig",
+    "SetupContext",
     "Transcript",
     "exact_match",
     "final_answer",

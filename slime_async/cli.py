@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "keygen": "slime_async.commands.keygen",
     "plot": "slime_async.commands.plot",
     "convert": "slime_async.commands.convert",
+    "inspect": "slime_async.commands.inspect",
 }
 
 

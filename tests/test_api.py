@@ -15,6 +15,7 @@ def test_api_exports_what_a_plugin_author_uses():
     assert api.RolloutContext is rollout.RolloutContext
     assert api.Transcript is rollout.Transcript and api.Sample is rollout.Sample
     assert api.numeric_match is rewards.numeric_match
+    assert api.SetupContext.__dataclass_fields__.keys() == {"config", "tokenizer", "run_dir"}
     assert "decoupled_ppo" in api.LOSSES.names() and "grpo" in api.ADVANTAGES.names()
 
 

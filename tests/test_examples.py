@@ -129,7 +129,7 @@ def test_agent_data_answers_are_the_calculator_values(tmp_path, tok):
     assert tok.decode(env) == f"<tool>{calculator(expr)}<eos><assistant>"
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "calculator_agent"])
+@pytest.mark.parametrize("name", ["arithmetic", "calculator_agent", "guess_number"])
 def test_example_configs_resolve(name, repo_root):
     cfg = load_config([repo_root / "examples" / name / "config.toml"]).generator
     assert (repo_root / cfg.dataset).is_file()

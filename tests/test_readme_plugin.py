@@ -49,3 +49,40 @@ def test_readme_plugin_runs_as_printed(tmp_path, monkeypatch):
     sample = Sample("6*7", {"answer": "42"}, "g", 0, 0)
     total, _parts = asyncio.run(reward(sample, t.last_model_text(), {}))
     assert total == 1.0
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
+
+
+def test_the_plugin_reference_documents_every_object_and_field():
+    """Found 6: the README did not say what a plug-in receives; docs/plugins.md must, in full."""
+    import dataclasses
+
+    from slime_async.api import SetupContext, Transcript
+
+    docs = DOCS.read_text()
+    assert "(docs/plugins.md)" in README.read_text()  # linked from the README
+    for cls in (Sample, Generation, SetupContext):
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in docs, f"{cls.__name__}.{f.name} is not documented"
+    assert "`id`" in docs  # Sample.id
+    tok = char_tokenizer()
+    public = lambda obj: {n for n in dir(obj) if not n.startswith("_")}  # noqa: E731
+    for name in public(Transcript([1], tok)):
+        assert f"`{name}" in docs, f"Transcript.{name} is not documented"
+    ctx = RolloutContext(ScriptedEngine(tok), tok)
+    internals = {
+        "engine",
+        "max_resumes",
+        "resume_policy",
+        "rid_prefix",
+        "stats",
+        "use_chat_template",
+    }
+    for name in public(ctx) - internals:
+        assert f"`{name}" in docs, f"RolloutContext.{name} is not documented"
+    for key in ("full_text", "finish_reason", "turns", "response_length", "state"):
+        assert f"`{key}`" in docs  # the reward's info
+    for rule in ("relative to the config file", "imported from the working directory",
+                 "`correct`", "last model turn only", "setup(ctx)", "teardown()"):  # fmt: skip
+        assert rule in docs, rule

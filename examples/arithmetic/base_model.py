@@ -14,8 +14,10 @@ after 400 warm-up steps with SLIP_PROB 0.25, sampled accuracy was 46% against 88
 
     python -m examples.arithmetic.base_model --out .cache/arithmetic-base   # ~1 min on 2 cores
 
-The result is cached: `prepare(cfg)` (the quickstart's `run.prepare` hook) builds it only when
-`learner.model_path` does not hold a finished model yet.
+The result is cached: `prepare(cfg)` (the quickstart's `run.prepare` hook) builds the dataset and
+the model in its own cache, `<repo>/.cache/arithmetic/train.jsonl` and `<repo>/.cache/arithmetic-base`
+(what configs/quickstart.toml names), only when they are missing. It never writes to a path the
+config names: a `generator.dataset` or `learner.model_path` that points elsewhere is the user's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ SHAPE = dict(
     max_position_embeddings=512,
 )
 DONE = "WARMUP_DONE"
+CACHE = Path(__file__).resolve().parents[2] / ".cache"
+"""The repository's cache directory (git-ignored); the hook writes only in it."""
+DATASET = CACHE / "arithmetic" / "train.jsonl"
+"""The quickstart's training prompts, written by `prepare` when missing."""
+MODEL = CACHE / "arithmetic-base"
+"""The quickstart's warmed-up base model, built by `prepare` when missing."""
 SLIP_PROB = 0.3
 
 
@@ -106,16 +114,22 @@ def build_base_model(
 
 
 def prepare(cfg: SlimeConfig) -> None:
-    """`run.prepare` hook: write the datasets and build the base model unless cached."""
+    """`run.prepare` hook: build the quickstart's dataset and base model in the hook's own cache
+    (`DATASET`, `MODEL`) unless they are there; never write to a path the config names."""
     from examples.arithmetic.task import make_dataset
 
-    data = Path(cfg.generator.dataset)
-    if not data.exists():
-        make_dataset(data, 4000, seed=0, difficulty=quickstart_difficulty())
-    model = Path(cfg.learner.model_path or ".cache/arithmetic-base")
-    if not (model / DONE).exists():
-        print(f"building the quickstart's base model in {model} (cached for later runs)")
-        build_base_model(model)
+    if not DATASET.exists():
+        make_dataset(DATASET, 4000, seed=0, difficulty=quickstart_difficulty())
+    if not (MODEL / DONE).exists():
+        print(f"building the quickstart's base model in {MODEL} (cached for later runs)")
+        build_base_model(MODEL)
+    named = (
+        ("generator.dataset", cfg.generator.dataset, DATASET),
+        ("learner.model_path", cfg.learner.model_path, MODEL),
+    )
+    for key, value, own in named:
+        if value and Path(value).resolve() != own and not Path(value).exists():
+            print(f"run.prepare: {key} = {value} does not exist; this hook builds only {own}")
 
 
 def main(argv: list[str] | None = None) -> int:

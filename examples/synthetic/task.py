@@ -47,14 +47,20 @@ async def rollout(ctx: Any, sample: Any):
     return t
 
 
+CACHE = Path(__file__).resolve().parents[2] / ".cache"
+"""The repository's cache directory (git-ignored): `prepare` writes only in it."""
+DATASET = CACHE / "synthetic" / "train.jsonl"
+MODEL = CACHE / "qwen3-0.5b-random"
+
+
 def prepare(cfg: Any) -> None:
-    """`run.prepare` hook: the dataset and a random-init Qwen3-shaped ~0.5B model, cached."""
+    """`run.prepare` hook: the dataset and a random-init Qwen3-shaped ~0.5B model, built in the
+    hook's own cache (`DATASET`, `MODEL`: what configs/gpu_two_h200.toml names) when missing;
+    never written to a path the config names."""
     from slime_async.testing.models import QWEN3_05B_SHAPE, make_tiny_model
 
-    data = Path(cfg.generator.dataset)
-    if not data.exists():
-        make_dataset(data, 20000, seed=0, max_len=cfg.generator.sampling.max_new_tokens)
-    model = Path(cfg.learner.model_path)
-    if not (model / "config.json").exists():
-        print(f"writing a random-init Qwen3-shaped ~0.5B model to {model}")
-        make_tiny_model(model, "qwen3", seed=0, **QWEN3_05B_SHAPE)
+    if not DATASET.exists():
+        make_dataset(DATASET, 20000, seed=0, max_len=cfg.generator.sampling.max_new_tokens)
+    if not (MODEL / "config.json").exists():
+        print(f"writing a random-init Qwen3-shaped ~0.5B model to {MODEL}")
+        make_tiny_model(MODEL, "qwen3", seed=0, **QWEN3_05B_SHAPE)

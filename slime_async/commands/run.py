@@ -44,12 +44,13 @@ def main(args: argparse.Namespace) -> int:
             run_dir = RunDir.create(cfg.run.runs_dir, cfg.run.name, cfg.run.run_dir)
         except FileExistsError as e:
             raise ConfigError(str(e)) from None
-    if cfg.run.prepare:
-        from slime_async.utils.plugins import check_signature, import_object
+    from slime_async.commands.config import check_plugins
 
-        prepare = import_object(cfg.run.prepare)
-        check_signature(prepare, f"run.prepare {cfg.run.prepare!r}", ("cfg",), is_async=False)
-        prepare(cfg)
+    check_plugins(cfg)  # import and check every plug-in before any process starts
+    if cfg.run.prepare:
+        from slime_async.utils.plugins import import_object
+
+        import_object(cfg.run.prepare)(cfg)
     cfg.run.run_dir = str(run_dir.path)  # every role finds the run directory here
     cfg.write_json(run_dir.config_json)
     print(f"[slime-async] run directory {run_dir.path}", flush=True)

@@ -25,7 +25,14 @@ from slime_async.config.buffer import BufferConfig, CurveConfig
 from slime_async.config.engine import EngineConfig
 from slime_async.config.generator import GeneratorConfig, SamplingConfig
 from slime_async.config.learner import LearnerConfig
-from slime_async.config.paths import RunPaths, generate_urls, run_paths, written_path
+from slime_async.config.paths import (
+    RunPaths,
+    add_import_dirs,
+    generate_urls,
+    resolve_file_paths,
+    run_paths,
+    written_path,
+)
 from slime_async.config.run import RunConfig
 
 __all__ = [
@@ -194,8 +201,12 @@ def load_config(
             cursor = cursor.setdefault(p, {})
         cursor[parts[-1]] = _parse_value(raw.strip())
         _merge(tree, nested, COMMAND_LINE, origins)
+    if model is SlimeConfig:  # relative paths are relative to the file that sets them
+        resolve_file_paths(tree, origins, [Path(f) for f in files])
     try:
-        return model.model_validate(tree)
+        cfg = model.model_validate(tree)
+        add_import_dirs(cfg.generator.import_dirs if isinstance(cfg, SlimeConfig) else [])
+        return cfg
     except ValidationError as e:
         lines = []
         for err in e.errors():

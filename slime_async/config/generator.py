@@ -1,6 +1,6 @@
 """`[generator]`: prompts -> rollouts (asyncio plugins) -> rewards -> buffer."""
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slime_async.config.base import Section
 
@@ -31,6 +31,18 @@ class GeneratorConfig(Section):
     """Rollout plugin, an async function: a registered name (single_turn) or `package.module:function`."""
     reward: str = "exact_match"
     """Reward function (sync or async) by registered name or import path."""
+    lifecycle: str | None = None
+    """Plug-in set up once per generator and torn down at its end, `package.module:name`: an
+    object or class with `setup(ctx)` / `teardown()` (sync or async), or a function returning an
+    async context manager; what it sets up is `ctx.state` in rollouts and `info["state"]` in rewards."""
+    reward_timeout_s: float | None = Field(60.0, gt=0)
+    """Longest one reward call may take before it counts as failed (None: no limit)."""
+    reward_retries: int = Field(2, ge=0)
+    """Retries of a reward call that raised or timed out, with back-off, before its group fails."""
+    reward_backoff_s: float = Field(0.5, gt=0)
+    """First back-off before a reward retry; doubles per retry (up to 30 s, + up to 50% jitter)."""
+    group_redos: int = Field(1, ge=0)
+    """Times a group whose rollout or reward failed is redone from its prompt before it is dropped."""
     group_size: int = Field(8, ge=1)
     """Rollouts per prompt (n samples of one prompt form a group)."""
     max_inflight: int = Field(64, ge=1)
@@ -49,8 +61,11 @@ class GeneratorConfig(Section):
     """This generator's shard (0 <= shard_index < num_shards)."""
     state_path: str | None = None
     """Cursor file, rewritten after each acknowledged group (None: <run_dir>/state/<producer_id>.json)."""
-    max_plugin_errors: int = Field(10, ge=0)
-    """Groups dropped for plugin/reward errors before the generator stops (0: stop at the first)."""
+    max_plugin_errors: int = Field(10, ge=1)
+    """Failed group attempts (a rollout or reward error) within the last `plugin_error_window`
+    attempts that stop the generator (1: the first error stops it)."""
+    plugin_error_window: int = Field(100, ge=1)
+    """Group attempts over which plug-in errors are counted: the budget is a rate, not a total."""
     rollout_max_attempts: int = Field(0, ge=0)
     """Attempts of one rollout whose engine calls keep failing (0: retry forever, with back-off)."""
     retry_backoff_s: float = Field(1.0, gt=0)
@@ -61,3 +76,16 @@ class GeneratorConfig(Section):
     """Times one generate call is resumed after an engine abort (weight update) before failing."""
     log_interval_s: float = Field(10.0, gt=0)
     """Seconds between metric log lines."""
+    import_dirs: list[str] = []
+    """Directories plug-in modules are imported from besides the working directory: the config
+    files' own directories, filled in when the config is loaded (kept in the run's config.json)."""
+
+    @model_validator(mode="after")
+    def _error_budget(self) -> "GeneratorConfig":
+        if self.max_plugin_errors > self.plugin_error_window:
+            raise ValueError(
+                f"generator.max_plugin_errors ({self.max_plugin_errors}) exceeds "
+                f"generator.plugin_error_window ({self.plugin_error_window}): the budget could "
+                "never be spent; lower max_plugin_errors or widen the window"
+            )
+        return self

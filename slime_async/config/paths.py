@@ -1,13 +1,17 @@
 """Where a run's files are and where its requests go: decided here, once, for every role.
 
-The rule for relative paths:
-- Paths a run **writes** (`buffer.wal_dir`, `generator.state_path`, `learner.save`) are under
-  `run.run_dir` when the run has one (`slime-async run` always sets it), else under the working
-  directory. Left unset, the generator's cursor is `<run_dir>/state/<producer_id>.json` and the
-  learner's checkpoints `<run_dir>/checkpoints`; the write-ahead log stays off.
+The rule for relative paths: **a relative path is relative to the config file that sets it.**
 - Paths a run **reads** (`generator.dataset`, `generator.tokenizer_path`, `engine.model_path`,
-  `learner.model_path`, `learner.load`) are relative to the working directory the command was
-  started in, as with any command-line tool.
+  `learner.model_path`, `learner.load`) and `run.runs_dir` resolve from the directory of the TOML
+  file that sets them (`resolve_file_paths`, when the config is loaded); set on the command line
+  (or left at a default), from the working directory. The run's `config.json` holds them absolute.
+- Paths a run **writes** inside itself (`buffer.wal_dir`, `generator.state_path`, `learner.save`)
+  name places in the run directory `run.run_dir` (`slime-async run` always sets it), else under
+  the working directory. Left unset, the generator's cursor is `<run_dir>/state/<producer_id>.json`
+  and the learner's checkpoints `<run_dir>/checkpoints`; the write-ahead log stays off.
+- Plug-in modules (`generator.rollout = "my_agent:rollout"`, rewards, `run.prepare`, losses) are
+  imported from the working directory and from the directories of the config files
+  (`generator.import_dirs`, filled in here and kept in config.json for every role).
 
 Defaults that depend on another key (the cursor on `producer_id`) are computed when asked, not
 written into the run's config.json, so a role's own overrides still apply to them.
@@ -15,9 +19,10 @@ written into the run's config.json, so a role's own overrides still apply to the
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from slime_async.config.base import ConfigError
 from slime_async.config.engine import EngineConfig
@@ -25,6 +30,16 @@ from slime_async.config.engine import EngineConfig
 if TYPE_CHECKING:  # the config package's __init__ imports this module
     from slime_async.config import SlimeConfig
 
+
+READ_PATHS = (
+    ("generator", "dataset"),
+    ("generator", "tokenizer_path"),
+    ("engine", "model_path"),
+    ("learner", "model_path"),
+    ("learner", "load"),
+    ("run", "runs_dir"),
+)
+"""Keys whose relative values resolve from the directory of the config file that sets them."""
 
 CHECKPOINTS_DIR = "checkpoints"
 """The learner's checkpoints inside the run directory, unless `learner.save` says otherwise."""
@@ -81,3 +96,35 @@ def generate_urls(engine: EngineConfig) -> list[str]:
     if engine.kind == "external" or port == 0:
         raise ConfigError("engine.urls: the generator needs the engines' URLs (none configured)")
     return [f"http://{engine.host}:{port}"]
+
+
+def resolve_file_paths(tree: dict[str, Any], origins: dict[tuple, str], files: list[Path]) -> None:
+    """Make the `READ_PATHS` set by a TOML file absolute from that file's directory; record the
+    TOML files' directories in `generator.import_dirs`. Changes `tree` (the raw, merged config).
+
+    `origins` maps a key path to the file (or "command line") that set it last. Values from a
+    `.json` file (a run's resolved config.json) are kept: they were resolved when it was written.
+    """
+    toml_files = [str(Path(f)) for f in files if Path(f).suffix != ".json"]  # in given order
+    for key in READ_PATHS:
+        section = tree.get(key[0])
+        value = section.get(key[1]) if isinstance(section, dict) else None
+        if not isinstance(value, str) or origins.get(key) not in toml_files:
+            continue
+        origin = origins[key]
+        p = Path(value).expanduser()
+        if not p.is_absolute():
+            section[key[1]] = str((Path(origin).parent / p).resolve())
+    dirs = [str(Path(f).parent.resolve()) for f in toml_files]
+    if dirs:
+        gen = tree.setdefault("generator", {})
+        if isinstance(gen, dict):
+            known = list(gen.get("import_dirs") or [])
+            gen["import_dirs"] = known + [d for d in dict.fromkeys(dirs) if d not in known]
+
+
+def add_import_dirs(dirs: list[str]) -> None:
+    """Put the config files' directories on the import path (after what is there already)."""
+    for d in dirs:
+        if d not in sys.path:
+            sys.path.append(d)

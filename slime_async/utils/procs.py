@@ -151,8 +151,11 @@ def wait_until(
         except Exception:  # readiness probes fail until the service is up
             pass
         if child is not None and not child.alive():
+            tail = child.tail()
             raise RuntimeError(
-                f"{child.name} (pid {child.pid}) exited with {child.poll()} before {what}:\n{child.tail()}"
+                f"{child.name} (pid {child.pid}) exited with {child.poll()} while waiting "
+                f"for {what}"
+                + (f"; last lines of {child.log_path}:\n{tail}" if tail else " (its log is empty)")
             )
         if time.monotonic() > deadline:
             extra = f"\n{child.tail()}" if child is not None else ""

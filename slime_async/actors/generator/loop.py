@@ -19,9 +19,17 @@ plus the dataset held in memory.
 Failures: an engine call that fails after the engine client's retries (`EngineFailure`) makes
 the rollout run again after a back-off (`engine_retry_policy`: doubling from `retry_backoff_s` up
 to 30 s, jittered; forever, or `rollout_max_attempts` attempts); nothing is lost.
-A plugin or reward that breaks its contract (or raises) drops its group: the group is not
-pushed, the error is logged with the plugin's name and counted, its prompt is marked done, and
-after `max_plugin_errors` such groups the generator stops with `GeneratorError`.
+A reward call that raises or takes longer than `reward_timeout_s` is retried `reward_retries`
+times with back-off. A group whose rollout or reward still fails (or breaks its contract) is
+redone from its prompt up to `group_redos` times, then dropped: not pushed, its prompt marked
+done. Every failed attempt is logged with the plug-in's name, the sample id, the exception type
+and the traceback, and counted; when `max_plugin_errors` of the last `plugin_error_window` group
+attempts failed, the generator stops with `GeneratorError` (a rate, not a total over the run).
+A group the buffer stored but dropped at once as too stale (`AckStatus.STALE`) is counted as
+dropped (`gen/groups_stale`), never as pushed.
+
+Lifecycle: `generator.lifecycle` is set up once before the first group and torn down once at
+the end, whatever ended the run (lifecycle.py).
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from slime_async.actors.engine.client import engine_retry_policy
@@ -42,6 +52,7 @@ from slime_async.actors.generator.dataset import (
     PromptDataset,
     PromptStream,
 )
+from slime_async.actors.generator.lifecycle import Lifecycle, SetupContext
 from slime_async.actors.generator.rewards import RewardFn, check_own_reward, resolve_reward
 from slime_async.actors.generator.rollout import (
     ROLLOUTS,
@@ -62,13 +73,17 @@ from slime_async.metrics import (
     GEN_ENGINE_FAILOVERS,
     GEN_GROUPS_DROPPED,
     GEN_GROUPS_PUSHED,
+    GEN_GROUPS_REDONE,
+    GEN_GROUPS_STALE,
     GEN_GROUPS_STARTED,
     GEN_INFLIGHT,
+    GEN_PLUGIN_ERROR_RATE,
     GEN_PLUGIN_ERRORS,
     GEN_RESPONSE_LEN_MAX,
     GEN_RESPONSE_LEN_MEAN,
     GEN_RESUMES,
     GEN_REWARD_MEAN,
+    GEN_REWARD_RETRIES,
     GEN_REWARD_STD,
     GEN_ROLLOUT_RETRIES,
     GEN_TOKENS_PER_S,
@@ -78,8 +93,9 @@ from slime_async.metrics import (
     MetricsLogger,
 )
 from slime_async.queue.client import BufferRejected
+from slime_async.queue.messages import AckStatus
 from slime_async.queue.schema import Trajectory
-from slime_async.utils.retry import retry_async
+from slime_async.utils.retry import RetryPolicy, retry_async
 
 log = logging.getLogger("slime_async.generator")
 
@@ -91,7 +107,10 @@ TOTALS = {
     "groups_pushed": GEN_GROUPS_PUSHED,
     "trajectories_pushed": GEN_TRAJECTORIES_PUSHED,
     "groups_dropped": GEN_GROUPS_DROPPED,
+    "groups_stale": GEN_GROUPS_STALE,
+    "groups_redone": GEN_GROUPS_REDONE,
     "plugin_errors": GEN_PLUGIN_ERRORS,
+    "reward_retries": GEN_REWARD_RETRIES,
     "rollout_retries": GEN_ROLLOUT_RETRIES,
     "admission_requests": GEN_ADMISSION_REQUESTS,
     "admission_wait_s": GEN_ADMISSION_WAIT_S,
@@ -101,6 +120,16 @@ TOTALS = {
 
 class GeneratorError(RuntimeError):
     """The generator cannot go on (too many plugin errors, an engine that never answers)."""
+
+
+class PluginFailure(RuntimeError):
+    """A plug-in (rollout, reward) raised or broke its contract on one sample."""
+
+    def __init__(self, plugin: str, sample_id: str, cause: BaseException):
+        super().__init__(f"{plugin} failed on sample {sample_id}: {type(cause).__name__}: {cause}")
+        self.plugin = plugin
+        self.sample_id = sample_id
+        self.cause = cause
 
 
 class GroupSink(Protocol):
@@ -130,6 +159,7 @@ class Generator:
         *,
         dataset: PromptDataset | None = None,
         metrics: MetricsLogger | None = None,
+        run_dir: str | Path | None = None,
     ):
         self.cfg = cfg
         self.engine = engine
@@ -137,6 +167,9 @@ class Generator:
         self.tokenizer = tokenizer
         self.rollout_fn: Callable = ROLLOUTS.resolve(cfg.rollout)
         self.reward: RewardFn = resolve_reward(cfg.reward)
+        self.lifecycle = Lifecycle(cfg.lifecycle)
+        self.state: Any = None  # what the lifecycle plug-in set up (ctx.state, info["state"])
+        self.run_dir = Path(run_dir) if run_dir else None
         self.dataset = dataset or PromptDataset(cfg.dataset, cfg.prompt_key)
         self.stream = PromptStream(
             self.dataset, cfg.seed, cfg.num_shards, cfg.shard_index, cfg.num_epochs
@@ -156,6 +189,11 @@ class Generator:
         self.retry = engine_retry_policy(
             cfg.retry_backoff_s, max_attempts=cfg.rollout_max_attempts or None, max_s=MAX_BACKOFF_S
         )
+        self.reward_retry = RetryPolicy(
+            cfg.reward_backoff_s, MAX_BACKOFF_S, jitter=0.5, max_attempts=cfg.reward_retries + 1
+        )
+        # Outcome of the last `plugin_error_window` group attempts (True: failed).
+        self._attempts: deque[bool] = deque(maxlen=cfg.plugin_error_window)
         self._totals: dict[str, float] = dict.fromkeys(TOTALS, 0)
         self._window: dict[str, list[float]] = {"reward": [], "response_len": []}
         self._window_t0 = time.perf_counter()
@@ -173,6 +211,19 @@ class Generator:
         Plugins, dataset and cursor were checked in the constructor, before any connection.
         """
         self.sink = sink
+        setup_ctx = SetupContext(self.cfg, self.tokenizer, self.run_dir)
+        async with contextlib.AsyncExitStack() as stack:  # teardown runs however _run ends
+            try:
+                self.state = await stack.enter_async_context(self.lifecycle.running(setup_ctx))
+            except Exception as e:
+                log.error("generator.lifecycle %r: setup failed", self.cfg.lifecycle, exc_info=e)
+                raise GeneratorError(
+                    f"generator.lifecycle {self.cfg.lifecycle!r}: setup failed: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            return await self._run(sink)
+
+    async def _run(self, sink: GroupSink) -> dict[str, float]:
         inflight: dict[int, asyncio.Task] = {}
         pending = self.cursor.pending()
         next_item: Item | None = self.stream.at(next(pending))
@@ -263,22 +314,35 @@ class Generator:
 
     async def _group(self, item: Item) -> None:
         gid = self.group_id(item)
-        try:
-            trajs = await self._build_group(item, gid)
-        except Exception as e:
-            if self._fatal is None:
-                self._drop(item, gid, _first_leaf(e))
-            return
+        redos = self.cfg.group_redos
+        for redo in range(redos + 1):
+            try:
+                trajs = await self._build_group(item, gid, redo)
+            except Exception as e:
+                if self._fatal is not None:
+                    return
+                self._plugin_error(gid, _first_leaf(e), redo)
+                if self._fatal is not None:
+                    return
+                if redo < redos:
+                    self._totals["groups_redone"] += 1
+                    log.warning("group %s: redone from its prompt (redo %d of %d)",
+                                gid, redo + 1, redos)  # fmt: skip
+                    continue
+                self._drop(item, gid, f"failed {redo + 1} time(s), last: {_first_leaf(e)}")
+                return
+            self._attempts.append(False)
+            break
         self._pushing.add(item.k)
         try:
             now = time.time()
             for t in trajs:
                 t.enqueued_at = now
-            await self.sink.put_group(trajs)
+            status = await self.sink.put_group(trajs)
         except asyncio.CancelledError:
             raise
         except BufferRejected as e:  # the buffer refused the group's content
-            self._drop(item, gid, e)
+            self._drop(item, gid, f"refused by the buffer: {e}")
             return
         except Exception as e:  # BufferUnavailable: nothing this generator can fix
             self._fatal = e
@@ -286,18 +350,27 @@ class Generator:
             return
         finally:
             self._pushing.discard(item.k)
+        if status == AckStatus.STALE:
+            # Stored, then dropped at once by the buffer as beyond max_staleness: not trained on.
+            # The grant was used up and the id is retired, so the prompt is not redone.
+            self._totals["groups_stale"] += 1
+            self._totals["groups_dropped"] += 1
+            log.warning("group %s dropped by the buffer as too stale (buffer.max_staleness)", gid)
+            self.cursor.mark_done(item.k)
+            self.store.save(self.cursor)
+            return
         self._totals["groups_pushed"] += 1
         self._totals["trajectories_pushed"] += len(trajs)
         for t in trajs:
             self._window["reward"].append(t.reward)
-            self._window["response_len"].append(len(t.response_ids))
+            self._window["response_len"].append(int(t.loss_mask.sum()))  # model tokens
             if t.versions.size:
                 self.version = max(self.version, int(t.versions.max()))
         self.cursor.mark_done(item.k)
         self.store.save(self.cursor)
 
-    async def _build_group(self, item: Item, gid: str) -> list[Trajectory]:
-        """Run the group's rollouts concurrently, score them, convert them to trajectories."""
+    async def _build_group(self, item: Item, gid: str, redo: int = 0) -> list[Trajectory]:
+        """Run the group's rollouts concurrently, score them concurrently, make trajectories."""
         record = self.dataset.records[item.row]
         metadata = {k: v for k, v in record.items() if k != self.cfg.prompt_key}
         prompt = record[self.cfg.prompt_key]
@@ -305,14 +378,16 @@ class Generator:
         async with asyncio.TaskGroup() as tg:  # one failing rollout cancels its siblings
             tasks = [
                 tg.create_task(
-                    self._rollout(Sample(prompt, metadata, gid, item.row, item.epoch, i))
+                    self._rollout(Sample(prompt, metadata, gid, item.row, item.epoch, i), redo)
                 )
                 for i in range(self.cfg.group_size)
             ]
         transcripts = [(sample, tr) for t in tasks for sample, trs in [t.result()] for tr in trs]
+        async with asyncio.TaskGroup() as tg:  # a reward that finally fails cancels the others
+            for sample, tr in transcripts:
+                tg.create_task(self._score(sample, tr))
         trajs = []
         for n, (sample, tr) in enumerate(transcripts):
-            await self._score(sample, tr)
             tr.metadata.update(_scalars(metadata))
             tr.metadata.update(
                 epoch=item.epoch, offset=item.offset, row=item.row,
@@ -321,9 +396,10 @@ class Generator:
             trajs.append(tr.to_trajectory(f"{gid}/{n}", gid, len(transcripts), created_at))
         return trajs
 
-    async def _rollout(self, sample: Sample) -> tuple[Sample, list[Transcript]]:
+    async def _rollout(self, sample: Sample, redo: int = 0) -> tuple[Sample, list[Transcript]]:
         """Run the plugin for one sample; engine failures retry it after a back-off."""
         name = self.cfg.rollout
+        again = f"r{redo}" if redo else ""
 
         async def attempt(n: int) -> tuple[Sample, list[Transcript]]:
             ctx = RolloutContext(
@@ -332,12 +408,17 @@ class Generator:
                 self.cfg.sampling,
                 apply_chat_template=self.cfg.apply_chat_template,
                 max_resumes=self.cfg.max_resumes,
-                rid_prefix=f"{sample.group_id}/{sample.sample_index}/a{n}/",
+                rid_prefix=f"{sample.group_id}/{sample.sample_index}/{again}a{n}/",
                 stats=self.rollout_stats,
+                state=self.state,
             )
             self._inflight_rollouts += 1
             try:
                 return sample, check_rollout_result(name, await self.rollout_fn(ctx, sample))
+            except (EngineFailure, asyncio.CancelledError):
+                raise
+            except Exception as e:
+                raise PluginFailure(f"rollout {name!r}", sample.id, e) from e
             finally:
                 self._inflight_rollouts -= 1
 
@@ -360,34 +441,80 @@ class Generator:
             raise
 
     async def _score(self, sample: Sample, tr: Transcript) -> None:
-        tr.finalize(self.cfg.rollout)
-        if tr.reward is not None:  # the plugin scored it itself
-            tr.reward, tr.reward_parts = check_own_reward(self.cfg.rollout, tr)
-            return
-        text = tr.reward_text if tr.reward_text is not None else tr.last_model_text()
+        rollout = f"rollout {self.cfg.rollout!r}"
+        try:
+            tr.finalize(self.cfg.rollout)
+            if tr.reward is not None:  # the plugin scored it itself
+                tr.reward, tr.reward_parts = check_own_reward(self.cfg.rollout, tr)
+                return
+            text = tr.reward_text if tr.reward_text is not None else tr.last_model_text()
+        except PluginContractError as e:
+            raise PluginFailure(rollout, sample.id, e) from e
         info = {
             "full_text": tr.response_text(),
             "finish_reason": tr.finish_reason,
             "turns": tr.turns,
-            "response_length": len(tr.response_ids),
+            "response_length": tr.num_model_tokens,
+            "state": self.state,
         }
-        tr.reward, tr.reward_parts = await self.reward(sample, text, info)
+        name = f"reward {self.cfg.reward!r}"
+        timeout = self.cfg.reward_timeout_s
 
-    def _drop(self, item: Item, gid: str, err: BaseException) -> None:
+        async def call(attempt: int) -> tuple[float, dict[str, float]]:
+            if timeout is None:
+                return await self.reward(sample, text, info)
+            try:
+                return await asyncio.wait_for(self.reward(sample, text, info), timeout)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"no answer within generator.reward_timeout_s = {timeout}"
+                ) from None
+
+        def on_retry(n: int, e: BaseException, delay: float) -> None:
+            self._totals["reward_retries"] += 1
+            log.warning(
+                "%s on sample %s: %s: %s; retry %d of %d in %.1fs",
+                name, sample.id, type(e).__name__, e, n, self.cfg.reward_retries, delay,
+                exc_info=(type(e), e, e.__traceback__),
+            )  # fmt: skip
+
+        try:
+            tr.reward, tr.reward_parts = await retry_async(
+                call,
+                self.reward_retry,
+                retry_on=lambda e: not isinstance(e, PluginContractError),
+                on_retry=on_retry,
+            )
+        except Exception as e:
+            raise PluginFailure(name, sample.id, e) from e
+
+    def _plugin_error(self, gid: str, err: BaseException, redo: int) -> None:
+        """Count and log one failed group attempt; stop once the window's budget is spent."""
         self._totals["plugin_errors"] += 1
+        self._attempts.append(True)
+        n, window = sum(self._attempts), len(self._attempts)
+        limit = self.cfg.max_plugin_errors
+        cause = err.cause if isinstance(err, PluginFailure) else err
+        log.error(
+            "group %s, attempt %d of %d: %s (%d of the last %d group attempts failed; the "
+            "generator stops at %d)",
+            gid, redo + 1, self.cfg.group_redos + 1, err, n, window, limit,
+            exc_info=(type(cause), cause, cause.__traceback__),
+        )  # fmt: skip
+        if n >= limit:
+            self._fatal = GeneratorError(
+                f"{n} of the last {window} group attempts failed (generator.max_plugin_errors = "
+                f"{limit} in generator.plugin_error_window = {self.cfg.plugin_error_window}); "
+                f"last, group {gid}: {err}"
+            )
+            self._stop.set()
+
+    def _drop(self, item: Item, gid: str, why: str) -> None:
         self._totals["groups_dropped"] += 1
         self._spare_grants += 1  # the buffer never sees this group, so its grant is still ours
         self.cursor.mark_done(item.k)
         self.store.save(self.cursor)
-        n = int(self._totals["plugin_errors"])
-        log.error("group %s dropped (%d/%d): %s", gid, n, self.cfg.max_plugin_errors, err,
-                  exc_info=not isinstance(err, PluginContractError))  # fmt: skip
-        if n > self.cfg.max_plugin_errors:
-            self._fatal = GeneratorError(
-                f"{n} groups dropped for plugin errors (generator.max_plugin_errors = "
-                f"{self.cfg.max_plugin_errors}); last, group {gid}: {err}"
-            )
-            self._stop.set()
+        log.error("group %s dropped: %s", gid, why)
 
     # ----- metrics ----------------------------------------------------------------------------
 
@@ -426,6 +553,7 @@ class Generator:
             GEN_RESUMES: self.rollout_stats.resumes,
             GEN_ENGINE_ERRORS: self.rollout_stats.engine_errors,
             GEN_ENGINE_FAILOVERS: self._engine_failovers(),
+            GEN_PLUGIN_ERROR_RATE: _mean([float(x) for x in self._attempts]),
         }
         self._window_t0, self._window_tokens = now, self.rollout_stats.tokens
         self._window = {"reward": [], "response_len": []}

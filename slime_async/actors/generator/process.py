@@ -45,7 +45,8 @@ def run_generator(cfg: SlimeConfig) -> int:
         format=f"%(asctime)s {cfg.generator.producer_id} %(levelname)s %(message)s",
     )
     # Rollout and reward plugins are named by import path relative to where the run is started
-    # (`examples.calculator_agent.agent:rollout`), as with `python -m`.
+    # (`examples.calculator_agent.agent:rollout`), as with `python -m`, or to the config files'
+    # directories (`generator.import_dirs`, put on sys.path when the config was loaded).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     state = cfg.paths().generator_state
@@ -60,7 +61,7 @@ async def _run(cfg: SlimeConfig, gen_cfg, urls: list[str], tok_path: str) -> int
     metrics = None
     try:
         # Plugins, dataset and cursor are checked here, before anything connects.
-        gen = Generator(gen_cfg, pool, tokenizer)
+        gen = Generator(gen_cfg, pool, tokenizer, run_dir=cfg.run.run_dir)
         if cfg.run.run_dir:
             metrics = gen.metrics = MetricsLogger(
                 cfg.run.run_dir,

@@ -9,7 +9,10 @@ trajectory's reward is their sum and the parts travel along in `reward_parts`.
 
 `response_text` is the model's last turn decoded without special tokens (a rollout plugin may
 set `transcript.reward_text` instead); `info` holds `full_text` (the whole response with
-special tokens), `finish_reason`, `turns`, `response_length`.
+special tokens), `finish_reason`, `turns`, `response_length` (model tokens) and `state` (what
+`generator.lifecycle` set up). The generator scores a group's transcripts concurrently and
+retries a call that raises or times out (`generator.reward_retries`, `reward_timeout_s`).
+A part named `correct` is what the learner's `accuracy` counts (else reward > 0).
 
 The built-ins compare with `sample.metadata["answer"]`. The final answer in a response is the
 text after its last `####` when there is one (the examples' convention), else the whole text.

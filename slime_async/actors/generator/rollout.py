@@ -79,6 +79,11 @@ class Sample:
     sample_index: int = 0
     """Which of the group's rollouts this is (0 <= sample_index < group_size)."""
 
+    @property
+    def id(self) -> str:
+        """`<group_id>/<sample_index>`: names this rollout in logs and errors."""
+        return f"{self.group_id}/{self.sample_index}"
+
 
 @dataclass
 class Generation:
@@ -96,6 +101,14 @@ class Generation:
     """Engine that produced the last part (when the engine client reports it)."""
     resumes: int = 0
     """How often the request was resumed after an engine abort."""
+    temperature: float | None = None
+    """Temperature the engine sampled at and scaled `logprobs` by (greedy, 0, is recorded as 1.0,
+    as SGLang reports greedy log-probs at 1.0); None when unknown (a hand-made Generation)."""
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature behaviour log-probs are computed at: greedy (0) is sampled and scored at 1."""
+    return float(temperature) if temperature > 0 else 1.0
 
 
 class Transcript:
@@ -119,6 +132,7 @@ class Transcript:
         self.reward_parts: dict[str, float] = {}
         self.reward_text: str | None = None
         self.metadata: dict[str, str | int | float | bool] = {}
+        self.temperatures: list[float] = []
         self._tokenizer = tokenizer
         self._last_model: list[int] = []
 
@@ -146,7 +160,14 @@ class Transcript:
         self.finish_reason = out.finish_reason
         self.engine_id = out.engine_id or self.engine_id
         self.turns += 1
+        if out.temperature is not None and out.temperature not in self.temperatures:
+            self.temperatures.append(float(out.temperature))
         self._last_model = list(out.token_ids)
+
+    @property
+    def temperature(self) -> float | None:
+        """The one temperature of the model turns (None: unknown, the run's default applies)."""
+        return self.temperatures[0] if len(self.temperatures) == 1 else None
 
     def add_env(self, token_ids: Sequence[int]) -> None:
         """Append environment / tool tokens (loss mask 0, log-prob 0, version of the last model token)."""
@@ -180,6 +201,12 @@ class Transcript:
             )
         if not any(self.loss_mask):
             raise PluginContractError(f"rollout {plugin}: transcript has no model tokens")
+        if len(self.temperatures) > 1:
+            raise PluginContractError(
+                f"rollout {plugin}: model turns sampled at different temperatures "
+                f"{self.temperatures}; the learner scores one trajectory at one temperature "
+                "(use one temperature per transcript)"
+            )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise PluginContractError(f"rollout {plugin}: loss mask values must be 0 or 1")
         first = next(v for v, m in zip(self.versions, self.loss_mask, strict=True) if m)
@@ -216,6 +243,7 @@ class Transcript:
             engine_id=self.engine_id,
             created_at=time.time() if created_at is None else created_at,
             metadata=dict(self.metadata),
+            temperature=self.temperature,
         )
 
 
@@ -242,7 +270,12 @@ class RolloutStats:
 
 
 class RolloutContext:
-    """What a rollout plugin gets: the engines, the tokenizer and transcript helpers."""
+    """What a rollout plugin gets: the engines, the tokenizer and transcript helpers.
+
+    Members: `tokenizer` (the model's HF tokenizer), `eos_token_id`, `sampling` (the config's
+    `SamplingConfig`), `state` (what the generator's lifecycle plug-in set up, else None),
+    `encode`, `decode`, `apply_chat_template`, `prompt_ids`, `new_transcript`, `generate`.
+    """
 
     def __init__(
         self,
@@ -254,8 +287,11 @@ class RolloutContext:
         max_resumes: int = 64,
         rid_prefix: str = "",
         stats: RolloutStats | None = None,
+        state: Any = None,
     ):
         self.engine = engine
+        self.state = state
+        """What `generator.lifecycle` set up once for this generator (a judge client...)."""
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingConfig()
         self.use_chat_template = apply_chat_template
@@ -269,6 +305,7 @@ class RolloutContext:
 
     @property
     def eos_token_id(self) -> int | None:
+        """The tokenizer's end-of-sequence id (generation always stops on it)."""
         return self.tokenizer.eos_token_id
 
     def encode(self, text: str) -> list[int]:
@@ -315,7 +352,8 @@ class RolloutContext:
         params = sampling_params(sampling, self.sampling)
         budget = int(params["max_new_tokens"])
         ids = [int(t) for t in token_ids]
-        out = Generation([], [], [], "length")
+        temperature = logprob_temperature(float(params.get("temperature", 1.0)))
+        out = Generation([], [], [], "length", temperature=temperature)
         self._calls += 1
         rid = f"{self.rid_prefix}{self._calls}"
         while True:
