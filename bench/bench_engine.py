@@ -242,7 +242,7 @@ def bench_push(args: argparse.Namespace, work: Path) -> None:
         if gpu:
             torch.cuda.set_device(0)
         pusher = WeightPusher(
-            [url], backend=backend, device=learner_dev, group_name="push_bench", timeout_s=600
+            [url], backend=backend, device=learner_dev, master_addr="127.0.0.1", timeout_s=600
         )
         pusher.connect()
         push = []

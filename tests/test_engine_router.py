@@ -69,8 +69,9 @@ async def test_generate_through_router_round_robin(engines, router):
             torch.testing.assert_close(
                 torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
             )
-            # The router passes meta_info through unchanged, per-token versions included.
-            assert "output_token_weight_versions" in b.meta_info and b.versions == [0] * 12
+            # The router passes meta_info through unchanged, the version spans included.
+            assert b.meta_info["weight_versions"] == [{"version": "default", "start": 0, "end": 12}]
+            assert b.versions == [0] * 12
         outs = await asyncio.gather(*(via.generate(prompt(i), GREEDY) for i in range(16)))
         assert all(len(o.token_ids) == 12 for o in outs)
     after = [await _steps(u) for u in urls]
@@ -79,7 +80,7 @@ async def test_generate_through_router_round_robin(engines, router):
 
 async def test_in_flight_versions_survive_the_router(engines, router, models):
     urls = [u for _, u in engines]
-    pusher = WeightPusher(urls, group_name="router_test", timeout_s=60)
+    pusher = WeightPusher(urls, master_addr="127.0.0.1", pause_mode="in_place", timeout_s=60)
     await asyncio.to_thread(pusher.connect)
     try:
         sd = AutoModelForCausalLM.from_pretrained(models[1], local_files_only=True).state_dict()

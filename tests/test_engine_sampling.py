@@ -1,4 +1,5 @@
-"""The sampler's log-probs are those of the distribution it draws from; SGLang params validated."""
+"""The sampler draws from the top-k/top-p filtered distribution and reports SGLang's log-probs:
+log_softmax(logits / T) over the full vocabulary, before filtering; SGLang params validated."""
 
 import math
 
@@ -30,16 +31,23 @@ def test_temperature_logprob_is_log_softmax_of_scaled_logits():
     torch.testing.assert_close(lp, ref)
 
 
-def test_top_k_renormalises_over_the_k_best():
+def test_top_k_draws_from_the_k_best_and_reports_the_unfiltered_log_softmax():
     logits = _row([0.0, 3.0, 1.0, 2.0, -1.0]).repeat(200, 1)
     n = logits.shape[0]
     tok, lp = sample(
-        logits, torch.ones(n), torch.full((n,), 2), torch.ones(n), torch.Generator().manual_seed(3)
+        logits,
+        torch.full((n,), 0.5),
+        torch.full((n,), 2),
+        torch.ones(n),
+        torch.Generator().manual_seed(3),
     )
     assert set(tok.tolist()) == {1, 3}
-    z = math.log(math.exp(3.0) + math.exp(2.0))
+    # SGLang: log_softmax(logits / T) over the whole vocabulary, not renormalised over the top 2.
+    full = torch.log_softmax(logits[0] / 0.5, -1)
     for t, v in zip(tok.tolist(), lp.tolist(), strict=True):
-        assert v == pytest.approx(logits[0, t].item() - z, abs=1e-5)
+        assert v == pytest.approx(full[t].item(), abs=1e-5)
+    z = math.log(math.exp(6.0) + math.exp(4.0))
+    assert lp[tok == 1][0].item() != pytest.approx(6.0 - z, abs=1e-3)  # the old, filtered value
 
 
 def test_top_p_keeps_the_token_that_crosses_the_threshold():
@@ -56,7 +64,7 @@ def test_top_p_keeps_the_token_that_crosses_the_threshold():
     )
     assert set(tok.tolist()) == {0, 1}
     for t, v in zip(tok.tolist(), lp.tolist(), strict=True):
-        assert v == pytest.approx(math.log(probs[t].item() / 0.8), abs=1e-5)
+        assert v == pytest.approx(math.log(probs[t].item()), abs=1e-5)  # not / 0.8
 
 
 def test_top_k_then_top_p_on_the_renormalised_top_k():
@@ -72,7 +80,7 @@ def test_top_k_then_top_p_on_the_renormalised_top_k():
         torch.Generator().manual_seed(5),
     )
     assert set(tok.tolist()) == {0}
-    assert lp.abs().max().item() < 1e-6
+    torch.testing.assert_close(lp, torch.full((n,), math.log(0.4)))
 
 
 def test_mixed_rows_use_their_own_params():
@@ -85,9 +93,8 @@ def test_mixed_rows_use_their_own_params():
         torch.Generator().manual_seed(7),
     )
     assert tok[0].item() == logits[0].argmax().item()
-    assert tok[1].item() == logits[1].argmax().item() and lp[1].item() == pytest.approx(
-        0.0, abs=1e-6
-    )
+    assert tok[1].item() == logits[1].argmax().item()
+    assert lp[1].item() == pytest.approx(torch.log_softmax(logits[1], -1).max().item(), abs=1e-6)
     assert lp[2].item() == pytest.approx(torch.log_softmax(logits[2], -1)[tok[2]].item(), abs=1e-6)
 
 
@@ -107,13 +114,27 @@ def test_sampling_params_defaults_and_sglang_names():
     assert (p.max_new_tokens, p.temperature, p.top_k, p.top_p) == (7, 0.0, 5, 0.9)
     assert p.stop_token_ids == (1,) and p.stop == ("x",)
     assert SamplingParams.from_request(None, 10).max_new_tokens == 128
+    # Fields SGLang has and slime's rollouts send: served, not refused.
+    q = SamplingParams.from_request(
+        {"max_new_tokens": 0, "sampling_seed": 3, "spaces_between_special_tokens": False}, 10
+    )
+    assert (q.max_new_tokens, q.sampling_seed, q.spaces_between_special_tokens) == (0, 3, False)
+
+
+def test_sampling_seed_gives_the_same_tokens_whatever_the_batch():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(8))
+    ones, k, p = torch.ones(4), torch.full((4,), -1), torch.ones(4)
+    a, _ = sample(logits, ones, k, p, torch.Generator().manual_seed(1),
+                  [torch.Generator().manual_seed(42), None, None, None])  # fmt: skip
+    b, _ = sample(logits, ones, k, p, torch.Generator().manual_seed(99),
+                  [torch.Generator().manual_seed(42), None, None, None])  # fmt: skip
+    assert a[0].item() == b[0].item()
 
 
 @pytest.mark.parametrize(
     "raw, words",
     [
-        ({"max_new_tokens": 0}, "max_new_tokens must be > 0"),
-        ({"max_new_tokens": -3}, "max_new_tokens must be > 0"),
+        ({"max_new_tokens": -3}, "max_new_tokens must be >= 0"),
         ({"max_new_tokens": 1.5}, "max_new_tokens must be an integer"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),

@@ -83,13 +83,13 @@ async def test_generate_response_uses_sglang_fields(engine, model_dir):
     assert meta["id"] == "proto-1"
     assert meta["finish_reason"] == {"type": "length", "length": 5}
     assert meta["prompt_tokens"] == len(prompt(0)) and meta["completion_tokens"] == 5
-    assert isinstance(meta["weight_version"], str) and meta["weight_version"] == "0"
+    assert isinstance(meta["weight_version"], str) and meta["weight_version"] == "default"
     assert len(body["output_ids"]) == 5
     for (lp, tok, text), out_tok in zip(
         meta["output_token_logprobs"], body["output_ids"], strict=True
     ):
         assert isinstance(lp, float) and lp <= 0 and tok == out_tok and text is None
-    assert meta["output_token_weight_versions"] == [0] * 5
+    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": 5}]
     # Without return_logprob there are no logprobs, as in SGLang.
     _, body = await _post(
         engine, "/generate", {"input_ids": prompt(0), "sampling_params": {"max_new_tokens": 2}}
@@ -122,12 +122,15 @@ async def test_info_endpoints(engine, model_dir):
     for path in ("/get_model_info", "/model_info"):
         status, info = await _get(engine, path)
         assert (
-            status == 200 and info["model_path"] == str(model_dir) and info["weight_version"] == "0"
+            status == 200
+            and info["model_path"] == str(model_dir)
+            and info["weight_version"] == "default"
         )
     for path in ("/get_server_info", "/server_info"):
         status, info = await _get(engine, path)
         assert status == 200 and info["model_path"] == str(model_dir) and info["tp_size"] == 1
-    assert (await _get(engine, "/get_weight_version")) == (200, {"weight_version": "0"})
+        assert info["version"] == "0.5.23" and info["dp_size"] == 1
+    assert (await _get(engine, "/get_weight_version")) == (200, {"weight_version": "default"})
     async with EngineClient(engine, api_key=KEY) as c:
         assert await c.health() and await c.health_generate()
         assert await c.get_weight_version() == 0
@@ -216,24 +219,33 @@ async def test_pause_modes_and_continue(engine):
 @pytest.mark.parametrize(
     "path, body, raw, status, words",
     [
-        ("/generate", {"sampling_params": {}}, None, 400, "missing input_ids"),
+        ("/generate", {"sampling_params": {}}, None, 400, "give input_ids or text"),
         ("/generate", {"input_ids": [2, 500]}, None, 400, "outside the vocabulary"),
         ("/generate", {"input_ids": [2, -1]}, None, 400, "outside the vocabulary"),
         ("/generate", {"input_ids": []}, None, 400, "non-empty list"),
         ("/generate", {"input_ids": [2, "a"]}, None, 400, "outside the vocabulary"),
         (
             "/generate",
-            {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 0}},
-            None,
-            400,
-            "max_new_tokens must be > 0",
-        ),
-        (
-            "/generate",
             {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": -5}},
             None,
             400,
-            "max_new_tokens must be > 0",
+            "max_new_tokens must be >= 0",
+        ),
+        ("/generate", {"input_ids": [2, 3], "sampling_params": {"n": 0}}, None, 400, "n must be"),
+        ("/generate", {"input_ids": [2, 3], "top_logprobs_num": -1}, None, 400, "top_logprobs_num"),
+        (
+            "/generate",
+            {"input_ids": [2, 3], "return_logprob": True, "logprob_start_len": 2},
+            None,
+            400,
+            "logprob_start_len 2 is not below the prompt length 2",
+        ),
+        (
+            "/generate",
+            {"input_ids": [2, 3], "return_hidden_states": True},
+            None,
+            400,
+            "not supported by the embedded engine: ['return_hidden_states']",
         ),
         (
             "/generate",
@@ -242,20 +254,11 @@ async def test_pause_modes_and_continue(engine):
             400,
             "unknown sampling_params field 'warp'",
         ),
-        (
-            "/generate",
-            {"input_ids": [2, 3], "frobnicate": True},
-            None,
-            400,
-            "unknown /generate fields",
-        ),
-        ("/generate", {"input_ids": [2, 3], "stream": True}, None, 400, "not supported"),
         ("/generate", {"input_ids": [2] * 1100}, None, 400, "does not fit the context"),
         ("/generate", None, b"{not json", 400, "malformed JSON"),
         ("/generate", None, b"[1, 2]", 400, "must be an object"),
         ("/pause_generation", None, b"", 400, "needs a JSON body"),
         ("/pause_generation", {"mode": "sideways"}, None, 400, "mode must be"),
-        ("/abort_request", {}, None, 400, "needs rid"),
         ("/update_weights_from_distributed", {"names": []}, None, 400, "no weight-update group"),
         ("/update_weights_from_disk", {}, None, 400, "needs model_path"),
         (
@@ -284,10 +287,12 @@ async def test_bad_requests_get_4xx_and_server_keeps_serving(
         )
 
 
-async def test_api_key_guards_every_endpoint(engine):
-    for path in ("/health", "/get_model_info", "/get_server_info", "/get_weight_version"):
+async def test_api_key_guards_every_endpoint_but_health(engine):
+    for path in ("/get_model_info", "/get_server_info", "/get_weight_version"):
         status, body = await _get(engine, path, headers={})
         assert status == 401 and "API key" in body["error"]["message"]
+    for path in ("/health", "/health_generate"):  # as SGLang: the router probes without a key
+        assert (await _get(engine, path, headers={}))[0] == 200
     for path in (
         "/generate",
         "/update_weights_from_distributed",
@@ -319,6 +324,14 @@ async def test_client_requests_use_sglang_fields():
     async def record(request: web.Request) -> web.Response:
         raw = await request.read()
         seen[request.path] = json.loads(raw) if raw else None
+        if request.path == "/generate" and seen[request.path].get("rid") == "spans":
+            # SGLang 0.5.23's shape: spans over the output tokens, end exclusive (as SGLang's
+            # utils/weight_versions.py builds them); weight_version is the last span's.
+            return web.json_response(
+                {"text": "xyz", "meta_info": {"finish_reason": {"type": "length", "length": 5}, "weight_version": "12",
+                 "weight_versions": [{"version": "10", "start": 0, "end": 2}, {"version": "12", "start": 2, "end": 5}],
+                 "output_token_logprobs": [[-0.1, 4, None]] * 5}}
+            )  # fmt: skip
         if request.path == "/generate":
             return web.json_response(
                 {"text": "x", "meta_info": {"finish_reason": {"type": "stop", "matched": 1}, "weight_version": "7",
@@ -337,6 +350,7 @@ async def test_client_requests_use_sglang_fields():
     url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     try:
         async with EngineClient(url) as c:
+            spanned = await c.generate([2, 3], {"max_new_tokens": 5}, rid="spans")
             out = await c.generate([2, 3], {"max_new_tokens": 2, "temperature": 0.5}, rid="r1")
             await c.pause_generation("in_place")
             await c.continue_generation()
@@ -366,6 +380,8 @@ async def test_client_requests_use_sglang_fields():
         7,
     )
     assert out.finish_reason == "stop"
+    # Found 4: each token gets its span's version, not the response's final weight_version.
+    assert spanned.versions == [10, 10, 12, 12, 12] and spanned.weight_version == 12
     assert seen["/pause_generation"] == {"mode": "in_place"}
     assert seen["/continue_generation"] == {}
     assert seen["/abort_request"] == {"abort_all": False, "rid": "r"}
@@ -374,10 +390,12 @@ async def test_client_requests_use_sglang_fields():
         "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2, "group_name": "g", "backend": "gloo",
     }  # fmt: skip
     assert seen["/update_weights_from_distributed"] == {
-        "names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]], "group_name": "g", "flush_cache": True, "weight_version": "8",
+        "names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]], "group_name": "g", "flush_cache": False, "weight_version": "8",
     }  # fmt: skip
     assert seen["/destroy_weights_update_group"] == {"group_name": "g"}
-    assert seen["/update_weights_from_disk"] == {"model_path": "/ckpt", "weight_version": "9"}
+    assert seen["/update_weights_from_disk"] == {
+        "model_path": "/ckpt", "flush_cache": False, "weight_version": "9"
+    }  # fmt: skip
 
 
 @contextlib.asynccontextmanager

@@ -127,6 +127,23 @@ def test_external_engines_start_no_engine(tmp_path):
         planned(tmp_path / "again", "engine.kind=external")
 
 
+def test_weight_group_address_and_restarts_by_default(tmp_path):
+    """Engines on loopback: the learner's weight group listens there too; engines elsewhere:
+    the learner's own default (its node's routable address). Restarts are on by default."""
+    cfg, run_dir, stages = planned(tmp_path)
+    assert cfg.run.restart_failed >= 1
+    learner = {s.name: s for st in stages for s in st}["learner"]
+    assert child_config(run_dir, learner.argv(False)).learner.weight_master_addr == "127.0.0.1"
+    _cfg, run_dir, stages = planned(
+        tmp_path / "ext", "engine.kind=external", 'engine.urls=["http://10.0.0.5:30000"]'
+    )
+    learner = {s.name: s for st in stages for s in st}["learner"]
+    assert child_config(run_dir, learner.argv(False)).learner.weight_master_addr is None
+    _cfg, run_dir, stages = planned(tmp_path / "set", "learner.weight_master_addr=10.1.2.3")
+    learner = {s.name: s for st in stages for s in st}["learner"]
+    assert child_config(run_dir, learner.argv(False)).learner.weight_master_addr == "10.1.2.3"
+
+
 ENGINE = textwrap.dedent(
     """
     import sys

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 
@@ -33,7 +34,7 @@ def main(args: argparse.Namespace) -> int:
 
     engine = EmbeddedEngine(cfg, model_path)
 
-    async def run() -> None:
+    async def run() -> int:
         runner, url = await serve(engine, host, port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -43,9 +44,16 @@ def main(args: argparse.Namespace) -> int:
             f"engine ready at {url} (model {engine.model_path}, device {engine.device})", flush=True
         )
         try:
-            await stop.wait()
+            while not stop.is_set():
+                if engine.scheduler.fatal is not None:
+                    # As SGLang's server when its scheduler exits: the process ends (strict mode).
+                    await asyncio.sleep(0.5)  # the failed calls get their answers first
+                    print(f"engine stopped: {engine.scheduler.fatal}", flush=True)
+                    return 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.2)
+            return 0
         finally:
             await runner.cleanup()
 
-    asyncio.run(run())
-    return 0
+    return asyncio.run(run())

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slime_async.config.base import Section
 
@@ -39,12 +39,46 @@ class EngineConfig(Section):
     weight_sync_timeout_s: float = Field(300.0, gt=0)
     """How long a weight-update group waits for its peers (handshake and each broadcast)."""
     api_key: str | None = None
-    """If set, every endpoint needs `Authorization: Bearer <key>`."""
+    """If set, every endpoint but /health and /health_generate needs `Authorization: Bearer <key>`."""
+    strict_sglang: bool = False
+    """Embedded engine: fail where SGLang 0.5.23 fails (flush refused while requests run, an update
+    whose flush fails stops the engine, /health 503 while paused); tests of the push use it."""
+    initial_weight_version: str = "default"
+    """Embedded engine: the weight_version served before the first update (SGLang's "default")."""
+    push_pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """How the learner pauses the engines for a push. abort: running requests end with finish
+    reason abort (the generator resumes them); retract: they are re-queued and recomputed after the
+    push; in_place: they keep running under the new weights (no cache flush, which SGLang refuses
+    while requests run; per-token versions come from the response's spans)."""
+    flush_timeout_s: float = Field(60.0, gt=0)
+    """Longest wait for an engine's /flush_cache to answer 200 after a pause (polled)."""
+    push_timeout_s: float = Field(300.0, gt=0)
+    """Longest wait for one weight-push call (pause, one bucket's update, continue) per engine."""
+    resync_wait_s: float = Field(60.0, ge=0)
+    """How long a push waits for an engine that is down (restarting) before pushing without it;
+    it rejoins the weight group, with the current weights, at a later push."""
     router_policy: Literal["round_robin", "cache_aware", "random", "power_of_two"] = "round_robin"
     """sglang-router load-balancing policy when several engines are used."""
     router_port: int = Field(30100, ge=0, le=65535)
     """Port of the sglang-router that `slime-async run` starts (0 picks a free one)."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Client-side timeout of one /generate call."""
-    max_retries: int = Field(5, ge=0)
-    """Client-side retries of a failed call, with exponential back-off."""
+    max_retries: int = Field(10, ge=0)
+    """Client-side retries of a failed call, with exponential back-off (doubling from 0.2 s,
+    capped at 30 s: about 110 s in all, enough to ride out an engine's restart)."""
+
+    @model_validator(mode="after")
+    def _embedded_only(self) -> "EngineConfig":
+        """Keys that only the embedded engine reads are refused with external engines."""
+        if self.kind == "external":
+            used = []
+            if self.strict_sglang:
+                used.append("engine.strict_sglang")
+            if self.initial_weight_version != "default":
+                used.append("engine.initial_weight_version")
+            if used:
+                raise ValueError(
+                    f"{', '.join(used)}: only the embedded engine reads it, and "
+                    "engine.kind = 'external' (real SGLang servers fail as they fail)"
+                )
+        return self

@@ -52,3 +52,7 @@ class LearnerConfig(Section):
     """CPU threads of each learner process (torch.set_num_threads); 0: torch's default."""
     seed: int = 1234
     """Seed of parameter init and dropout (unset in a full config: run.seed)."""
+    weight_master_addr: str | None = None
+    """Address of the weight-update group's TCP store, hosted by learner rank 0, that every engine
+    dials (SGLang's master_address). None: this node's routable address (never loopback unless
+    nothing else exists); `slime-async run` with engines on loopback sets 127.0.0.1."""

@@ -24,8 +24,9 @@ class RunConfig(Section):
     """wandb mode; offline writes under the run dir, disabled never imports wandb."""
     wandb_project: str = "slime-async"
     """wandb project of every role's metrics (the run name is the run directory's name)."""
-    restart_failed: int = Field(0, ge=0)
-    """How often each child role that dies is restarted before the whole run stops."""
+    restart_failed: int = Field(2, ge=0)
+    """How often each child role that dies is restarted (resuming its state: the learner from its
+    checkpoint, an engine rejoining the weight group) before the whole run stops; 0: never."""
     num_generators: int = Field(1, ge=1)
     """Generator processes `slime-async run` starts (producer ids gen0, gen1, ...)."""
     learner_cuda_devices: str | None = None

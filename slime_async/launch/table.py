@@ -66,6 +66,11 @@ def _with_free_port(endpoint: str) -> str:
     return endpoint
 
 
+def _loopback_only(urls: list[str]) -> bool:
+    hosts = {urlparse(u).hostname or "" for u in urls}
+    return bool(hosts) and all(h == "localhost" or h.startswith("127.") for h in hosts)
+
+
 def _nonempty_dir(save_dir: Path) -> Path | None:
     return save_dir if save_dir.is_dir() and any(save_dir.iterdir()) else None
 
@@ -196,6 +201,10 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
         _arg("engine.urls", engine_urls),  # weights go to each engine, never through the router
         _arg("learner.save", str(save_dir)),
     ]
+    if cfg.learner.weight_master_addr is None and _loopback_only(engine_urls):
+        # Every engine is on this machine's loopback: so is the weight group's store (the
+        # default, this node's routable address, is for engines on other nodes).
+        learner_args.append(_arg("learner.weight_master_addr", LOOPBACK))
 
     def learner_argv(resume: bool) -> list[str]:
         args = list(learner_args)

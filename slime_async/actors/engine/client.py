@@ -5,8 +5,11 @@ Every call has a timeout and is retried (`retry_async`, `engine_retry_policy`: e
 with jitter) on connection errors, timeouts and 5xx answers; a 4xx answer is the caller's fault
 and raises `EngineRequestError` at once. Errors name the engine URL and the call.
 
-Per-token versions: the embedded engine adds `meta_info.output_token_weight_versions`; a real SGLang
-server does not, and then every token is taken to be of the response's `weight_version`.
+Per-token versions: SGLang 0.5.23 (and the embedded engine) answer `meta_info.weight_versions`, a
+list of spans `{version, start, end}` over the output tokens (end exclusive); each token gets the
+version of its span. A server without spans (older SGLang) gives every token `weight_version`.
+Versions are strings on the wire; the project's are integers ("default", SGLang's version before
+any update, is 0).
 """
 
 from __future__ import annotations
@@ -72,6 +75,24 @@ def parse_weight_version(value: object) -> int:
         return 0
 
 
+def versions_from_spans(spans: list[Any], num_tokens: int) -> list[int]:
+    """SGLang's `weight_versions` spans -> one version per output token. Spans are
+    `{"version", "start", "end"}` objects (or `[version, start, end]` arrays), end exclusive, and
+    must cover tokens 0..num_tokens-1 in order."""
+    out: list[int] = []
+    for span in spans:
+        if isinstance(span, dict):
+            v, start, end = span["version"], int(span["start"]), int(span["end"])
+        else:
+            v, start, end = span[0], int(span[1]), int(span[2])
+        if start != len(out) or end < start:
+            raise ValueError(f"weight_versions span {span!r} does not follow token {len(out)}")
+        out += [parse_weight_version(v)] * (end - start)
+    if len(out) != num_tokens:
+        raise ValueError(f"weight_versions spans cover {len(out)} of {num_tokens} tokens")
+    return out
+
+
 def parse_generate_response(body: dict[str, Any], url: str) -> GenerateOutput:
     """A /generate response (SGLang's shape) -> GenerateOutput; raises EngineError if malformed."""
     try:
@@ -83,12 +104,12 @@ def parse_generate_response(body: dict[str, Any], url: str) -> GenerateOutput:
         if pairs and len(logprobs) != len(token_ids):
             raise ValueError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens")
         version = parse_weight_version(meta.get("weight_version"))
-        versions = meta.get("output_token_weight_versions")
+        spans = meta.get("weight_versions")
         versions = (
-            [int(v) for v in versions] if versions is not None else [version] * len(token_ids)
+            versions_from_spans(spans, len(token_ids))
+            if spans is not None
+            else [version] * len(token_ids)
         )
-        if len(versions) != len(token_ids):
-            raise ValueError(f"{len(versions)} token versions for {len(token_ids)} tokens")
         fr = meta.get("finish_reason") or {}
         if isinstance(fr, str):
             fr = {"type": fr}
@@ -238,7 +259,11 @@ class EngineClient:
         return await self.call("GET", "/get_model_info")
 
     async def get_server_info(self) -> dict[str, Any]:
-        return await self.call("GET", "/get_server_info")
+        """SGLang's /server_info (the current route), else the deprecated /get_server_info."""
+        try:
+            return await self.call("GET", "/server_info", max_retries=0)
+        except EngineRequestError:
+            return await self.call("GET", "/get_server_info")
 
     async def get_weight_version(self) -> int:
         """The served weight version: `weight_version` of /model_info (SGLang 0.5.23 has no
@@ -266,8 +291,22 @@ class EngineClient:
             body["rid"] = rid
         await self.call("POST", "/abort_request", body)
 
-    async def flush_cache(self) -> None:
-        await self.call("POST", "/flush_cache", {})
+    async def flush_cache(self) -> bool:
+        """True when the engine flushed (200); False when it refused (400: requests running)."""
+        try:
+            await self.call("POST", "/flush_cache", {}, max_retries=0)
+        except EngineRequestError as e:
+            if e.status == 400:
+                return False
+            raise
+        return True
+
+    async def update_weight_version(self, new_version: str, abort_all: bool = False) -> None:
+        await self.call(
+            "POST",
+            "/update_weight_version",
+            {"new_version": str(new_version), "abort_all_requests": abort_all},
+        )
 
     # ---- weight sync -------------------------------------------------------------------------
 
@@ -298,8 +337,8 @@ class EngineClient:
         dtypes: list[str],
         shapes: list[list[int]],
         group_name: str,
-        weight_version: int | None = None,
-        flush_cache: bool = True,
+        weight_version: int | str | None = None,
+        flush_cache: bool = False,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "names": names,
@@ -316,9 +355,11 @@ class EngineClient:
         return await self._weights_call("/destroy_weights_update_group", {"group_name": group_name})
 
     async def update_weights_from_disk(
-        self, model_path: str, weight_version: int | None = None
+        self, model_path: str, weight_version: int | str | None = None, flush_cache: bool = False
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"model_path": model_path}
+        """flush_cache is sent explicitly: SGLang's default (true) kills a server whose flush
+        fails, and it fails while requests run."""
+        body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         return await self._weights_call("/update_weights_from_disk", body)

@@ -1,37 +1,99 @@
 """Learner side of the weight push: rank 0 broadcasts HF-named tensors to every engine.
 
-    learner rank 0 --POST /init_weights_update_group (all engines, concurrently)--> engines join
-                   hosts the TCPStore at master_addr:master_port; group = 1 + sum(engine TP sizes)
+    connect():  destroy the previous group (this pusher's, or a dead learner's named in
+                `state_path`) on every engine, then with a FRESH group name:
+                POST /init_weights_update_group (live engines, concurrently) while this process
+                hosts the TCPStore at master_addr:master_port; group = 1 + sum(engine ranks)
     push(buckets, version):
-        POST /pause_generation {mode: in_place}     (no token is sampled from half-new weights)
+        check the engines (GET /model_info): one that restarted (its weight_version is not the
+        last pushed one) or came back, or one that is gone -> rebuild the group with the live ones
+        POST /pause_generation {mode}                       abort (default) | retract | in_place
+        abort, retract: poll POST /flush_cache until 200    (bounded: engine.flush_timeout_s)
         per bucket: POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
-                    weight_version, flush_cache} to all engines, and while those calls are in
-                    flight broadcast(src=0) each tensor of the bucket in `names` order
-        POST /continue_generation                   (running requests go on under the new weights)
+                    flush_cache: false, weight_version (last bucket only)} to all members, and
+                    while those calls are in flight broadcast(src=0) each tensor in `names` order
+        POST /continue_generation
 
-Only SGLang's fields are used, so the same code pushes to real SGLang servers (give it the
-engines' own URLs, not a router's). Engine TP ranks get `rank_offset`; each engine's TP size is
-read from /get_server_info (`tp_size`, 1 if absent) unless given. Memory: one bucket at a time
-(the caller's iterator produces them); HTTP calls run on a private event-loop thread.
+Why this order (SGLang 0.5.23): a flush fails while requests run, and an update asked to flush
+asserts that it worked -- the scheduler exits and the server dies. So the update never flushes;
+the pause empties the engine first (abort: running requests end with finish reason abort and the
+generator resumes them; retract: they are re-queued and recomputed after the push, nothing is
+lost but the recompute), and /flush_cache is polled until it succeeds. in_place keeps running
+requests and their KV cache (no flush at all; their later tokens come from the new weights and
+the response's `weight_versions` spans say which). The version is sent with the last bucket only,
+so an engine never reports a version it holds only part of.
+
+A failed call or a timeout names the engine and the step. A push that fails midway leaves the
+engines paused (their weights are mixed) and marks the group for a rebuild: `resync_needed()` is
+then true and the learner pushes again, which rebuilds the group with the live engines and
+continues them. Only SGLang's fields are used, so the same code pushes to real SGLang servers
+(give it the engines' own URLs, not a router's). Each engine's ranks come from /server_info:
+tp_size * pp_size * (dp_size unless enable_dp_attention). Memory: one bucket at a time (the
+caller's iterator produces them); HTTP calls run on a private event-loop thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
+import socket
 import threading
 import time
+import uuid
 from collections.abc import Coroutine, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from slime_async.actors.engine.client import EngineClient, EngineError
+from slime_async.actors.engine.client import EngineClient, EngineError, EngineRequestError
 from slime_async.actors.engine.weight_sync import WeightGroup, init_weight_group
+from slime_async.metrics import names as M
 from slime_async.utils.procs import free_port
 
 log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class PushError(RuntimeError):
+    """A push step failed on an engine; the message names the engine URL and the step."""
+
+    def __init__(self, url: str, step: str, message: str):
+        super().__init__(f"weight push, step {step}, engine {url}: {message}")
+        self.url, self.step = url, step
+
+
+def routable_address() -> str:
+    """This node's address as other nodes reach it: the source address of the default route
+    (a UDP socket is connected, nothing is sent), else the host name's address; loopback only
+    when nothing else exists (then a warning: engines on other nodes cannot reach it)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet leaves: connect() only picks a route
+            addr = s.getsockname()[0]
+        if addr and not addr.startswith("127."):
+            return addr
+    except OSError:
+        pass
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+        if not addr.startswith("127."):
+            return addr
+    except OSError:
+        pass
+    log.warning("no routable address found: the weight group uses 127.0.0.1 (single node only)")
+    return "127.0.0.1"
+
+
+def engine_ranks(info: dict[str, Any]) -> int:
+    """Ranks an engine adds to the weight group, from its /server_info (SGLang's server args)."""
+    tp = int(info.get("tp_size") or 1)
+    pp = int(info.get("pp_size") or 1)
+    dp = int(info.get("dp_size") or 1)
+    return tp * pp * (1 if info.get("enable_dp_attention") else dp)
 
 
 class WeightPusher:
@@ -41,158 +103,382 @@ class WeightPusher:
         self,
         urls: list[str],
         backend: str = "gloo",
-        master_addr: str = "127.0.0.1",
+        master_addr: str | None = None,
         master_port: int | None = None,
-        group_name: str = "slime_async_weights",
+        group_prefix: str = "slime_async_weights",
         api_key: str | None = None,
         device: str | torch.device | None = None,
         tp_sizes: list[int] | None = None,
-        pause_mode: str | None = "in_place",
+        pause_mode: str = "abort",
         timeout_s: float = 300.0,
+        flush_timeout_s: float = 60.0,
+        probe_timeout_s: float = 5.0,
+        resync_wait_s: float = 0.0,
+        state_path: str | Path | None = None,
     ):
         if not urls:
             raise ValueError("WeightPusher needs at least one engine URL")
-        if pause_mode not in (None, "in_place", "retract", "abort"):
-            raise ValueError(
-                f"pause_mode must be in_place, retract, abort or None, got {pause_mode!r}"
-            )
-        self.urls = list(urls)
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        self.urls = [u.rstrip("/") for u in urls]
         self.backend = backend
-        self.master_addr = master_addr
+        self.master_addr = master_addr or routable_address()
         self.master_port = master_port
-        self.group_name = group_name
+        self.group_prefix = group_prefix
         self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
-        self.tp_sizes = tp_sizes
+        self.tp_sizes = dict(zip(self.urls, tp_sizes, strict=True)) if tp_sizes else {}
         self.pause_mode = pause_mode
         self.timeout_s = timeout_s
-        self.clients = [EngineClient(u, api_key, timeout_s=timeout_s, max_retries=2) for u in urls]
+        self.flush_timeout_s = flush_timeout_s
+        self.probe_timeout_s = probe_timeout_s
+        self.resync_wait_s = resync_wait_s
+        self.state_path = Path(state_path) if state_path else None
+        self.clients = {
+            u: EngineClient(u, api_key, timeout_s=timeout_s, max_retries=0) for u in self.urls
+        }
         self.group: WeightGroup | None = None
+        self.group_name: str | None = None
+        self.members: list[str] = []
+        self.pushed_version: str | None = None
+        """The version every member holds in full (None before the first push)."""
+        self._broken = False
+        self.counters = {"resyncs": 0, "failed_pushes": 0, "flush_polls": 0, "engines_left_out": 0}
+        """resyncs: group rebuilds after a restart or a failure; failed_pushes: pushes that
+        failed midway (each logged); flush_polls: /flush_cache answers that were 400;
+        engines_left_out: pushes that left a down engine out (each logged)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="weight-push-http", daemon=True
         )
         self._thread.start()
 
+    # ---- plumbing ----------------------------------------------------------------------------
+
     def _submit(self, coro: Coroutine) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[concurrent.futures.Future]:
-        return [self._submit(getattr(c, method)(*args, **kwargs)) for c in self.clients]
+    def _each(self, urls: list[str], method: str, *args: Any, **kwargs: Any):
+        return {u: self._submit(getattr(self.clients[u], method)(*args, **kwargs)) for u in urls}
 
-    def _wait(self, futs: list[concurrent.futures.Future]) -> list[Any]:
-        return [f.result(timeout=self.timeout_s) for f in futs]
+    def _wait(self, step: str, futs: dict[str, concurrent.futures.Future], timeout_s=None):
+        """Every engine's result; the first failure or timeout raises PushError naming both."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        out = {}
+        for url, f in futs.items():
+            try:
+                out[url] = f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                waited = timeout_s or self.timeout_s
+                raise PushError(url, step, f"no answer in {waited:.0f}s") from None
+            except Exception as e:
+                raise PushError(url, step, str(e)) from e
+        return out
 
-    def connect(self) -> None:
-        """Create the group: every engine joins (HTTP, concurrently) while this process hosts rank 0."""
-        if self.group is not None:
-            return
-        tp = self.tp_sizes
-        if tp is None:
-            infos = self._wait(self._all("get_server_info"))
-            tp = [int(i.get("tp_size", 1)) if isinstance(i, dict) else 1 for i in infos]
-        if len(tp) != len(self.urls):
-            raise ValueError(f"{len(tp)} tp_sizes for {len(self.urls)} engines")
-        world = 1 + sum(tp)
+    def _settle(self, step: str, futs: dict[str, concurrent.futures.Future], timeout_s: float):
+        """Wait for every call, failures logged (best effort: destroy, continue)."""
+        for url, f in futs.items():
+            try:
+                f.result(timeout=timeout_s)
+            except Exception as e:  # logged, the caller goes on
+                log.warning("weight push, step %s, engine %s: %s", step, url, e or type(e).__name__)
+
+    def _probe(self) -> dict[str, str | None]:
+        """url -> its weight_version (a string), or None when it does not answer."""
+
+        async def one(c: EngineClient) -> str | None:
+            for path in ("/model_info", "/get_model_info"):  # current route, then the older one
+                try:
+                    info = await c.call("GET", path, timeout_s=self.probe_timeout_s, max_retries=0)
+                except EngineRequestError:
+                    continue
+                except EngineError:
+                    return None
+                return str(info.get("weight_version")) if isinstance(info, dict) else None
+            return None
+
+        futs = {u: self._submit(one(c)) for u, c in self.clients.items()}
+        return {u: f.result(timeout=self.probe_timeout_s + 5) for u, f in futs.items()}
+
+    # ---- the group ---------------------------------------------------------------------------
+
+    def connect(self, versions: dict[str, str | None] | None = None) -> None:
+        """(Re)build the group with every engine that answers: destroy first, fresh name."""
+        versions = versions if versions is not None else self._probe()
+        live = [u for u in self.urls if versions.get(u) is not None]
+        if not live:
+            raise PushError(",".join(self.urls), "connect", "no engine answers GET /model_info")
+        self._destroy()
+        stale = self._previous_group_name()
+        if stale:  # a dead learner's group: its engines would keep the name (and its ranks)
+            self._settle("destroy stale group", self._each(live, "destroy_weights_update_group",
+                                                            stale), 30)  # fmt: skip
+        ranks = self._ranks(live)
+        world = 1 + sum(ranks)
         port = self.master_port or free_port(self.master_addr)
-        offsets = [1 + sum(tp[:i]) for i in range(len(tp))]
-        futs = [
-            self._submit(
-                c.init_weights_update_group(
-                    self.master_addr, port, off, world, self.group_name, self.backend
+        name = f"{self.group_prefix}_{uuid.uuid4().hex[:12]}"
+        offsets = [1 + sum(ranks[:i]) for i in range(len(live))]
+        futs = {
+            u: self._submit(
+                self.clients[u].init_weights_update_group(
+                    self.master_addr, port, off, world, name, self.backend
                 )
             )
-            for c, off in zip(self.clients, offsets, strict=True)
-        ]
+            for u, off in zip(live, offsets, strict=True)
+        }
         try:
-            self.group = init_weight_group(
-                self.master_addr,
-                port,
-                0,
-                world,
-                self.group_name,
-                self.backend,
-                self.device,
-                self.timeout_s,
-            )
+            self.group = self._host_group(port, world, name, futs)
+        except PushError:
+            raise
         except Exception as e:
-            errors = [str(f.exception()) for f in futs if f.done() and f.exception()]
-            raise RuntimeError(
-                f"weight-update group handshake failed: {e}; engines said: {errors}"
+            said = {u: str(f.exception()) for u, f in futs.items() if f.done() and f.exception()}
+            raise PushError(
+                ",".join(live),
+                "init_weights_update_group",
+                f"handshake at {self.master_addr}:{port} failed: {e}; engines said: {said}",
             ) from e
-        self._wait(futs)
-        log.info(
-            "weight-update group %s: %d engines, world size %d",
-            self.group_name,
-            len(self.urls),
-            world,
+        self._wait("init_weights_update_group", futs)
+        self.group_name, self.members = name, live
+        self._write_state()
+        left_out = sorted(set(self.urls) - set(live))
+        log.info("weight-update group %s at %s:%d: %d engines, world size %d%s", name,
+                 self.master_addr, port, len(live), world,
+                 f"; down, left out: {left_out}" if left_out else "")  # fmt: skip
+
+    def _host_group(self, port: int, world: int, name: str, futs) -> WeightGroup:
+        """Host rank 0 of the group while the engines join; an engine whose init call fails ends
+        the wait at once (named), and the wait is logged every 10 s (never silent)."""
+        result: concurrent.futures.Future = concurrent.futures.Future()
+
+        def host() -> None:
+            try:
+                result.set_result(init_weight_group(self.master_addr, port, 0, world, name,
+                                                    self.backend, self.device, self.timeout_s))  # fmt: skip
+            except BaseException as e:  # handed to the waiting thread
+                result.set_exception(e)
+
+        threading.Thread(target=host, name="weight-group-host", daemon=True).start()
+        t0 = time.monotonic()
+        last_log = t0
+        while True:
+            try:
+                return result.result(timeout=0.2)
+            except concurrent.futures.TimeoutError:
+                pass
+            for url, f in futs.items():
+                if f.done() and f.exception() is not None:
+                    raise PushError(url, "init_weights_update_group",
+                                    f"{f.exception()} (group store at {self.master_addr}:{port}; "
+                                    "learner.weight_master_addr must be reachable from the "
+                                    "engine's node)")  # fmt: skip
+            now = time.monotonic()
+            if now - last_log >= 10:
+                last_log = now
+                waiting = [u for u, f in futs.items() if not f.done()]
+                log.warning("weight-update group %s: waited %.0fs of %.0fs at %s:%d for %s",
+                            name, now - t0, self.timeout_s, self.master_addr, port, waiting)  # fmt: skip
+
+    def _ranks(self, urls: list[str]) -> list[int]:
+        missing = [u for u in urls if u not in self.tp_sizes]
+        if missing:
+            infos = self._wait("server_info", self._each(missing, "get_server_info"))
+            for u, info in infos.items():
+                self.tp_sizes[u] = engine_ranks(info if isinstance(info, dict) else {})
+        return [self.tp_sizes[u] for u in urls]
+
+    def _destroy(self) -> None:
+        if self.group is None:
+            return
+        self._settle(
+            "destroy_weights_update_group",
+            self._each(self.members, "destroy_weights_update_group", self.group_name),
+            30,
         )
+        try:
+            self.group.destroy()
+        except Exception as e:  # a group whose peer died may not tear down cleanly
+            log.warning("destroying weight-update group %s here: %s", self.group_name, e)
+        self.group, self.members = None, []
+
+    def _previous_group_name(self) -> str | None:
+        if self.state_path is None or not self.state_path.is_file():
+            return None
+        try:
+            name = json.loads(self.state_path.read_text()).get("group_name")
+        except (OSError, ValueError):
+            return None
+        return name if name != self.group_name else None
+
+    def _write_state(self) -> None:
+        if self.state_path is not None:
+            self.state_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.state_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"group_name": self.group_name, "members": self.members}))
+            tmp.replace(self.state_path)
+
+    def resync_needed(self) -> bool:
+        """True when the group must be rebuilt and the weights pushed again now: a push failed
+        midway, or an engine restarted (lost the group and the weights) or came back."""
+        if self._broken:
+            return True
+        if self.group is None or self.pushed_version is None:
+            return False
+        versions = self._probe()
+        return self._changed(versions)
+
+    def _changed(self, versions: dict[str, str | None]) -> bool:
+        for u in self.urls:
+            v = versions.get(u)
+            if u in self.members and v is None:
+                log.warning("engine %s does not answer: the weight group is rebuilt without it", u)
+                return True
+            if v is not None and u not in self.members:
+                log.warning("engine %s is back: it rejoins the weight group", u)
+                return True
+            if u in self.members and self.pushed_version is not None and v != self.pushed_version:
+                log.warning("engine %s serves version %r, not %r: it restarted; it rejoins the "
+                            "weight group and gets the current weights", u, v, self.pushed_version)  # fmt: skip
+                return True
+        return False
+
+    def metrics(self) -> dict[str, float]:
+        """The counters as metric records (names in slime_async.metrics.names)."""
+        return {
+            M.PUSH_RESYNCS: float(self.counters["resyncs"]),
+            M.PUSH_FAILED: float(self.counters["failed_pushes"]),
+            M.PUSH_FLUSH_REFUSED: float(self.counters["flush_polls"]),
+            M.PUSH_ENGINES_LEFT_OUT: float(self.counters["engines_left_out"]),
+            M.PUSH_ENGINES: float(len(self.members)),
+        }
+
+    # ---- the push ----------------------------------------------------------------------------
 
     def push(
-        self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int
+        self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int | str
     ) -> dict[str, float]:
         """Send every bucket; the engines report `version` from this push on. Returns bytes,
-        seconds, bytes_per_s, buckets, tensors."""
-        if self.group is None:
-            raise RuntimeError("WeightPusher.push before connect()")
+        seconds, bytes_per_s, buckets, tensors, engines, failed (1.0: the push failed midway,
+        the engines stay paused and `resync_needed()` is true)."""
         t0 = time.perf_counter()
-        nbytes = ntensors = nbuckets = 0
-        if self.pause_mode:
-            self._wait(self._all("pause_generation", self.pause_mode))
+        versions = self._probe()
+        deadline = time.monotonic() + self.resync_wait_s
+        while time.monotonic() < deadline and (
+            all(v is None for v in versions.values())
+            or any(versions[u] is None for u in self.members)
+        ):
+            # A member just went down (restarting?), or none answers: give them resync_wait_s
+            # to come back before leaving them out (an engine already left out is not waited for).
+            time.sleep(0.5)
+            versions = self._probe()
+        if self.group is None or self._broken or self._changed(versions):
+            if self.group is not None or self._broken:
+                self.counters["resyncs"] += 1
+            self.connect(versions)
+            self._broken = False
+        down = [u for u in self.urls if u not in self.members]
+        if down:
+            self.counters["engines_left_out"] += 1
+            log.warning(
+                "pushing version %s without %s (down; they rejoin when back)", version, down
+            )
+        stats = {"bytes": 0.0, "buckets": 0.0, "tensors": 0.0}
+        members = list(self.members)
         try:
-            it = iter(buckets)
-            bucket = next(it, None)
-            while bucket is not None:
-                following = next(it, None)
-                tensors = [(n, t.detach().to(self.device).contiguous()) for n, t in bucket]
-                futs = self._all(
-                    "update_weights_from_distributed",
-                    [n for n, _ in tensors],
-                    [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-                    [list(t.shape) for _, t in tensors],
-                    self.group_name,
-                    weight_version=version,
-                    flush_cache=following is None,
-                )
-                for _, t in tensors:
-                    failed = [f for f in futs if f.done() and f.exception() is not None]
-                    if failed:  # an engine refused the bucket: it will not receive, stop here
-                        raise failed[0].exception()
-                    self.group.broadcast(t)
-                    nbytes += t.numel() * t.element_size()
-                self._wait(futs)
-                ntensors += len(tensors)
-                nbuckets += 1
-                bucket = following
-        finally:
-            if self.pause_mode:
-                self._wait(self._all("continue_generation"))
+            self._wait("pause_generation", self._each(members, "pause_generation",
+                                                      self.pause_mode))  # fmt: skip
+            if self.pause_mode in ("abort", "retract"):
+                self._flush(members)
+            self._send(buckets, str(version), members, stats)
+        except BaseException as e:
+            self._broken = True
+            self.counters["failed_pushes"] += 1
+            log.error("weight push of version %s failed; engines stay paused until the group is "
+                      "rebuilt and the weights pushed again: %s", version, e)  # fmt: skip
+            stats.update(seconds=time.perf_counter() - t0, bytes_per_s=0.0, failed=1.0)
+            stats["engines"] = float(len(members))
+            if isinstance(e, PushError | EngineError | RuntimeError):
+                return stats
+            raise
+        self.pushed_version = str(version)
+        try:
+            self._wait("continue_generation", self._each(members, "continue_generation"))
+        except PushError as e:  # the weights are in; the group is rebuilt and the rest continued
+            self._broken = True
+            self.counters["failed_pushes"] += 1
+            log.error("weight push of version %s: %s; the group is rebuilt", version, e)
+            stats.update(seconds=time.perf_counter() - t0, bytes_per_s=0.0, failed=1.0)
+            stats["engines"] = float(len(members))
+            return stats
         seconds = time.perf_counter() - t0
-        stats = {
-            "bytes": float(nbytes),
-            "seconds": seconds,
-            "bytes_per_s": nbytes / seconds if seconds > 0 else 0.0,
-            "buckets": float(nbuckets),
-            "tensors": float(ntensors),
-        }
+        stats.update(
+            seconds=seconds,
+            bytes_per_s=stats["bytes"] / seconds if seconds > 0 else 0.0,
+            engines=float(len(members)),
+            failed=0.0,
+        )
         log.info(
-            "pushed version %d: %.1f MB in %d buckets, %.3f s, %.2f GB/s",
-            version, nbytes / 1e6, nbuckets, seconds, stats["bytes_per_s"] / 1e9,
+            "pushed version %s to %d engines: %.1f MB in %d buckets, %.3f s, %.2f GB/s",
+            version, len(members), stats["bytes"] / 1e6, stats["buckets"], seconds,
+            stats["bytes_per_s"] / 1e9,
         )  # fmt: skip
         return stats
 
+    def _flush(self, members: list[str]) -> None:
+        """Poll /flush_cache on each engine until it answers 200 (bounded, named)."""
+        deadline = time.monotonic() + self.flush_timeout_s
+        pending = list(members)
+        delay = 0.02
+        while pending:
+            done = self._wait("flush_cache", self._each(pending, "flush_cache"))
+            refused = [u for u in pending if not done[u]]
+            self.counters["flush_polls"] += len(refused)
+            pending = refused
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise PushError(pending[0], "flush_cache", f"still refused (400: requests running) "
+                                f"after {self.flush_timeout_s:.0f}s (engine.flush_timeout_s)")  # fmt: skip
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def _send(self, buckets, version: str, members: list[str], stats: dict[str, float]) -> None:
+        assert self.group is not None
+        it = iter(buckets)
+        bucket = next(it, None)
+        while bucket is not None:
+            following = next(it, None)
+            tensors = [(n, t.detach().to(self.device).contiguous()) for n, t in bucket]
+            futs = self._each(
+                members,
+                "update_weights_from_distributed",
+                [n for n, _ in tensors],
+                [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+                [list(t.shape) for _, t in tensors],
+                self.group_name,
+                weight_version=version if following is None else None,
+                flush_cache=False,
+            )
+            for _, t in tensors:
+                failed = {u: f for u, f in futs.items() if f.done() and f.exception() is not None}
+                if failed:  # an engine refused the bucket: it will not receive, stop here
+                    self._wait("update_weights_from_distributed", failed)
+                try:
+                    self.group.broadcast(t)
+                except Exception as e:
+                    raise PushError(",".join(members), "broadcast", str(e)) from e
+                stats["bytes"] += t.numel() * t.element_size()
+            self._wait("update_weights_from_distributed", futs)
+            stats["tensors"] += len(tensors)
+            stats["buckets"] += 1
+            bucket = following
+
     def close(self) -> None:
         """Destroy the group on the engines and here; stop the HTTP thread."""
-        if self.group is not None:
-            futs = self._all("destroy_weights_update_group", self.group_name)
-            for f in futs:
-                try:
-                    f.result(timeout=30)
-                except (EngineError, concurrent.futures.TimeoutError) as e:
-                    log.warning("destroy_weights_update_group: %s", e)
-            self.group.destroy()
-            self.group = None
+        self._destroy()
+        if self.state_path is not None and self.state_path.is_file():
+            self.state_path.unlink(missing_ok=True)
         if self._thread.is_alive():
-            self._wait([self._submit(c.close()) for c in self.clients])
+            self._settle("close", {u: self._submit(c.close()) for u, c in self.clients.items()},
+                         10)  # fmt: skip
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
 

@@ -101,11 +101,19 @@ class _Rank0:
         self.consumer = ConsumerClient(cfg.buffer, "learner")
         self.pusher: WeightPusher | None = None
         if cfg.engine.urls:
+            ec = cfg.engine
             self.pusher = WeightPusher(
-                cfg.engine.urls,
+                ec.urls,
                 backend=backend,
-                api_key=cfg.engine.api_key,
+                master_addr=cfg.learner.weight_master_addr,
+                api_key=ec.api_key,
                 device=None if backend == "gloo" else "cuda",
+                pause_mode=ec.push_pause_mode,
+                timeout_s=ec.push_timeout_s,
+                flush_timeout_s=ec.flush_timeout_s,
+                resync_wait_s=ec.resync_wait_s,
+                # A restarted learner destroys its dead predecessor's group on the engines first.
+                state_path=run_dir / "weight_group.json" if run_dir is not None else None,
             )
         self.metrics: MetricsLogger | None = None
         if run_dir is not None:
@@ -179,8 +187,12 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
             if rank0.pusher is not None:
                 rank0.pusher.connect()
         has_pusher = _broadcast_flag(rank0 is not None and rank0.pusher is not None)
-        if has_pusher and learner.version > 0:
-            _push(learner, rank0)  # engines restart from the base model: bring them up to date
+        if has_pusher:
+            # Every engine gets this learner's weights before training: engines start from the
+            # base model, and after a learner restart they may hold a dead learner's later
+            # weights, or still be paused by its unfinished push (the push continues them).
+            _push(learner, rank0)
+            _resync(learner, rank0)
         if rank0 is not None:
             rank0.consumer.set_version(learner.version, lc.groups_per_step)
         if dist.is_initialized():
@@ -208,6 +220,25 @@ def _push(learner: Learner, rank0: _Rank0 | None) -> float:
         return 0.0
     stats = rank0.pusher.push(buckets, learner.version)
     return float(stats.get("seconds", 0.0))
+
+
+RESYNC_ATTEMPTS = 3
+"""Pushes in a row that may fail (an engine died midway) before the learner gives up."""
+
+
+def _resync(learner: Learner, rank0: _Rank0 | None) -> float:
+    """Push again while the pusher asks for it (an engine restarted, came back, or a push failed
+    midway): the group is rebuilt with the live engines and they get the current weights."""
+    seconds = 0.0
+    for attempt in range(RESYNC_ATTEMPTS + 1):
+        needed = rank0 is not None and rank0.pusher is not None and rank0.pusher.resync_needed()
+        if not _broadcast_flag(needed):
+            return seconds
+        if attempt == RESYNC_ATTEMPTS:
+            raise RuntimeError(f"the weight push failed {RESYNC_ATTEMPTS} times in a row")
+        log.warning("weight resync of version %d (attempt %d)", learner.version, attempt + 1)
+        seconds += _push(learner, rank0)
+    return seconds
 
 
 def _broadcast_flag(value: bool) -> bool:
@@ -241,6 +272,8 @@ def _train(
         push_s = 0.0
         if has_pusher and (learner.step % lc.push_interval == 0 or learner.step == lc.num_steps):
             push_s = _push(learner, rank0)
+        if has_pusher:  # a failed push, or an engine that restarted: the current weights again
+            push_s += _resync(learner, rank0)
         if rank0 is not None:
             # Announce the new version as soon as the engines hold it: admission opens again.
             rank0.consumer.set_version(learner.version, lc.groups_per_step)
@@ -254,6 +287,7 @@ def _train(
                 M.TRAIN_SECONDS: train_s,
                 M.TRAIN_TOKENS_PER_S: m.get(M.TOKENS, 0.0) / max(train_s, 1e-9),
                 M.PUSH_S: push_s,
+                **(rank0.pusher.metrics() if rank0.pusher is not None else {}),
                 M.STEP_SECONDS: step_s,
             }
             if rank0.metrics is not None:

@@ -221,6 +221,19 @@ class ModelRunner:
             kc[dst, :, :length] = kc[src, :, :length]
             vc[dst, :, :length] = vc[src, :, :length]
 
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Give slot `dst` the first `length` cached positions of `src` (n > 1 shares a prefill)."""
+        self.move_slot(src, dst, length)
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, ids: list[int], temperature: float) -> list[float]:
+        """log_softmax(logits / T) of each prompt token given the ones before it ([len(ids) - 1]);
+        a plain forward without the KV cache (prompt scoring, SGLang's input_token_logprobs)."""
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=x).logits[0, :-1].float() / temperature  # [t-1, V]
+        logp = torch.log_softmax(logits, -1)
+        return logp.gather(1, x[0, 1:, None])[:, 0].tolist()
+
     # ---- weights -------------------------------------------------------------------------
 
     def parameter_names(self) -> set[str]:

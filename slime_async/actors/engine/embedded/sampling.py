@@ -1,15 +1,18 @@
 """Sampling parameters (SGLang's names) and the sampler of the embedded engine.
 
-The log-prob returned for a sampled token is its log-probability under the exact distribution it
-was drawn from, so that a learner recomputing `log_softmax(logits / T)` (restricted the same way)
-gets the same number:
+The token is drawn from the filtered distribution; the log-prob reported for it is SGLang
+0.5.23's: `log_softmax(logits / T)[token]` over the FULL vocabulary, taken BEFORE top-k/top-p
+filtering (the learner computes exactly that at the trajectory's temperature and never filters):
 
-- temperature T > 0: p = softmax(logits / T), then restricted to the top-k tokens (k <= 0: all),
-  renormalised, then restricted to the smallest prefix (by descending probability) whose mass
-  reaches top_p (the token that crosses top_p is kept), renormalised. logprob = log p[token].
-  With top_k <= 0 and top_p = 1 this is exactly `log_softmax(logits / T)[token]`.
-- temperature 0 (greedy, T < 1e-5 as in SGLang): token = argmax(logits) and
-  logprob = `log_softmax(logits)[token]` (the raw, T = 1 distribution).
+- temperature T > 0: the draw is from p = softmax(logits / T), restricted to the top-k tokens
+  (k <= 0: all), renormalised, then restricted to the smallest prefix (by descending probability)
+  whose mass reaches top_p (the token that crosses top_p is kept), renormalised.
+  logprob = `log_softmax(logits / T)[token]` (unfiltered).
+- temperature 0 (greedy, T < 1e-5 as in SGLang, which samples it as T = 1 with top_k = 1):
+  token = argmax(logits) and logprob = `log_softmax(logits)[token]` (T = 1.0).
+
+`sampling_seed` (SGLang's per-request seed): a request that sets it draws from its own generator
+seeded with it, so the same request with the same seed gives the same tokens whatever else runs.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ GREEDY_TEMPERATURE = 1e-5
 # SGLang sampling_params that the embedded engine accepts only at their default (no-op) value:
 # a request that asks for the feature gets a 400 naming it instead of a silently different result.
 _UNSUPPORTED_DEFAULTS: dict[str, object] = {
-    "n": 1,
     "min_p": 0.0,
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
@@ -35,8 +37,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, object] = {
     "logit_bias": None,
     "custom_params": None,
     "stream_interval": None,
-    "spaces_between_special_tokens": True,
-    "sampling_seed": None,
 }
 
 
@@ -54,6 +54,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    spaces_between_special_tokens: bool = True
+    sampling_seed: int | None = None
 
     @classmethod
     def from_request(cls, raw: object, vocab_size: int) -> SamplingParams:
@@ -65,6 +67,8 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, object] = {}
         for key, value in raw.items():
+            if key == "n":  # parallel samples: the server expands the request (one prefill)
+                continue
             if key in _UNSUPPORTED_DEFAULTS:
                 if value is not None and value != _UNSUPPORTED_DEFAULTS[key]:
                     raise ValueError(
@@ -79,8 +83,8 @@ class SamplingParams:
             p = cls(**kwargs)._normalised()
         except (TypeError, ValueError) as e:
             raise ValueError(f"bad sampling_params: {e}") from None
-        if p.max_new_tokens <= 0:
-            raise ValueError(f"sampling_params.max_new_tokens must be > 0, got {p.max_new_tokens}")
+        if p.max_new_tokens < 0:  # 0 is SGLang's prompt scoring (with logprob_start_len)
+            raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {p.max_new_tokens}")
         if p.temperature < 0:
             raise ValueError(f"sampling_params.temperature must be >= 0, got {p.temperature}")
         if not 0.0 < p.top_p <= 1.0:
@@ -107,6 +111,10 @@ class SamplingParams:
             ignore_eos=bool(self.ignore_eos),
             skip_special_tokens=bool(self.skip_special_tokens),
             no_stop_trim=bool(self.no_stop_trim),
+            spaces_between_special_tokens=bool(self.spaces_between_special_tokens),
+            sampling_seed=(
+                None if self.sampling_seed is None else _as_int(self.sampling_seed, "sampling_seed")
+            ),
         )
 
 
@@ -122,12 +130,14 @@ def sample(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
+    row_generators: list[torch.Generator | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; returns (tokens [n] int64, logprobs [n] float32).
 
     logits: [n, V]; temperature, top_p: [n] float32; top_k: [n] int64 (<= 0: no limit); the
-    parameters may live on the host (they are read there to pick the code path).
-    Each row's logprob is under the distribution that row was sampled from (module docstring).
+    parameters may live on the host (they are read there to pick the code path). A row whose
+    `row_generators` entry is set draws with that generator (a request's sampling_seed).
+    Each row's logprob is `log_softmax(logits / T)` of its token, unfiltered (module docstring).
     """
     logits = logits.float()
     vocab = logits.shape[-1]
@@ -146,6 +156,8 @@ def sample(
     temp = torch.where(greedy_host, torch.ones_like(temperature), temperature).to(dev)
     k, top_p = k.to(dev), top_p.to(dev)
     scaled = logits / temp[:, None]
+    report = torch.log_softmax(scaled, -1)  # [n, V]: what SGLang returns, before any filtering
+    draw = scaled
     if restrict:
         # Restrict in sorted order: first top-k, then the top-p nucleus of the renormalised top-k.
         sorted_logits, order = scaled.sort(-1, descending=True)
@@ -157,8 +169,11 @@ def sample(
         drop = drop | (mass_before >= top_p[:, None])
         drop[:, 0] = False  # the most likely token always survives
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
-    logp = torch.log_softmax(scaled, -1)  # [n, V]
-    tok = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
-    tok_logp = logp.gather(1, tok[:, None])[:, 0]
+        draw = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+    probs = torch.softmax(draw, -1)
+    tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    for i, g in enumerate(row_generators or ()):
+        if g is not None:  # its own stream: independent of the batch it happens to run in
+            tok[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    tok_logp = report.gather(1, tok[:, None])[:, 0]
     return torch.where(greedy, greedy_tok, tok), torch.where(greedy, raw_logp, tok_logp)

@@ -7,7 +7,12 @@ Each loop iteration: run queued commands; unless paused, admit waiting requests 
 and prefill them as one batch (each gets its first token), then one decode step for every running
 request; finished requests leave at once and their slot is refilled at the next iteration.
 Weight updates run as commands between two steps, so a running request continues under the new
-weights and every token records the weight version that sampled it.
+weights and every token records the weight version (a string, as in SGLang) that sampled it.
+
+Strict mode (`engine.strict_sglang`) imitates SGLang 0.5.23's failures: `flush()` fails while any
+request holds KV (running; in_place pause keeps them), and `fail_fatally()` stops the loop for good
+(SGLang's scheduler exits when a weight update's flush fails). A failed step finishes its requests
+with an `error` mark, which the server answers with a 5xx (SGLang's answer to engine errors).
 
 Memory: at most `max_running_requests` requests hold KV (the runner's preallocated cache); the
 waiting deque holds only token ids and is bounded by the HTTP clients' concurrency.
@@ -44,9 +49,20 @@ class Request:
     on_done: Callable[[Request], None]
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    output_versions: list[int] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     created_at: float = field(default_factory=time.time)
+    generator: torch.Generator | None = None
+    """The request's own sampler stream (its sampling_seed), None: the engine's."""
+    error: str | None = None
+    """Set when an engine error (not the client) ended the request: answered with a 5xx."""
+    on_token: Callable[[Request], None] | None = None
+    """Called on the scheduler thread after each new token (SSE streaming)."""
+    top_logprobs_num: int = 0
+    """SGLang's top_logprobs_num: keep the N best (logprob, token) of each step."""
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    group: list[Request] | None = None
+    """n > 1: the requests sharing this one's prompt; the first prefills, the others copy its KV."""
 
     @property
     def context_len(self) -> int:
@@ -62,10 +78,16 @@ class Scheduler:
         seed: int = 0,
         max_prefill_tokens: int = 8192,
         decode_text: Callable[[list[int]], str] | None = None,
+        strict: bool = False,
+        initial_version: str = "default",
     ):
         self.runner = runner
         self._decode_text = decode_text or (lambda ids: "")
-        self.version = 0
+        self.version = initial_version
+        """The served weight version (SGLang's `weight_version`, any string)."""
+        self.strict = strict
+        self.fatal: str | None = None
+        """Why the loop stopped for good (strict mode's imitation of SGLang's scheduler exit)."""
         self.max_prefill_tokens = max_prefill_tokens
         self._gen = torch.Generator(device=runner.device).manual_seed(seed)
         self._waiting: collections.deque[Request] = collections.deque()
@@ -78,6 +100,8 @@ class Scheduler:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self.steps = 0
+        self.prefill_tokens = 0
+        """Prompt tokens run through prefill (n > 1 shares one prefill per prompt)."""
 
     def start(self) -> None:
         self._thread.start()
@@ -104,7 +128,7 @@ class Scheduler:
         return fut
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.fatal is None
 
     def load(self) -> dict[str, int]:
         with self._cv:
@@ -143,6 +167,19 @@ class Scheduler:
     def resume(self) -> None:
         self._paused = False
 
+    def flush(self) -> bool:
+        """SGLang's flush_cache: there is no prefix cache here, so it always succeeds unless
+        strict, where (as in SGLang) it fails while any request holds KV (is running)."""
+        return not (self.strict and self._running)
+
+    def fail_fatally(self, reason: str) -> None:
+        """Stop the loop for good, failing every request (SGLang's scheduler process exits)."""
+        log.error("engine stops: %s", reason)
+        self.fatal = reason
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+
     @property
     def paused(self) -> bool:
         return self._paused
@@ -174,15 +211,22 @@ class Scheduler:
                         fut.set_exception(e)
             if self._paused:
                 continue
+            if self._stop:
+                break
             try:
                 self._step()
-            except Exception as e:  # a failed step fails its requests, not the server
+            except Exception as e:  # a failed step fails its requests (5xx), not the server
                 log.exception("engine step failed")
                 for r in self._running:
-                    r.finish_reason = {"type": "abort", "message": f"engine error: {e}"}
+                    r.error = f"engine error: {type(e).__name__}: {e}"
+                    r.finish_reason = {"type": "abort", "message": r.error}
                 self._release_finished()
+        why = self.fatal or "engine shutting down"
         for r in [*self._running, *self._waiting]:
-            self._finish(r, {"type": "abort", "message": "engine shutting down"})
+            r.error = why if self.fatal else None
+            self._finish(r, {"type": "abort", "message": why})
+        self._running = []
+        self._waiting.clear()
 
     def _step(self) -> None:
         admitted: list[Request] = []
@@ -198,7 +242,31 @@ class Scheduler:
             first = len(self._running)
             self._running.extend(admitted)
             slots = list(range(first, first + len(admitted)))
-            logits = self.runner.prefill(slots, [r.input_ids + r.output_ids for r in admitted])
+            # n > 1: the prompt is prefilled once; the other samples copy its KV and logits.
+            lead = {}
+            prefill_rows: list[int] = []
+            for i, r in enumerate(admitted):
+                key = id(r.group) if r.group is not None and not r.output_ids else None
+                if key is not None and key in lead:
+                    continue
+                if key is not None:
+                    lead[key] = i
+                prefill_rows.append(i)
+            logits_p = self.runner.prefill(
+                [slots[i] for i in prefill_rows],
+                [admitted[i].input_ids + admitted[i].output_ids for i in prefill_rows],
+            )
+            self.prefill_tokens += sum(admitted[i].context_len for i in prefill_rows)
+            row_of = {i: j for j, i in enumerate(prefill_rows)}
+            index = []
+            for i, r in enumerate(admitted):
+                if i in row_of:
+                    index.append(row_of[i])
+                    continue
+                src = lead[id(r.group)]
+                self.runner.copy_slot(slots[src], slots[i], r.context_len)
+                index.append(row_of[src])
+            logits = logits_p[torch.tensor(index, device=logits_p.device)]
             self._sample_into(admitted, logits)
             self._release_finished()
         if self._running:
@@ -213,15 +281,40 @@ class Scheduler:
         temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
         top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.long)
         top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
+        banned = torch.zeros(logits.shape, dtype=torch.bool)
         for i, r in enumerate(reqs):  # min_new_tokens: stop tokens cannot be drawn yet
-            if len(r.output_ids) < r.params.min_new_tokens:
-                logits[i, list(self._stop_ids(r))] = float("-inf")
-        tokens, logprobs = sample(logits, temperature, top_k, top_p, self._gen)
-        for r, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True):
+            if len(r.output_ids) < r.params.min_new_tokens and self._stop_ids(r):
+                banned[i, list(self._stop_ids(r))] = True
+        if bool(banned.any()):
+            # Out of place: the runner's logits are inference tensors (no in-place writes here).
+            logits = logits.masked_fill(banned.to(logits.device), float("-inf"))
+        gens = [r.generator for r in reqs]
+        row_gens = gens if any(g is not None for g in gens) else None
+        tokens, logprobs = sample(logits, temperature, top_k, top_p, self._gen, row_gens)
+        tops = self._top_logprobs(reqs, logits, temperature)
+        for i, (r, tok, lp) in enumerate(
+            zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True)
+        ):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
             r.output_versions.append(self.version)
+            if r.top_logprobs_num:
+                r.output_top.append(tops[i])
             r.finish_reason = self._check_stop(r, tok)
+            if r.on_token is not None:
+                r.on_token(r)
+
+    @staticmethod
+    def _top_logprobs(reqs, logits: torch.Tensor, temperature: torch.Tensor) -> dict:
+        """The N best (logprob, token) of each row that asks, at its temperature (greedy: 1)."""
+        out = {}
+        for i, r in enumerate(reqs):
+            if r.top_logprobs_num:
+                t = float(temperature[i])
+                lp = torch.log_softmax(logits[i].float() / (t if t >= 1e-5 else 1.0), -1)
+                v, idx = lp.topk(min(r.top_logprobs_num, lp.shape[-1]))
+                out[i] = list(zip(v.tolist(), idx.tolist(), strict=True))
+        return out
 
     def _stop_ids(self, r: Request) -> set[int]:
         if r.params.ignore_eos:  # as in SGLang, ignore_eos also disables stop_token_ids

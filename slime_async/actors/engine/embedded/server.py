@@ -2,23 +2,30 @@
 
 Binds `engine.host:engine.port` (127.0.0.1 by default; port 0 picks a free one) and serves
 /generate, /health, /health_generate, /get_model_info (/model_info), /get_server_info
-(/server_info), /get_weight_version, /pause_generation, /continue_generation, /abort_request,
-/flush_cache and the weight-sync calls /init_weights_update_group,
-/update_weights_from_distributed, /destroy_weights_update_group, /update_weights_from_disk.
-Routes, field names and shapes follow SGLang 0.5.23: the routes of
-`python/sglang/srt/entrypoints/http_server.py`, and the request fields of `GenerateReqInput` and of
-the weight-update requests in `python/sglang/srt/managers/io_struct.py`. Errors are
-`{"error": {"message": ...}}` with a 4xx status; the server keeps serving. With `engine.api_key`
-set, every endpoint needs `Authorization: Bearer <key>`.
+(/server_info), /get_weight_version, /update_weight_version, /pause_generation,
+/continue_generation, /abort_request, /flush_cache and the weight-sync calls
+/init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
+/update_weights_from_disk. Routes, field names, status codes and shapes follow SGLang 0.5.23: the
+routes of `python/sglang/srt/entrypoints/http_server.py`, the request fields of `GenerateReqInput`
+and of the weight-update requests in `python/sglang/srt/managers/io_struct.py`, the version spans
+of `utils/weight_versions.py`. docs/sglang.md lists every endpoint and field with what SGLang does
+and what this engine does. Client errors are 400 `{"error": {"message": ...}}`; engine errors are
+5xx; the server keeps serving. With `engine.api_key` set, every endpoint but /health and
+/health_generate needs `Authorization: Bearer <key>` (SGLang exempts them: the router probes them
+without a key).
 
 Connects to: the learner's TCPStore (weight-update group) when asked to. Waits on: the scheduler
 thread, which owns the model (requests and weight updates are queued to it). Memory is bounded by
 the runner's preallocated KV cache plus the token ids of waiting requests.
 
-Per-token versions: each response's `meta_info` holds `weight_version` (a string, as in SGLang)
-and, as an extension, `output_token_weight_versions` (one int per output token). sglang-router
-passes response bodies through unchanged (tests/test_engine_router.py checks it); a client
-talking to a real SGLang server, which lacks the field, takes every token as `weight_version`.
+Per-token versions: each response's `meta_info` holds `weight_versions`, SGLang's spans
+`[{version, start, end}, ...]` over the output tokens (end exclusive, one span per version that
+produced tokens), and `weight_version`, the latest span's version.
+
+Strict mode (`engine.strict_sglang`) fails where SGLang 0.5.23 fails: /flush_cache answers 400
+while requests run, a weight update asked to flush (`flush_cache: true`, SGLang's default) while
+requests run stops the engine for good (SGLang's scheduler asserts and exits), and /health answers
+503 while generation is paused (SGLang's health probe is a generation that cannot run then).
 """
 
 from __future__ import annotations
@@ -28,13 +35,14 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from aiohttp import web
 
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
-from slime_async.actors.engine.embedded.sampling import SamplingParams
+from slime_async.actors.engine.embedded.sampling import GREEDY_TEMPERATURE, SamplingParams
 from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
 from slime_async.actors.engine.weight_sync import WeightGroup, init_weight_group, receive_tensors
 from slime_async.config import EngineConfig
@@ -43,16 +51,25 @@ from slime_async.models.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 # Top-level /generate fields of SGLang that the engine serves.
-_GENERATE_FIELDS = {"input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len"}
+_GENERATE_FIELDS = {
+    "input_ids",
+    "text",
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "stream",
+}
 # SGLang fields that change nothing here (sglang-router fills several of them in every request).
-_INERT_FIELDS = {"model", "log_metrics", "no_logs", "background", "stream"}
-# SGLang features the engine lacks: accepted only when off (false, null, 0 or empty).
+_INERT_FIELDS = {"model", "log_metrics", "no_logs", "background"}
+# SGLang features the engine lacks: accepted only when off (false, null, 0 or empty); a request
+# that turns one on gets a 400 naming it (docs/sglang.md lists them).
 _OFF_ONLY_FIELDS = {
     "return_hidden_states",
     "return_bytes",
     "return_entropy",
-    "return_text_in_logprobs",
-    "top_logprobs_num",
     "token_ids_logprob",
     "lora_path",
     "custom_logit_processor",
@@ -62,7 +79,12 @@ _OFF_ONLY_FIELDS = {
     "session_params",
     "data_parallel_rank",
 }
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release whose HTTP API (routes, fields, status codes) this server follows."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+_KEY_EXEMPT = frozenset({"/health", "/health_generate"})
 
 
 class BadRequest(ValueError):
@@ -113,8 +135,12 @@ class EmbeddedEngine:
             self.runner,
             seed=cfg.seed,
             decode_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            strict=cfg.strict_sglang,
+            initial_version=cfg.initial_weight_version,
         )
         self.groups: dict[str, WeightGroup] = {}
+        self.ignored_fields = 0
+        """/generate requests that carried top-level fields SGLang ignores (each one logged)."""
         self.started_at = time.time()
 
     # ---- app ------------------------------------------------------------------------------
@@ -122,9 +148,11 @@ class EmbeddedEngine:
     def build_app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 << 20)
         r = app.router
-        r.add_post("/generate", self.generate)
+        r.add_route("POST", "/generate", self.generate)
+        r.add_route("PUT", "/generate", self.generate)
         for path in ("/health", "/health_generate", "/get_weight_version"):
             r.add_get(path, getattr(self, path[1:]))
+        r.add_post("/update_weight_version", self.update_weight_version)
         for path in ("/get_model_info", "/model_info"):
             r.add_get(path, self.model_info)
         for path in ("/get_server_info", "/server_info"):
@@ -166,6 +194,8 @@ class EmbeddedEngine:
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
         key = self.cfg.api_key
+        if request.path in _KEY_EXEMPT:  # as SGLang: the router probes health without a key
+            return await handler(request)
         if key and request.headers.get("Authorization", "") != f"Bearer {key}":
             return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
         return await handler(request)
@@ -189,43 +219,73 @@ class EmbeddedEngine:
 
     # ---- /generate ---------------------------------------------------------------------------
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         unknown = sorted(set(body) - _GENERATE_FIELDS - _INERT_FIELDS - _OFF_ONLY_FIELDS)
-        if unknown:
-            raise BadRequest(f"unknown /generate fields: {unknown}")
+        if unknown:  # SGLang ignores unknown top-level keys: so do we, but never silently
+            self.ignored_fields += 1
+            log.warning("/generate: ignoring unknown top-level fields %s (as SGLang does)", unknown)
         used = sorted(k for k in _OFF_ONLY_FIELDS if body.get(k))
-        if body.get("stream"):
-            used.append("stream")
         if used:
-            raise BadRequest(f"not supported by the embedded engine: {used}")
-        if "input_ids" not in body:
-            raise BadRequest("missing input_ids (the embedded engine takes token ids, not text)")
-        start = body.get("logprob_start_len")
-        if body.get("return_logprob") and start is not None and start != -1:
-            raise BadRequest("prompt log-probs (logprob_start_len >= 0) are not supported")
-        ids = body["input_ids"]
-        batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        prompts = ids if batched else [ids]
-        n = len(prompts)
+            raise BadRequest(f"not supported by the embedded engine: {used} (see docs/sglang.md)")
+        if self.scheduler.fatal is not None:
+            return _error(503, f"engine stopped: {self.scheduler.fatal}")
+        prompts, batched = self._prompts(body)
         rids = body.get("rid")
-        rids = rids if isinstance(rids, list) else [rids] * n
         sps = body.get("sampling_params")
-        sps = sps if isinstance(sps, list) else [sps] * n
-        if len(rids) != n or len(sps) != n:
-            raise BadRequest("rid and sampling_params lists must match the batch of input_ids")
-        reqs = []
+        n_prompts = len(prompts)
+        rids = rids if isinstance(rids, list) else [rids] * n_prompts
+        sps = sps if isinstance(sps, list) else [sps] * n_prompts
+        if len(rids) != n_prompts or len(sps) != n_prompts:
+            raise BadRequest("rid and sampling_params lists must match the batch of prompts")
+        want_logprob = bool(body.get("return_logprob", False))
+        start = body.get("logprob_start_len")
+        start = -1 if start is None else int(start)
+        top_n = int(body.get("top_logprobs_num") or 0)
+        if top_n < 0:
+            raise BadRequest(f"top_logprobs_num must be >= 0, got {top_n}")
+        with_text = bool(body.get("return_text_in_logprobs", False))
+        jobs: list[tuple[list[int], str, SamplingParams]] = []
         for prompt, rid, sp in zip(prompts, rids, sps, strict=True):
             self._check_prompt(prompt)
             try:
                 params = SamplingParams.from_request(sp, self.runner.vocab_size)
             except ValueError as e:
                 raise BadRequest(str(e)) from None
-            reqs.append((prompt, str(rid) if rid is not None else uuid.uuid4().hex, params))
-        want_logprob = bool(body.get("return_logprob", False))
-        results = await asyncio.gather(*(self._run(*r) for r in reqs))
-        out = [self._response(r, want_logprob) for r in results]
+            if start >= len(prompt):
+                raise BadRequest(
+                    f"logprob_start_len {start} is not below the prompt length {len(prompt)}"
+                )
+            n = _parallel_samples(sp)
+            base = str(rid) if rid is not None else uuid.uuid4().hex
+            # n > 1: SGLang answers n results per prompt, one after the other.
+            jobs += [(prompt, base if n == 1 else f"{base}_{j}", params) for j in range(n)]
+        batched = batched or len(jobs) > 1
+        opts = _Opts(want_logprob, start, top_n, with_text)
+        if body.get("stream"):
+            return await self._stream(request, jobs, opts, batched)
+        reqs = self._make_requests(jobs, top_n)
+        results = await asyncio.gather(*(self._run(r) for r in reqs))
+        failed = [r.error for r in results if r.error]
+        if failed:
+            return _error(500, failed[0])
+        out = [await self._response(r, opts) for r in results]
         return web.json_response(out if batched else out[0])
+
+    def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+        if "input_ids" in body and body["input_ids"] is not None:
+            ids = body["input_ids"]
+            batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+            return (ids if batched else [ids]), batched
+        text = body.get("text")
+        if text is None:
+            raise BadRequest("give input_ids or text")
+        batched = isinstance(text, list)
+        texts = text if batched else [text]
+        if not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a list of strings")
+        # As SGLang's tokenizer manager: the model's tokenizer, its default special tokens.
+        return [list(self.tokenizer.encode(t)) for t in texts], batched
 
     def _check_prompt(self, prompt: object) -> None:
         if not isinstance(prompt, list) or not prompt:
@@ -240,62 +300,156 @@ class EmbeddedEngine:
                 f"{self.runner.max_context_len} tokens"
             )
 
-    async def _run(self, prompt: list[int], rid: str, params: SamplingParams) -> Request:
+    def _make_requests(self, jobs: list[tuple[list[int], str, SamplingParams]], top_n: int):
+        reqs, groups = [], {}
+        for prompt, rid, params in jobs:
+            r = Request(rid, list(prompt), params, on_done=lambda r: None, top_logprobs_num=top_n)
+            if params.sampling_seed is not None:
+                r.generator = torch.Generator(device=self.runner.device).manual_seed(
+                    params.sampling_seed
+                )
+            key = (id(prompt), params)
+            if key in groups:  # the n samples of one prompt share its prefill
+                groups[key].append(r)
+                r.group = groups[key]
+            else:
+                groups[key] = [r]
+                r.group = groups[key]
+            reqs.append(r)
+        for r in reqs:
+            if r.group is not None and len(r.group) == 1:
+                r.group = None
+        return reqs
+
+    async def _run(self, r: Request, on_token=None) -> Request:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Request] = loop.create_future()
 
-        def on_done(r: Request) -> None:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
+        def on_done(req: Request) -> None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(req))
 
-        self.scheduler.submit(Request(rid, list(prompt), params, on_done))
+        r.on_done = on_done
+        if on_token is not None:
+            r.on_token = lambda req: loop.call_soon_threadsafe(on_token, len(req.output_ids))
+        if r.params.max_new_tokens == 0:  # prompt scoring only: nothing to sample
+            r.finish_reason = {"type": "length", "length": 0}
+            return r
+        self.scheduler.submit(r)
         return await done
 
-    def _response(self, r: Request, want_logprob: bool) -> dict[str, Any]:
-        ids = r.output_ids
+    async def _stream(self, request, jobs, opts, batched) -> web.StreamResponse:
+        """SSE as SGLang: one `data: {json}` chunk per new token (cumulative text and meta_info;
+        with several prompts each chunk carries its `index`), then `data: [DONE]`."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        reqs = self._make_requests(jobs, opts.top_n)
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [
+            asyncio.ensure_future(self._run(r, on_token=lambda _n, i=i: queue.put_nowait(i)))
+            for i, r in enumerate(reqs)
+        ]
+        for i, t in enumerate(tasks):
+            t.add_done_callback(lambda _t, i=i: queue.put_nowait(-1 - i))
+        pending = len(reqs)
+        while pending:
+            i = await queue.get()
+            final = i < 0
+            i = -1 - i if final else i
+            r = reqs[i]
+            if final:
+                pending -= 1
+                if r.error:
+                    chunk = {"error": {"message": r.error}}
+                else:
+                    chunk = await self._response(r, opts)
+            else:
+                if r.finish_reason is not None:
+                    continue  # its final chunk follows
+                chunk = await self._response(r, opts, partial=True)
+            if batched:
+                chunk["index"] = i
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _response(self, r: Request, opts: _Opts, partial: bool = False) -> dict[str, Any]:
+        n_out = len(r.output_ids)
+        ids = list(r.output_ids[:n_out])
+        versions = list(r.output_versions[:n_out])
+        logprobs = list(r.output_logprobs[:n_out])
         text_ids = ids
-        fr = r.finish_reason or {}
-        if (
-            fr.get("type") == "stop"
-            and isinstance(fr.get("matched"), int)
-            and not r.params.no_stop_trim
-        ):
+        fr = None if partial else (r.finish_reason or {})
+        fr_out = fr
+        stopped = fr is not None and fr.get("type") == "stop" and not r.params.no_stop_trim
+        if stopped and isinstance(fr.get("matched"), int):
             text_ids = ids[:-1]  # as SGLang: the stop token stays in output_ids, not in text
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=r.params.skip_special_tokens)
+        text = self.tokenizer.decode(
+            text_ids,
+            skip_special_tokens=r.params.skip_special_tokens,
+            spaces_between_special_tokens=r.params.spaces_between_special_tokens,
+        )
         if (
-            fr.get("type") == "stop"
+            fr is not None
+            and fr.get("type") == "stop"
             and isinstance(fr.get("matched"), str)
             and not r.params.no_stop_trim
         ):
             text = text[: text.find(fr["matched"])] if fr["matched"] in text else text
+        spans = version_spans(versions, self.scheduler.version)
         meta: dict[str, Any] = {
             "id": r.rid,
-            "finish_reason": fr,
+            "finish_reason": fr_out,
             "prompt_tokens": len(r.input_ids),
-            "completion_tokens": len(ids),
+            "completion_tokens": n_out,
             "cached_tokens": 0,
-            "weight_version": str(self.scheduler.version),
+            "weight_version": spans[-1]["version"],
+            "weight_versions": spans,
             "e2e_latency": time.time() - r.created_at,
-            "output_token_weight_versions": list(r.output_versions),
         }
-        if want_logprob:
+        if opts.want_logprob:
+            tok_text = (
+                (lambda t: self.tokenizer.decode([t])) if opts.with_text else (lambda t: None)
+            )
             meta["output_token_logprobs"] = [
-                [lp, t, None] for lp, t in zip(r.output_logprobs, ids, strict=True)
+                [lp, t, tok_text(t)] for lp, t in zip(logprobs, ids, strict=True)
             ]
-        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+            if opts.top_n:
+                meta["output_top_logprobs"] = [
+                    [[lp, t, tok_text(t)] for lp, t in top] for top in r.output_top[:n_out]
+                ]
+            if opts.start >= 0 and not partial:
+                meta["input_token_logprobs"] = await self._prompt_logprobs(r, opts, tok_text)
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    async def _prompt_logprobs(self, r: Request, opts: _Opts, tok_text) -> list[list]:
+        """SGLang's input_token_logprobs from logprob_start_len on: [logprob, id, text]; the
+        first prompt token has no log-prob (None). Scaled by the request's temperature."""
+        temp = r.params.temperature if r.params.temperature >= GREEDY_TEMPERATURE else 1.0
+        ids = r.input_ids
+        lps = await self._on_scheduler(lambda: self.runner.prompt_logprobs(ids, temp))
+        full = [None, *lps]
+        return [[full[i], ids[i], tok_text(ids[i])] for i in range(opts.start, len(ids))]
 
     # ---- health and info ---------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        return (
-            web.Response(status=200) if self.scheduler.alive() else _error(503, "scheduler stopped")
-        )
+        if not self.scheduler.alive():
+            return _error(503, self.scheduler.fatal or "scheduler stopped")
+        if self.cfg.strict_sglang and self.scheduler.paused:
+            # SGLang's probe is a one-token generation, which cannot run while paused.
+            return _error(503, "generation is paused")
+        return web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        if self.scheduler.paused:
-            return web.Response(status=200)
+        early = await self.health(request)
+        if early.status != 200 or self.scheduler.paused:
+            return early
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        await self._run([int(next(iter(self.runner.eos_token_ids), 0))], "health_generate", params)
-        return web.Response(status=200)
+        r = Request("HEALTH_CHECK", [int(next(iter(self.runner.eos_token_ids), 0))], params,
+                    on_done=lambda r: None)  # fmt: skip
+        await self._run(r)
+        return web.Response(status=200 if not r.error else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -303,7 +457,8 @@ class EmbeddedEngine:
                 "model_path": self.model_path,
                 "tokenizer_path": self.model_path,
                 "is_generation": True,
-                "weight_version": str(self.scheduler.version),
+                "preferred_sampling_params": None,
+                "weight_version": self.scheduler.version,
                 "served_model_name": self.model_path,
             }
         )
@@ -313,22 +468,47 @@ class EmbeddedEngine:
             {
                 "model_path": self.model_path,
                 "tokenizer_path": self.model_path,
+                "version": SGLANG_VERSION,
                 "engine": "slime_async.embedded",
                 "device": str(self.device),
                 "dtype": self.cfg.dtype,
                 "tp_size": 1,
                 "dp_size": 1,
+                "pp_size": 1,
+                "enable_dp_attention": False,
+                "api_key": None,
                 "max_running_requests": self.runner.max_slots,
                 "context_length": self.runner.max_context_len,
-                "weight_version": str(self.scheduler.version),
+                "weight_version": self.scheduler.version,
                 "paused": self.scheduler.paused,
+                "strict_sglang": self.cfg.strict_sglang,
+                "weight_groups": sorted(self.groups),
                 "decode_steps": self.scheduler.steps,
+                "prefill_tokens": self.scheduler.prefill_tokens,
+                "ignored_fields": self.ignored_fields,
+                "started_at": self.started_at,
                 **self.scheduler.load(),
             }
         )
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": str(self.scheduler.version)})
+        return web.json_response({"weight_version": self.scheduler.version})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        b = await self._body(request)
+        if b.get("new_version") is None:
+            raise BadRequest("update_weight_version needs new_version")
+        new = str(b["new_version"])
+        if b.get("abort_all_requests", False):
+            await self._on_scheduler(lambda: self.scheduler.abort(abort_all=True))
+
+        def apply() -> None:
+            self.scheduler.version = new
+
+        await self._on_scheduler(apply)
+        return web.json_response(
+            {"success": True, "message": f"Weight version updated to {new}", "new_version": new}
+        )
 
     # ---- generation control ------------------------------------------------------------------
 
@@ -349,14 +529,20 @@ class EmbeddedEngine:
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
-        if not abort_all and not rid:
-            raise BadRequest("abort_request needs rid (matched by prefix) or abort_all=true")
+        if not abort_all and not rid:  # SGLang: nothing to abort, still 200
+            return web.json_response({"success": True, "message": "aborted 0 request(s)"})
         n = await self._on_scheduler(lambda: self.scheduler.abort(rid, abort_all))
         return web.json_response({"success": True, "message": f"aborted {n} request(s)"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        # No prefix cache is kept across requests, so there is nothing to flush.
-        return web.json_response({"success": True, "message": "flushed"})
+        # As SGLang: a text body, 200 when flushed, 400 when requests were running (strict).
+        ok = await self._on_scheduler(self.scheduler.flush)
+        if ok:
+            return web.Response(text="Cache flushed.\n", status=200)
+        return web.Response(
+            text="Cache not flushed: requests are running (strict_sglang, as SGLang).\n",
+            status=400,
+        )
 
     # ---- weight sync -------------------------------------------------------------------------
 
@@ -375,7 +561,7 @@ class EmbeddedEngine:
             raise BadRequest(f"init_weights_update_group: missing or bad field {e}") from None
         addr, port, rank, world, name, backend = args
         if name in self.groups:
-            raise BadRequest(f"weight-update group {name!r} already exists")
+            return _fail(f"weight-update group {name!r} already exists")
 
         def join() -> WeightGroup:
             return init_weight_group(
@@ -385,7 +571,7 @@ class EmbeddedEngine:
         try:
             self.groups[name] = await self._on_scheduler(join)
         except Exception as e:
-            return web.json_response({"success": False, "message": f"init failed: {e}"}, status=400)
+            return _fail(f"init of {name!r} with {addr}:{port} failed: {e}")
         return web.json_response(
             {"success": True, "message": f"joined {name} as rank {rank}/{world}"}
         )
@@ -395,68 +581,114 @@ class EmbeddedEngine:
         name = str(b.get("group_name", "weight_update_group"))
         group = self.groups.get(name)
         if group is None:
-            raise BadRequest(
-                f"no weight-update group {name!r}: call init_weights_update_group first"
-            )
+            return _fail(f"no weight-update group {name!r}: call init_weights_update_group first")
         try:
             names, dtypes, shapes = list(b["names"]), list(b["dtypes"]), list(b["shapes"])
         except (KeyError, TypeError) as e:
             raise BadRequest(f"update_weights_from_distributed: missing or bad field {e}") from None
-        version = self._parse_version(b.get("weight_version"))
+        version = _version(b.get("weight_version"))
         abort_all = bool(b.get("abort_all_requests", False))
+        flush = bool(b.get("flush_cache", True))  # SGLang's default
 
         def update() -> None:
             tensors = receive_tensors(group, names, dtypes, shapes)
             if abort_all:
                 self.scheduler.abort(abort_all=True, message="Abort by weight update")
             self.runner.load_weights(tensors)
-            if version is not None:
-                self.scheduler.version = version
+            self._after_update(flush, "update_weights_from_distributed")
 
-        try:
-            await self._on_scheduler(update)
-        except ValueError as e:
-            return web.json_response({"success": False, "message": str(e)}, status=400)
-        return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
+        return await self._update(update, version, f"updated {len(names)} tensors")
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         name = str((await self._body(request)).get("group_name", "weight_update_group"))
         group = self.groups.pop(name, None)
         if group is None:
-            raise BadRequest(f"no weight-update group {name!r}")
+            return _fail(f"no weight-update group {name!r}")
         await self._on_scheduler(group.destroy)
         return web.json_response({"success": True, "message": f"destroyed {name}"})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         b = await self._body(request)
-        if "model_path" not in b:
+        if not b.get("model_path"):
             raise BadRequest("update_weights_from_disk needs model_path")
-        version = self._parse_version(b.get("weight_version"))
+        version = _version(b.get("weight_version"))
         abort_all = bool(b.get("abort_all_requests", False))
+        flush = bool(b.get("flush_cache", True))
 
         def update() -> None:
             if abort_all:
                 self.scheduler.abort(abort_all=True, message="Abort by weight update")
             self.runner.load_from_disk(b["model_path"])
-            if version is not None:
+            self._after_update(flush, "update_weights_from_disk")
+
+        return await self._update(update, version, f"loaded {b['model_path']}")
+
+    def _after_update(self, flush: bool, call: str) -> None:
+        """On the scheduler thread after new weights are in: SGLang flushes the cache when asked
+        and asserts that the flush worked; in strict mode a failed flush stops the engine."""
+        if flush and not self.scheduler.flush():
+            self.scheduler.fail_fatally(
+                f"{call}: Cache flush failed after updating weights (requests were running; "
+                "pause in abort or retract mode and poll /flush_cache first)"
+            )
+
+    async def _update(self, fn, version: str | None, message: str) -> web.Response:
+        try:
+            await self._on_scheduler(fn)
+        except (ValueError, OSError, RuntimeError) as e:
+            return _fail(str(e))
+        if self.scheduler.fatal is not None:
+            return _error(500, f"engine stopped: {self.scheduler.fatal}")
+        if version is not None:  # applied only when the update succeeded, as SGLang
+
+            def apply() -> None:
                 self.scheduler.version = version
 
-        try:
-            await self._on_scheduler(update)
-        except (ValueError, OSError) as e:
-            return web.json_response({"success": False, "message": str(e)}, status=400)
-        return web.json_response({"success": True, "message": f"loaded {b['model_path']}"})
+            await self._on_scheduler(apply)
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
-    @staticmethod
-    def _parse_version(v: object) -> int | None:
-        if v is None:
-            return None
-        try:
-            return int(str(v))
-        except ValueError:
-            raise BadRequest(
-                f"weight_version must be an integer (as a string), got {v!r}"
-            ) from None
+
+@dataclass(frozen=True)
+class _Opts:
+    """What a /generate response carries beyond tokens and text."""
+
+    want_logprob: bool
+    start: int
+    top_n: int
+    with_text: bool
+
+
+def _parallel_samples(sp: object) -> int:
+    n = sp.get("n", 1) if isinstance(sp, dict) else 1
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise BadRequest(f"sampling_params.n must be an integer >= 1, got {n!r}")
+    return n
+
+
+def _fail(message: str) -> web.Response:
+    """A refused weight call, as SGLang answers it: 400 with success false and the reason."""
+    return web.json_response(
+        {"success": False, "message": message, "num_paused_requests": 0}, status=400
+    )
+
+
+def _version(v: object) -> str | None:
+    """SGLang's weight_version: any string (numbers are taken as their text)."""
+    return None if v is None else str(v)
+
+
+def version_spans(versions: list[str], current: str) -> list[dict[str, Any]]:
+    """Per-token versions -> SGLang's `weight_versions` spans [{version, start, end}] (end
+    exclusive); no tokens: one empty span of the current version, as SGLang reports it."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans or [{"version": current, "start": 0, "end": 0}]
 
 
 async def serve(engine: EmbeddedEngine, host: str, port: int) -> tuple[web.AppRunner, str]:
