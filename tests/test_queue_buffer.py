@@ -57,8 +57,8 @@ class Raw:
         reply = self.sock.recv_multipart()
         return unpack_header(reply[0]), reply[1:]
 
-    def put(self, seq: int, trajs, producer: str = "raw") -> dict:
-        header = pack_header("put", seq=seq, producer=producer)
+    def put(self, seq: int, trajs, producer: str = "raw", session: str = "raw-session") -> dict:
+        header = pack_header("put", seq=seq, producer=producer, session=session)
         return self.ask(header, *(encode_trajectory(t) for t in trajs))[0]
 
     def close(self):
@@ -141,16 +141,21 @@ def test_resent_put_is_deduplicated():
             assert raw.put(3, synthetic_group("g1", 2))["status"] == "duplicate"
             s = buf.stats()
             assert s["counts"]["duplicates"] == 2 and s["trajectories_held"] == 4
-            # Numbers of rejected puts are used up too, so the dedupe window keeps moving.
+            # A rejected put never uses up its number: a later valid put may carry it.
             bad = synthetic_group("bad", 1)
             bad[0].reward = float("nan")
             for seq in (0, 1, 2, 4):
                 assert raw.put(seq, bad)["op"] == "error"
-            assert buf.state.producers["raw"].done_below == 6
-            assert not buf.state.producers["raw"].done
-            # A restarted producer continues after every number the buffer accepted.
-            hello, _ = raw.ask(pack_header("hello", rid="h", producer="raw"))
+            assert buf.state.producers["raw"].done == {3, 5}
+            # The same session continues after every number the buffer accepted...
+            hello, _ = raw.ask(pack_header("hello", rid="h", producer="raw", session="raw-session"))
             assert hello["next_seq"] == 6
+            assert raw.put(0, synthetic_group("g2", 1))["status"] == "ok"
+            # ... and a new session (the old connection gone) above them, gaps closed.
+            raw.close()
+            raw = Raw(buf.producer_endpoint)
+            hello, _ = raw.ask(pack_header("hello", rid="h2", producer="raw", session="new"))
+            assert hello["next_seq"] == 6 and buf.state.producers["raw"].done_below == 6
         finally:
             raw.close()
 
@@ -164,7 +169,7 @@ def _bad_inputs(g):
     seqs = iter(range(100))
 
     def put():  # a fresh number each time: a rejected number counts as used
-        return pack_header("put", seq=next(seqs), producer="bad")
+        return pack_header("put", seq=next(seqs), producer="bad", session="s")
 
     return [
         ("malformed header", [b"\xc1\xc1"], "malformed", "malformed MessagePack"),
@@ -201,14 +206,24 @@ def _bad_inputs(g):
             "negative token id",
         ),
         ("unknown op", [pack_header("launch", rid="x")], "unknown_op", "unknown message type"),
-        ("too large", [put(), b"\0" * 5000], "too_large", "exceeds max_message_bytes"),
+        (
+            "too large",
+            [put(), b"\0" * 3000, b"\0" * 3000],
+            "too_large",
+            "exceeds max_message_bytes",
+        ),
         (
             "group size mismatch",
             [put(), blob(group_size=7), blob(id="other")],
             "group",
             "group_size",
         ),
-        ("missing seq", [pack_header("put", producer="bad"), blob()], "bad_request", "seq"),
+        (
+            "missing seq",
+            [pack_header("put", producer="bad", session="s"), blob()],
+            "bad_request",
+            "seq",
+        ),
     ]
 
 
@@ -390,7 +405,8 @@ def test_lost_batch_reply_is_answered_with_the_same_batch():
             ask = pack_header("get", rid="r1", consumer="L", session="s", num_groups=1)
             h1, _ = raw.ask(ask)
             h2, frames = raw.ask(ask)  # the same request again: its reply was "lost"
-            assert h1["batch_id"] == h2["batch_id"] and len(frames) == 2
+            assert h1["batch_id"] == h2["batch_id"] and len(h2["lengths"]) == 2
+            assert len(frames) == 1 and len(frames[0]) == sum(h2["lengths"])  # one payload frame
             assert buf.stats()["groups_ready"] == 2
         finally:
             raw.close()

@@ -32,13 +32,13 @@ from slime_async.queue.messages import (
 from slime_async.queue.schema import SCHEMA_VERSION, SchemaError
 
 EXAMPLES = [
-    Hello(rid="p:0", producer="gen-0"),
+    Hello(rid="p:0", producer="gen-0", session="a"),
     HelloReply(rid="p:0", next_seq=7),
-    Put(seq=3, producer="gen-0"),
+    Put(seq=3, producer="gen-0", session="a"),
     Ack(seq=3, status=AckStatus.STALE),
-    Admit(rid="p:1", producer="gen-0", want=4),
+    Admit(rid="p:1", producer="gen-0", session="a", want=4),
     Granted(rid="p:1", n=2),
-    Heartbeat(producer="gen-0"),
+    Heartbeat(producer="gen-0", session="a"),
     Ok(rid="s:2"),
     Get(rid="s:0", consumer="learner", session="s", num_tokens=4096, timeout_s=1.5),
     BatchReply(rid="s:0", batch_id=9, sizes=[4, 4], staleness=[0, 1], version=3),
@@ -74,7 +74,13 @@ def test_wire_maps_are_the_protocol():
         return msgpack.unpackb(msg.encode(), raw=False)
 
     v = SCHEMA_VERSION
-    assert wire(Put(seq=3, producer="g")) == {"v": v, "op": "put", "seq": 3, "producer": "g"}
+    assert wire(Put(seq=3, producer="g", session="s")) == {
+        "v": v,
+        "op": "put",
+        "seq": 3,
+        "producer": "g",
+        "session": "s",
+    }
     assert wire(Ack(seq=3, status=AckStatus.BUSY)) == {
         "v": v,
         "op": "ack",

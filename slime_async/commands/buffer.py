@@ -14,8 +14,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import json
     import logging
     import signal
+    from pathlib import Path
 
     from slime_async.queue.security import SecurityError
     from slime_async.queue.server import Buffer
@@ -39,5 +41,11 @@ def main(args: argparse.Namespace) -> int:
         wal_dir,
     )
     buf.serve_forever()
+    if cfg.run.run_dir:
+        # The run's final accounting: the supervisor stops the buffer after the generators and
+        # the learner, so nothing can still arrive (this replaces the learner's earlier copy).
+        final = Path(cfg.run.run_dir) / "buffer_final.json"
+        final.write_text(json.dumps(buf.stats(), indent=2) + "\n")
+        logging.info("final accounting in %s", final)
     logging.info("stopped")
     return 0

@@ -22,8 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from slime_async.config import ConfigError, load_config, split_cli_args
     from slime_async.launch.progress import ProgressDisplay
-    from slime_async.launch.run_dir import RunDir
-    from slime_async.launch.supervisor import Supervisor
+    from slime_async.launch.run_dir import RunDir, RunDirBusy
+    from slime_async.launch.supervisor import WATCHDOG_GRACE_S, Supervisor, cleanup_leftovers
     from slime_async.launch.table import plan_roles
     from slime_async.metrics import metrics_path, read_metrics
 
@@ -33,8 +33,14 @@ def main(args: argparse.Namespace) -> int:
             raise ConfigError(f"--resume takes the run's own config.json; drop {files}")
         try:
             run_dir = RunDir.existing(args.resume)
-        except FileNotFoundError as e:
+            # One owner: refuse a directory whose supervisor lives; stop what a dead one left.
+            run_dir.lock(wait_s=WATCHDOG_GRACE_S + 10)
+        except (FileNotFoundError, RunDirBusy) as e:
             raise ConfigError(str(e)) from None
+        left = cleanup_leftovers(run_dir, grace_s=WATCHDOG_GRACE_S)
+        if left:
+            print(f"[slime-async] stopped processes the previous supervisor left: pids {left}",
+                  flush=True)  # fmt: skip
         cfg = load_config([run_dir.config_json], overrides)
     else:
         if not files:
@@ -42,7 +48,8 @@ def main(args: argparse.Namespace) -> int:
         cfg = load_config(files, overrides)
         try:
             run_dir = RunDir.create(cfg.run.runs_dir, cfg.run.name, cfg.run.run_dir)
-        except FileExistsError as e:
+            run_dir.lock()
+        except (FileExistsError, RunDirBusy) as e:
             raise ConfigError(str(e)) from None
     from slime_async.commands.config import check_plugins
 

@@ -55,3 +55,25 @@ class BufferConfig(Section):
     """Clients raise BufferUnavailable after trying this long without any answer."""
     curve: CurveConfig = CurveConfig()
     """CurveZMQ authentication and encryption."""
+    # ----- hostile input and bounded memory (issue 16)
+    max_get_wait_s: float = Field(600.0, gt=0)
+    """Longest `timeout_s` a get may ask the buffer to hold it (longer ones are refused)."""
+    max_version_jump: int = Field(1000, ge=1)
+    """Most versions one announcement may move the learner's clock forward (a restarted
+    learner, its earlier session gone, may set any version below 2**31)."""
+    max_frames: int = Field(4097, ge=2)
+    """Most frames in one message (header + trajectories); beyond it the message is refused
+    and its frames are discarded as they are read, never kept."""
+    group_timeout_s: float = Field(900.0, gt=0)
+    """An incomplete group that received no member for this long is dropped (counted,
+    reason "incomplete_timeout"): it would hold admission's budget for ever."""
+    producer_idle_s: float = Field(600.0, gt=0)
+    """A producer id whose session disconnected and that sent nothing for this long is
+    forgotten (its sequence ledger and grants; counted "producers_expired")."""
+    max_producers: int = Field(4096, ge=1)
+    """Most producer ids known at once; a hello beyond it is refused."""
+    max_consumers: int = Field(64, ge=1)
+    """Most consumer ids known at once; a request from one more is refused."""
+    peer_timeout_s: float = Field(30.0, gt=0)
+    """ZeroMQ heartbeats: a client connection silent for this long is closed, so a vanished
+    client's session (its producer or consumer id) is released."""

@@ -20,6 +20,13 @@ Stopping (run end, failure, SIGINT/SIGTERM/SIGHUP): children are stopped in reve
 process group with SIGTERM and, after `stop_grace_s`, SIGKILL; nothing of a child's group
 survives (a role must not move its own processes into a new session).
 
+One owner per run directory: `run()` holds an flock on `<run_dir>/supervisor.lock` (RunDirBusy
+for a second supervisor) and records its live children in `children.json`. If the supervisor
+dies without stopping them (SIGKILL, OOM), they die with it: each role gets SIGKILL from the
+kernel (PR_SET_PDEATHSIG), and a watchdog process, which waits on a pipe only the supervisor
+holds, stops what the roles started in their process groups (torchrun workers, engine helpers),
+unless a new owner already holds the lock. `run --resume` stops whatever is still left.
+
 Memory: one Child per role and the unread tail of the metrics files it displays; nothing grows
 with the length of the run.
 """
@@ -27,7 +34,9 @@ with the length of the run.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -39,7 +48,10 @@ from typing import Literal, TextIO
 from slime_async.launch.progress import ProgressDisplay
 from slime_async.launch.run_dir import READY_ENV, RunDir
 from slime_async.metrics import MetricsTail
-from slime_async.utils.procs import Child, wait_until
+from slime_async.utils.procs import Child, kill_groups, python_module, wait_until
+
+WATCHDOG_GRACE_S = 3.0
+"""How long the watchdog gives leftovers between SIGTERM and SIGKILL."""
 
 
 @dataclass
@@ -122,6 +134,12 @@ class Supervisor:
 
     def run(self) -> int:
         """Start, supervise, stop. 0: the run completed; 1: a role failed; 128+N: signal N."""
+        try:
+            self.run_dir.lock()  # RunDirBusy: another supervisor owns the directory
+        except BaseException:
+            self._log.close()
+            raise
+        self._start_watchdog()
         handlers = self._install_signal_handlers()
         try:
             self.start()
@@ -133,6 +151,8 @@ class Supervisor:
             return 1
         finally:
             self.stop_all()
+            self._stop_watchdog()
+            self.run_dir.unlock()
             for sig, old in handlers.items():
                 signal.signal(sig, old)
             self._poll_metrics()
@@ -164,6 +184,7 @@ class Supervisor:
                     self.event(f"{name} (pid {child.pid}) finished its work")
                     child.stop(self.stop_grace_s)  # anything it left in its group goes too
                     del self.children[name]
+                    self._record_children()
                     continue
                 self._handle_failure(spec, child, code)
             if not self.children:
@@ -178,6 +199,7 @@ class Supervisor:
             child = self.children.pop(name)
             was_alive = child.alive()
             code = child.stop(self.stop_grace_s)
+            self._record_children()
             if was_alive:
                 self.event(f"stopped {name} (pid {child.pid}): {describe_exit(code)}")
 
@@ -197,8 +219,11 @@ class Supervisor:
         ready.unlink(missing_ok=True)  # a file left by an earlier process must not count
         argv = spec.argv(resume)
         env = {**spec.env, READY_ENV: str(ready)}
-        child = Child(spec.name, argv, log_path=self.run_dir.log(spec.name), env=env)
+        child = Child(
+            spec.name, argv, log_path=self.run_dir.log(spec.name), env=env, die_with_parent=True
+        )
         self.children[spec.name] = child
+        self._record_children()
         self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} argv {spec.name}: {argv}\n")
         self.event(f"started {spec.name} (pid {child.pid}, log {self.run_dir.log(spec.name)})")
         return child
@@ -233,6 +258,7 @@ class Supervisor:
         report = f"{spec.name} (pid {child.pid}) {describe_exit(code)}; last lines of {child.log_path}:\n{tail}"
         child.stop(self.stop_grace_s)  # its process group may still hold processes it started
         del self.children[spec.name]
+        self._record_children()
         if self.restarts_left[spec.name] <= 0:
             self._fail(report + "\nno restarts left for it; stopping the run")
         self.restarts_left[spec.name] -= 1
@@ -272,6 +298,35 @@ class Supervisor:
                         {k: v for k, v in numbers.items() if v is not None}
                     )
 
+    # ----- one owner -----------------------------------------------------------------------------
+
+    def _record_children(self) -> None:
+        self.run_dir.write_children({n: (c.pid, c.started_at) for n, c in self.children.items()})
+
+    def _start_watchdog(self) -> None:
+        """A process that outlives us only to stop our children's groups if we die first."""
+        read, self._watch_pipe = os.pipe()
+        self._watchdog = subprocess.Popen(
+            python_module(
+                "slime_async.utils.procs",
+                str(read),
+                str(self.run_dir.lock_file),
+                str(self.run_dir.children_json),
+                str(WATCHDOG_GRACE_S),
+            ),
+            pass_fds=(read,),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        os.close(read)
+
+    def _stop_watchdog(self) -> None:
+        os.close(self._watch_pipe)  # EOF: it finds no children recorded (or our lock) and exits
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._watchdog.wait(10)
+
     def _install_signal_handlers(self) -> dict[int, object]:
         if threading.current_thread() is not threading.main_thread():
             return {}  # only the main thread may set handlers; the caller handles signals
@@ -292,3 +347,11 @@ class Supervisor:
 
 class RoleFailed(Exception):
     """A role failed for good; the run stops (the report is in `Supervisor.failure`)."""
+
+
+def cleanup_leftovers(run_dir: RunDir, grace_s: float) -> list[int]:
+    """Stop the children a dead owner recorded (the caller holds the lock); return their pids."""
+    left = run_dir.read_children()
+    pids = kill_groups({pid: started for pid, started in left.values()}, grace_s)
+    run_dir.write_children({})
+    return pids

@@ -101,3 +101,16 @@ PUSH_ENGINES_LEFT_OUT = "push/engines_left_out"
 """Pushes that left out an engine that was down (it rejoins when it answers again; logged)."""
 PUSH_ENGINES = "push/engines"
 """Engines in the current weight-update group."""
+
+# ----- buffer stats (`slime-async buffer`, `ConsumerClient.stats()`, buffer_final.json) ---------
+BUF_INCOMPLETE_TIMEOUT = "incomplete_timeout"
+"""Drop reason (stats `dropped`, `dropped_trajectories`): an incomplete group that received no
+member for `buffer.group_timeout_s`."""
+BUF_PRODUCERS_EXPIRED = "producers_expired"
+"""Stats `counts`: producer ids forgotten (disconnected and silent for `buffer.producer_idle_s`)."""
+BUF_CONSUMERS_EXPIRED = "consumers_expired"
+"""Stats `counts`: consumer ids forgotten the same way."""
+BUF_DISCONNECTS = "disconnects"
+"""Stats `counts`: client connections that closed while holding an id (the id is free again)."""
+BUF_VERSION_REWINDS = "version_rewinds"
+"""Stats `counts`: version announcements that went back (a restarted learner's new session)."""

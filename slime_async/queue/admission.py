@@ -99,6 +99,12 @@ class Admission:
             self._counts["grants_expired"] += g.n
             g.n = 0
 
+    def forget(self, producer: str) -> None:
+        """`producer` is gone for good: release its grants (counted as expired) and its entry."""
+        g = self._grants.pop(producer, None)
+        if g is not None and g.n:
+            self._counts["grants_expired"] += g.n
+
     def expire(self) -> None:
         """Release the grants of producers not heard from within `grant_timeout_s`."""
         horizon = time.monotonic() - self.grant_timeout_s

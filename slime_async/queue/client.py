@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from slime_async.queue.messages import (
     StatsReply,
     StatsRequest,
     decode_reply,
+    split,
 )
 from slime_async.queue.schema import SchemaError, Trajectory, decode_trajectory, encode_trajectory
 from slime_async.utils.retry import RetryPolicy
@@ -67,6 +69,16 @@ class BufferUnavailable(ConnectionError):
     """No answer from the buffer within `give_up_s` (down, unreachable, or CURVE refused us)."""
 
 
+class IdInUse(BufferUnavailable):
+    """Another live session holds this client's producer or consumer id: it must stop (a
+    BufferUnavailable, so the generator exits with it)."""
+
+
+def _refused(error: Error) -> BufferRejected | IdInUse:
+    in_use = error.reason in ("producer_in_use", "consumer_in_use")
+    return IdInUse(error.error) if in_use else BufferRejected(error.error)
+
+
 def _socket(ctx: zmq.Context, cfg: BufferConfig, endpoint: str) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -78,7 +90,7 @@ def _socket(ctx: zmq.Context, cfg: BufferConfig, endpoint: str) -> zmq.Socket:
 def _check(reply: Reply, kind: type[R]) -> R:
     """`reply` as the kind of reply its request expects; BufferRejected for an `Error`."""
     if isinstance(reply, Error):
-        raise BufferRejected(reply.error)
+        raise _refused(reply)
     if not isinstance(reply, kind):
         raise SchemaError("op", f"expected a {kind.OP!r} reply, got {reply.OP!r}")
     return reply
@@ -129,6 +141,8 @@ class ProducerClient:
     def __init__(self, cfg: BufferConfig, producer_id: str):
         self.cfg = cfg
         self.producer_id = producer_id
+        self.session = uuid.uuid4().hex
+        """This client object's session: the buffer refuses a second live one under one id."""
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._puts: dict[int, _Put] = {}
@@ -147,8 +161,13 @@ class ProducerClient:
     async def __aenter__(self) -> ProducerClient:
         self._connect()
         self._tasks.append(asyncio.create_task(self._watchdog()))
-        hello = await self._call(Hello(rid=self._rid(), producer=self.producer_id), HelloReply)
-        self._seq = hello.next_seq
+        hello = Hello(rid=self._rid(), producer=self.producer_id, session=self.session)
+        try:
+            reply = await self._call(hello, HelloReply)
+        except BaseException:
+            await self.close()
+            raise
+        self._seq = reply.next_seq
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -198,8 +217,10 @@ class ProducerClient:
             t.enqueued_at = now
         seq = self._seq
         self._seq += 1
-        header = Put(seq=seq, producer=self.producer_id).encode()
-        frames = [header, *(encode_trajectory(t) for t in trajs)]
+        blobs = [encode_trajectory(t) for t in trajs]
+        lengths = [len(b) for b in blobs]
+        header = Put(seq=seq, producer=self.producer_id, session=self.session, lengths=lengths)
+        frames = [header.encode(), b"".join(blobs)]  # one payload frame: cheaper than several
         size = sum(len(f) for f in frames)
         if size > self.cfg.max_message_bytes:  # far above it ZeroMQ would just drop the link
             raise BufferRejected(
@@ -217,7 +238,8 @@ class ProducerClient:
     async def admission(self, want: int) -> int:
         """How many new groups may be started now (each grant is used up when its group arrives)."""
         granted = await self._call(
-            Admit(rid=self._rid(), producer=self.producer_id, want=want), Granted
+            Admit(rid=self._rid(), producer=self.producer_id, session=self.session, want=want),
+            Granted,
         )
         return granted.n
 
@@ -259,7 +281,7 @@ class ProducerClient:
             if put is None or put.future.done():
                 continue  # the answer to a resend already answered
             if isinstance(reply, Error):
-                put.future.set_exception(BufferRejected(reply.error))
+                put.future.set_exception(_refused(reply))
             elif reply.status == AckStatus.BUSY:
                 put.busy_replies += 1
                 self.busy_replies += 1
@@ -314,7 +336,8 @@ class ProducerClient:
                     self._calls[rid] = (frames, fut, now)
                     await self._send(frames)
             elif now - self._last_sent > self.cfg.grant_timeout_s / 3:
-                await self._send([Heartbeat(producer=self.producer_id).encode()])
+                beat = Heartbeat(producer=self.producer_id, session=self.session)
+                await self._send([beat.encode()])
 
 
 class ConsumerClient:
@@ -355,7 +378,7 @@ class ConsumerClient:
                     continue
                 if not isinstance(reply, Ack) and reply.rid == rid:
                     if isinstance(reply, Error):
-                        raise BufferRejected(reply.error)
+                        raise _refused(reply)
                     return reply, frames[1:]
             if time.monotonic() > give_up:
                 raise BufferUnavailable(
@@ -380,9 +403,22 @@ class ConsumerClient:
 
         num_groups: exactly this many groups. num_tokens: whole groups up to this many tokens
         (prompt + response), delivered once that many are ready. Neither: the announced
-        groups_per_step. Batches a previous session left uncommitted come first.
+        groups_per_step. Batches a previous session left uncommitted come first. A timeout longer
+        than `buffer.max_get_wait_s` is served as several gets.
         """
         wait = 0.0 if timeout_s is None else float(timeout_s)
+        if not math.isfinite(wait) or wait < 0:
+            raise ValueError(f"timeout_s must be finite and >= 0, got {timeout_s!r}")
+        deadline = time.monotonic() + wait
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            batch = self._get_batch(num_groups, num_tokens, min(left, self.cfg.max_get_wait_s))
+            if batch is not None or left <= self.cfg.max_get_wait_s:
+                return batch
+
+    def _get_batch(
+        self, num_groups: int | None, num_tokens: int | None, wait: float
+    ) -> Batch | None:
         get = Get(
             rid=self._rid(),
             consumer=self.consumer_id,
@@ -395,7 +431,11 @@ class ConsumerClient:
         if isinstance(reply, Empty):
             return None
         h = _check(reply, BatchReply)
-        trajs = [decode_trajectory(f.buffer) for f in frames]
+        # The buffer validated every trajectory on arrival and forwards its bytes unchanged.
+        views = (
+            [f.buffer for f in frames] if h.lengths is None else split(frames[0].buffer, h.lengths)
+        )
+        trajs = [decode_trajectory(v, validate=False) for v in views]
         groups, start = [], 0
         for n in h.sizes:
             groups.append(trajs[start : start + n])

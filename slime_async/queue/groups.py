@@ -4,6 +4,7 @@ order, each producer's ledger of sequence numbers, and the rules a put must foll
 from __future__ import annotations
 
 import heapq
+import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ class Group:
     arrival: int = 0
     """Order of completion (ties in delivery order)."""
     segments: set[int] = field(default_factory=set)
+    last_put: float = field(default_factory=time.monotonic)
+    """When its last member arrived (incomplete groups expire after `group_timeout_s`)."""
 
 
 @dataclass
@@ -40,9 +43,14 @@ class Delivered:
     groups: list[Group]
 
 
+SEQ_WINDOW = 1 << 16
+"""Most accepted sequence numbers remembered above a gap (a refused put leaves one)."""
+
+
 @dataclass
 class ProducerLedger:
-    """The put sequence numbers the buffer accepted from one producer (deduplication)."""
+    """The put sequence numbers the buffer accepted from one producer (deduplication). A refused
+    put leaves a gap (its number stays free); at most SEQ_WINDOW numbers are kept above one."""
 
     done_below: int = 0
     """Every sequence number below this was accepted."""
@@ -54,9 +62,16 @@ class ProducerLedger:
 
     def mark(self, seq: int) -> None:
         self.done.add(seq)
+        if len(self.done) > SEQ_WINDOW:
+            self.done_below = min(self.done)
         while self.done_below in self.done:
             self.done.remove(self.done_below)
             self.done_below += 1
+
+    def restart(self) -> int:
+        """A new session continues above every number seen: close every gap below it."""
+        self.done_below, self.done = self.next_seq, set()
+        return self.done_below
 
     @property
     def next_seq(self) -> int:

@@ -2,7 +2,8 @@
 
 A message is a ZeroMQ multipart message: frame 0 is a MessagePack header map
 `{"v": SCHEMA_VERSION, "op": <Op>, <fields>}`; puts and batches carry encoded trajectories
-(`schema.py`) in the frames after it. Each header below is a dataclass whose annotations are its
+(`schema.py`) after it: one payload frame cut by the header's `lengths` (what the clients send:
+ZeroMQ's cost per frame is above a copy), or one frame each. Each header below is a dataclass whose annotations are its
 wire types: `encode()` packs it, `decode(h)` checks every field it declares and raises
 `SchemaError` naming the first bad one (keys it does not declare are ignored). A field left at
 None is not sent; absent and nil read the same.
@@ -26,6 +27,8 @@ A reply carries the `rid` of its request; an ack (or the error refusing a put) i
 
 from __future__ import annotations
 
+import itertools
+import math
 import types
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
@@ -82,6 +85,28 @@ class AckStatus(StrEnum):
 
 
 PositiveInt = Annotated[int, "> 0"]
+Count = Annotated[int, ">= 0"]
+"""A sequence number, batch id, version or count: 0 <= n < MAX_INT."""
+MAX_INT = 1 << 62
+"""Every integer field stays below this (one past it still fits MessagePack's 64 bits)."""
+MAX_NAME = 256
+"""Longest id (producer, consumer, session, rid) accepted: ids are echoed and kept."""
+MAX_ERROR = 1024
+"""Longest error text sent back: a huge bad value is never echoed whole."""
+
+
+def show(v: Any, limit: int = 64) -> str:
+    """`repr(v)` cut to `limit` characters, for error messages about hostile values."""
+    text = repr(v) if not isinstance(v, str | bytes | list | dict) or len(v) < limit else ""
+    return text[:limit] if text else f"<{type(v).__name__} of length {len(v)}>"
+
+
+def split(payload: memoryview, lengths: list[int]) -> list[memoryview]:
+    """The trajectories of one payload frame, cut by a header's `lengths` (views, no copy)."""
+    if sum(lengths) != len(payload):
+        raise SchemaError("lengths", f"add up to {sum(lengths)}, the payload has {len(payload)} B")
+    ends = list(itertools.accumulate(lengths))
+    return [payload[end - n : end] for n, end in zip(lengths, ends, strict=True)]
 
 
 def pack_header(op: str, **fields: Any) -> bytes:
@@ -107,18 +132,26 @@ def unpack_header(frame: bytes | memoryview) -> dict[str, Any]:
 def _integer(name: str, v: Any) -> int:
     if type(v) is not int:  # bool is an int subclass: not accepted
         raise SchemaError(name, f"expected an integer, got {type(v).__name__}")
+    if not -MAX_INT < v < MAX_INT:
+        raise SchemaError(name, f"{v} is out of range (|n| < 2**62)")
     return v
 
 
-def _positive(name: str, v: Any) -> int:
-    if type(v) is not int or v < 1:
-        raise SchemaError(name, f"expected a positive integer, got {v!r}")
-    return v
+def _at_least(low: int) -> Callable[[str, Any], int]:
+    def check(name: str, v: Any) -> int:
+        if type(v) is not int or not low <= v < MAX_INT:
+            what = "a positive integer" if low else "an integer >= 0"
+            raise SchemaError(name, f"expected {what} below 2**62, got {show(v)}")
+        return v
+
+    return check
 
 
 def _number(name: str, v: Any) -> float:
     if type(v) is not float and type(v) is not int:
         raise SchemaError(name, f"expected a number, got {type(v).__name__}")
+    if not math.isfinite(v):
+        raise SchemaError(name, f"must be finite, got {v}")
     return float(v)
 
 
@@ -131,6 +164,8 @@ def _flag(name: str, v: Any) -> bool:
 def _name(name: str, v: Any) -> str:
     if type(v) is not str or not v:
         raise SchemaError(name, "expected a non-empty string")
+    if len(v) > MAX_NAME:
+        raise SchemaError(name, f"{len(v)} characters, at most {MAX_NAME}")
     return v
 
 
@@ -150,12 +185,13 @@ def _status(name: str, v: Any) -> AckStatus:
     try:
         return AckStatus(v)
     except ValueError:
-        raise SchemaError(name, f"unknown status {v!r}") from None
+        raise SchemaError(name, f"unknown status {show(v)}") from None
 
 
 _CHECKS: dict[Any, Callable[[str, Any], Any]] = {
     int: _integer,
-    PositiveInt: _positive,
+    PositiveInt: _at_least(1),
+    Count: _at_least(0),
     float: _number,
     bool: _flag,
     str: _name,
@@ -222,6 +258,8 @@ class Hello(Message):
 
     rid: str | None = None
     producer: str
+    session: str
+    """One per client object; an id held by another live session is refused ("producer_in_use")."""
 
 
 @_message(Op.HELLO)
@@ -235,9 +273,13 @@ class HelloReply(Message):
 class Put(Message):
     """Followed by one or more encoded trajectories."""
 
-    seq: int
+    seq: Count
     """Per-producer number: the buffer stores each number once, so a resend is harmless."""
+    lengths: list[int] | None = None
+    """Bytes of each trajectory in the one payload frame; absent: one frame per trajectory."""
     producer: str
+    session: str
+    """The session that said hello under `producer`; puts of any other session are refused."""
 
 
 @_message(Op.ACK)
@@ -252,7 +294,8 @@ class Admit(Message):
 
     rid: str | None = None
     producer: str
-    want: int
+    session: str
+    want: Count
 
 
 @_message(Op.GRANTED)
@@ -268,6 +311,7 @@ class Heartbeat(Message):
 
     rid: str | None = None
     producer: str
+    session: str
 
 
 # ---------------------------------------------------------------- consumer socket
@@ -282,7 +326,7 @@ class Get(Message):
     num_tokens: PositiveInt | None = None
     """Whole groups up to this many tokens. Neither: the announced groups_per_step."""
     timeout_s: float = 0.0
-    """How long the buffer may hold the request before answering `Empty`."""
+    """How long the buffer may hold the request before answering `Empty` (<= max_get_wait_s)."""
 
 
 @_message(Op.BATCH)
@@ -297,6 +341,8 @@ class BatchReply(Message):
     """Per group: `version` minus the group's oldest model-token version."""
     version: int
     """The policy version the buffer knew at delivery."""
+    lengths: list[int] | None = None
+    """Bytes of each trajectory in the one payload frame; absent: one frame per trajectory."""
 
 
 @_message(Op.EMPTY)
@@ -311,7 +357,8 @@ class Commit(Message):
     rid: str | None = None
     consumer: str
     session: str
-    batch_id: int
+    batch_id: PositiveInt
+    """A batch delivered to this consumer id (ids start at 1)."""
     through: bool = False
     """Also every earlier batch delivered to this consumer id."""
 
@@ -330,8 +377,10 @@ class SetVersion(Message):
     rid: str | None = None
     consumer: str
     session: str
-    version: int
-    groups_per_step: int
+    version: Count
+    """Below 2**31, monotone per session, at most `buffer.max_version_jump` ahead."""
+    groups_per_step: PositiveInt
+    """At most `buffer.capacity_trajectories` (each group holds at least one trajectory)."""
 
 
 @_message(Op.OK)
@@ -371,10 +420,18 @@ class Error(Message):
     seq: int | None = None
     rid: str | None = None
 
+    def __post_init__(self) -> None:
+        if len(self.error) > MAX_ERROR:  # bounded replies, whatever was wrong
+            self.error = self.error[: MAX_ERROR - 3] + "..."
+
     @classmethod
     def answering(cls, h: dict[str, Any], reason: str, error: str) -> Error:
-        """The error refusing raw header `h`, with its seq and rid as sent (to match it by)."""
-        return cls(reason=reason, error=error, seq=h.get("seq"), rid=h.get("rid"))
+        """The error refusing raw header `h`, with its seq and rid as sent (to match it by) when
+        they are well-formed: a hostile value is never echoed."""
+        seq, rid = h.get("seq"), h.get("rid")
+        seq = seq if type(seq) is int and 0 <= seq < MAX_INT else None
+        rid = rid if type(rid) is str and len(rid) <= MAX_NAME else None
+        return cls(reason=reason, error=error, seq=seq, rid=rid)
 
 
 Request = Hello | Put | Admit | Heartbeat | Get | Commit | SetVersion | Ping | StatsRequest

@@ -7,8 +7,9 @@ as lists of ints costs 5-7x more (measured with pyzmq 27.3 / msgpack 1.2.4 on lo
 `decode_trajectory` checks every field and raises `SchemaError` naming the first field that is
 wrong, so a bad message gets a precise reply.
 
-Trajectories are the frames after a message's header (frame 0, see `messages.py`). The buffer
-stores and forwards them as they came: it validates them once and never re-encodes them.
+Trajectories follow a message's header (frame 0, see `messages.py`). The buffer validates them
+once, stores and forwards their bytes as they came (never re-encoded), and the consumer decodes
+them without checking again (`validate=False`).
 """
 
 from __future__ import annotations
@@ -170,12 +171,31 @@ def unpack_map(blob: bytes | memoryview, what: str) -> dict[str, Any]:
     return m
 
 
-def decode_trajectory(blob: bytes | memoryview, copy: bool = True) -> Trajectory:
+def _trusted(m: dict[str, Any], copy: bool) -> Trajectory:
+    """The trajectory of a map the buffer already validated (no checks: the consumer's path)."""
+    arrays = {name: _array(m, name, copy) for name in _ARRAYS}
+    scalars = {k: m[k] for k in _FIELDS.difference(_ARRAYS, ("schema",))}
+    return Trajectory(**scalars, **arrays, temperature=m.get("temperature"))
+
+
+def _negative_int32(raw: bytes) -> bool:
+    """Whether little-endian int32 `raw` holds a negative value: a set top bit in some high
+    byte (one C pass over a quarter of the bytes, no array reduction)."""
+    return not raw[3::4].isascii()
+
+
+def decode_trajectory(
+    blob: bytes | memoryview, copy: bool = True, validate: bool = True
+) -> Trajectory:
     """Decode and validate one trajectory; raise `SchemaError` naming the bad field.
 
     copy=False returns read-only arrays viewing `blob` (the buffer's validation path).
+    validate=False skips every check: only for bytes the buffer already validated (the
+    consumer's path; the buffer forwards trajectories exactly as it checked them).
     """
     m = unpack_map(blob, "trajectory")
+    if not validate:
+        return _trusted(m, copy)
     version = m.get("schema")
     if version != SCHEMA_VERSION:
         raise SchemaError(
@@ -204,15 +224,15 @@ def decode_trajectory(blob: bytes | memoryview, copy: bool = True) -> Trajectory
                 name, f"length {len(arrays[name])} disagrees with response_ids length {r}"
             )
     for name in ("prompt_ids", "response_ids"):
-        if arrays[name].size and arrays[name].min() < 0:
+        if _negative_int32(m[name]):
             raise SchemaError(name, "negative token id")
     if r:
         # One pass: a float64 sum of finite float32 values cannot overflow; NaN/inf propagate.
         if not math.isfinite(arrays["logprobs"].sum(dtype=np.float64)):
             raise SchemaError("logprobs", "NaN or infinite log-prob")
-        if arrays["loss_mask"].max() > 1:
+        if m["loss_mask"].translate(None, b"\x00\x01"):
             raise SchemaError("loss_mask", "values must be 0 or 1")
-        if arrays["versions"].min() < 0:
+        if _negative_int32(m["versions"]):
             raise SchemaError("versions", "negative policy version")
     parts = m["reward_parts"]
     if not isinstance(parts, dict):

@@ -13,8 +13,11 @@
         SetVersion{version, groups_per_step} -> Ok
     either socket: Ping / StatsRequest -> StatsReply{stats} (readiness probe)
 
-Every header is a typed message of `messages.py`, checked on decode: a bad request is answered
-with an `Error` naming the field, and counted by reason (stats `rejected`).
+Every header is a typed message of `messages.py`, checked on decode (and in range: timeouts,
+versions, groups_per_step, batch ids): a bad request is answered with a bounded `Error` naming
+the field, counted by reason (stats `rejected`). An id belongs to one live session
+(`utils/sessions.py`): a second live session under a producer or consumer id is refused
+("producer_in_use" / "consumer_in_use"); a socket monitor frees the id once its connection closes.
 
 The buffer binds both endpoints; clients connect (and reconnect after a restart). The loop polls
 both sockets, drains what is queued, appends WAL records, makes them durable once for the whole
@@ -22,9 +25,11 @@ turn (`wal_sync`), then sends the acks: an ack means the trajectory is stored (a
 that cannot be served yet is parked until enough groups are ready or its timeout passes.
 
 Memory is bounded by `capacity_trajectories` / `capacity_bytes` for stored groups (producers get
-`busy` and retry beyond them), by RCVHWM x `max_message_bytes` per connected peer for messages
-still in ZeroMQ's queues (beyond that TCP pushes back on the sender), and by one parked `get` per
-connected consumer.
+`busy` beyond them); per message by `max_message_bytes` (ZeroMQ's MAXMSGSIZE cuts off a larger
+frame unread; larger sums are refused before decoding), `max_frames` (the rest is discarded as
+read) and `MAX_HEADER`; in ZeroMQ's queues by RCVHWM messages per peer; ids by `max_producers` /
+`max_consumers` and `producer_idle_s`; incomplete groups by `group_timeout_s`; one parked `get` per
+consumer.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from slime_async.config.buffer import BufferConfig
+from slime_async.metrics import names as m
 from slime_async.queue import security
 from slime_async.queue.groups import PutRejected
 from slime_async.queue.messages import (
@@ -60,23 +67,37 @@ from slime_async.queue.messages import (
     SetVersion,
     StatsReply,
     StatsRequest,
+    split,
     unpack_header,
 )
 from slime_async.queue.schema import SchemaError, decode_trajectory
 from slime_async.queue.state import BufferState
 from slime_async.queue.wal import WriteAheadLog
+from slime_async.utils.sessions import IdInUse, Owners, TooManyIds
 
 log = logging.getLogger(__name__)
 
 _DRAIN = 256  # messages handled per socket per turn before acks go out
 _RCVHWM = 64  # messages queued per peer inside ZeroMQ
+MAX_HEADER = 64 << 10
+"""Largest header frame decoded (real ones are a few hundred bytes)."""
+_DISCARD = 100_000  # frames past max_frames discarded per turn, then the other socket is served
 # What each socket serves.
 _PRODUCER_REQUESTS: dict[str, type[Request]] = {
-    m.OP: m for m in (Put, Heartbeat, Admit, Hello, Ping, StatsRequest)
+    k.OP: k for k in (Put, Heartbeat, Admit, Hello, Ping, StatsRequest)
 }
 _CONSUMER_REQUESTS: dict[str, type[Request]] = {
-    m.OP: m for m in (Get, Commit, SetVersion, Ping, StatsRequest)
+    k.OP: k for k in (Get, Commit, SetVersion, Ping, StatsRequest)
 }
+
+
+def _payload(lengths: list[int] | None, frames: list[zmq.Frame], max_n: int) -> list[memoryview]:
+    """The trajectories of a put: `lengths` cut one payload frame, or one frame each."""
+    if lengths is None:
+        return [f.buffer for f in frames]
+    if len(frames) != 1 or len(lengths) > max_n or min(lengths, default=0) < 1:
+        raise SchemaError("lengths", "expected positive lengths cutting one payload frame")
+    return split(frames[0].buffer, lengths)
 
 
 def _reason(e: SchemaError) -> str:
@@ -107,8 +128,19 @@ class Buffer:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._parked: dict[bytes, tuple[Get, float]] = {}  # consumer -> its get, deadline
+        self.producer_owners = Owners("producer", cfg.max_producers, cfg.producer_idle_s)
+        self.consumer_owners = Owners("consumer", cfg.max_consumers, cfg.producer_idle_s)
+        self._version_session: str | None = None  # who announced the current version
+        self._discarding: dict[zmq.Socket, bytes] = {}  # socket -> sender of an oversized message
         self.producer_sock = self._bind(cfg.producer_endpoint)
         self.consumer_sock = self._bind(cfg.consumer_endpoint)
+        self._monitors = {
+            sock.get_monitor_socket(zmq.EVENT_DISCONNECTED): owners
+            for sock, owners in (
+                (self.producer_sock, self.producer_owners),
+                (self.consumer_sock, self.consumer_owners),
+            )
+        }
         self.producer_endpoint = self.producer_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.consumer_endpoint = self.consumer_sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -116,9 +148,14 @@ class Buffer:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, _RCVHWM)
-        # ZeroMQ silently disconnects a peer past MAXMSGSIZE; keep that as the last line of
-        # defence only, far above the limit we answer with a readable error.
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.cfg.max_message_bytes)
+        # One frame above the limit is cut off by ZeroMQ before it is buffered (it drops the
+        # connection: nothing can be answered); messages whose frames add up to more are
+        # answered with an error (`_receive`).
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
+        # Heartbeats, so that a vanished peer's connection closes and frees its ids.
+        ivl = max(100, int(self.cfg.peer_timeout_s * 1000 / 3))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.cfg.peer_timeout_s * 1000))
         if security.curve_enabled(self.cfg.curve):
             if self._auth is None:
                 self._auth = security.start_authenticator(self._ctx, self.cfg.curve)
@@ -153,6 +190,8 @@ class Buffer:
         self._closed = True
         if self.state.wal is not None:
             self.state.wal.close()
+        for mon in self._monitors:
+            mon.close(0)
         self.producer_sock.close(0)
         self.consumer_sock.close(0)
         if self._auth is not None:
@@ -163,12 +202,15 @@ class Buffer:
         poller = zmq.Poller()
         poller.register(self.producer_sock, zmq.POLLIN)
         poller.register(self.consumer_sock, zmq.POLLIN)
+        for mon in self._monitors:
+            poller.register(mon, zmq.POLLIN)
         last_expiry = time.monotonic()
         self._serving = True
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(self._poll_ms()))
                 out: list[tuple[zmq.Socket, list]] = []
+                self._disconnections()
                 for sock in (self.producer_sock, self.consumer_sock):
                     if sock in events:
                         self._drain(sock, out)
@@ -177,52 +219,115 @@ class Buffer:
                 if wal is not None and self.cfg.wal_sync != "none":
                     wal.sync()
                 for sock, frames in out:
-                    # Stored trajectories are zmq.Frames: sent by reference, never copied.
-                    sock.send_multipart(frames, copy=False)
+                    sock.send_multipart(frames, copy=False)  # a batch's payload: by reference
                 if wal is not None:
                     wal.sync()
                     wal.compact()
                 if time.monotonic() - last_expiry > 1.0:
-                    self.state.expire_grants()
+                    self._expire()
                     last_expiry = time.monotonic()
         finally:
             self._close()
 
+    def _disconnections(self) -> None:
+        """Free the ids of closed connections (read before the turn's messages, so that a
+        restarted client's hello finds its predecessor's connection gone)."""
+        for mon, owners in self._monitors.items():
+            while True:
+                try:
+                    event = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                freed = owners.disconnected(int(event["value"]))
+                if freed:
+                    self.state.counts[m.BUF_DISCONNECTS] += 1
+                    log.info("%s id(s) %s released: connection closed", owners.kind, freed)
+
+    def _expire(self) -> None:
+        self.state.expire_grants()
+        self.state.expire_incomplete()
+        for owners in (self.producer_owners, self.consumer_owners):
+            for name in owners.expire():
+                if owners is self.producer_owners:
+                    self.state.forget_producer(name)
+                else:
+                    self.state.counts[m.BUF_CONSUMERS_EXPIRED] += 1
+                log.info("forgot %s %r: gone for %.0fs", owners.kind, name, owners.idle_s)
+
     def _poll_ms(self) -> int:
+        if self._discarding:
+            return 0
         if not self._parked:
             return 100
         soonest = min(deadline for _, deadline in self._parked.values())
         return max(0, min(100, int((soonest - time.monotonic()) * 1000) + 1))
 
     def _drain(self, sock: zmq.Socket, out: list) -> None:
+        if sock in self._discarding and not self._discard(sock, out):
+            return
         for _ in range(_DRAIN):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                first = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            ident, body = frames[0].bytes, frames[1:]
+            ident, conn = first.bytes, first.get(zmq.SRCFD)
+            body, nbytes, more = self._receive(sock)
+            if more:  # past max_frames: refuse once the rest is discarded
+                self._discarding[sock] = ident
+                if not self._discard(sock, out):
+                    return
+                continue
             try:
-                reply = self._handle(sock, ident, body)
+                reply = self._handle(sock, ident, conn, body, nbytes)
             except Exception as e:  # never let one message take the buffer down
                 log.exception("internal error handling a message")
                 reply = self._refuse(Error(reason="internal", error=f"internal error: {e}"))
             if reply is not None:
                 out.append((sock, [ident, *reply]))
 
+    def _receive(self, sock: zmq.Socket) -> tuple[list[zmq.Frame], int, bool]:
+        """The frames after the routing id, at most `max_frames`; True: more follow (`_discard`)."""
+        body: list[zmq.Frame] = []
+        nbytes = 0
+        while sock.getsockopt(zmq.RCVMORE):
+            if len(body) >= self.cfg.max_frames:
+                return body, nbytes, True
+            f = sock.recv(copy=False)
+            body.append(f)
+            nbytes += len(f)
+        return body, nbytes, False
+
+    def _discard(self, sock: zmq.Socket, out: list) -> bool:
+        """Drop the rest of a too-long message, `_DISCARD` frames per turn; True once answered."""
+        for _ in range(_DISCARD):
+            if not sock.getsockopt(zmq.RCVMORE):
+                ident = self._discarding.pop(sock)
+                error = f"message of more than max_frames={self.cfg.max_frames} frames"
+                out.append(
+                    (sock, [ident, *self._refuse(Error(reason="too_many_frames", error=error))])
+                )
+                return True
+            sock.recv(copy=False)
+        return False
+
     # ---------------------------------------------------------------- messages
     def _refuse(self, error: Error) -> list[bytes]:
         self.state.reject(error.reason)
         return [error.encode()]
 
-    def _handle(self, sock: zmq.Socket, ident: bytes, body: list[zmq.Frame]) -> list | None:
-        size = sum(len(f) for f in body)
-        if not body:
+    def _handle(
+        self, sock: zmq.Socket, ident: bytes, conn: int, body: list[zmq.Frame], size: int
+    ) -> list | None:
+        if not body or (len(body) == 1 and not len(body[0])):
             return self._refuse(Error(reason="malformed", error="empty message"))
+        if len(body[0]) > MAX_HEADER:
+            error = f"header of {len(body[0])} B exceeds {MAX_HEADER} B"
+            return self._refuse(Error(reason="too_large", error=error))
         try:
-            h = unpack_header(body[0].buffer)
+            h = unpack_header(body[0].buffer)  # at most MAX_HEADER bytes
         except SchemaError as e:
             return self._refuse(Error(reason=_reason(e), error=f"header {e}"))
-        if size > self.cfg.max_message_bytes:
+        if size > self.cfg.max_message_bytes:  # refused before any trajectory is decoded
             error = f"message of {size} B exceeds max_message_bytes={self.cfg.max_message_bytes}"
             return self._refuse(Error.answering(h, "too_large", error))
         op = h["op"]
@@ -232,12 +337,45 @@ class Buffer:
             where = "producer" if producer else "consumer"
             error = f"unknown message type {op!r} on the {where} socket"
             return self._refuse(Error.answering(h, "unknown_op", error))
+        if kind is not Put and len(body) > 1:
+            error = f"{op}: {len(body) - 1} unexpected frame(s) after the header"
+            return self._refuse(Error.answering(h, "bad_request", error))
         try:
-            return self._serve(kind.decode(h), ident, body[1:])
+            msg = kind.decode(h)
+            self._check_owner(msg, conn)
+            return self._serve(msg, ident, body[1:])
         except SchemaError as e:
             return self._refuse(Error.answering(h, "bad_request", f"{op}: {e}"))
         except PutRejected as e:
             return self._refuse(Error.answering(h, "bad_request", str(e)))
+        except IdInUse as e:
+            reason = "producer_in_use" if producer else "consumer_in_use"
+            return self._refuse(Error.answering(h, reason, str(e)))
+        except TooManyIds as e:
+            return self._refuse(Error.answering(h, "too_many_ids", str(e)))
+
+    def _check_owner(self, msg: Request, conn: int) -> None:
+        """IdInUse when `msg` comes from a session other than the live holder of its id."""
+        match msg:
+            case Hello() | Put() | Admit() | Heartbeat():
+                if not self._claim(self.producer_owners, msg.producer, msg.session, conn):
+                    return
+                if isinstance(msg, Hello):  # a new client: it numbers from next_seq on
+                    n = self.state.producer_session(msg.producer)
+                    log.info("producer %r: new session %s (puts continue at %d)",
+                             msg.producer, msg.session[:12], n)  # fmt: skip
+                else:  # a client of before a buffer restart: its resends may fill gaps
+                    log.info("producer %r: session %s is back", msg.producer, msg.session[:12])
+            case Get() | Commit() | SetVersion():
+                if self._claim(self.consumer_owners, msg.consumer, msg.session, conn):
+                    log.info("consumer %r: new session %s", msg.consumer, msg.session[:12])
+
+    def _claim(self, owners: Owners, name: str, session: str, conn: int) -> bool:
+        try:
+            return owners.claim(name, session, conn)
+        except IdInUse:
+            self._disconnections()  # the holder's close may be reported only now
+            return owners.claim(name, session, conn)
 
     def _serve(self, msg: Request, ident: bytes, blobs: list[zmq.Frame]) -> list | None:
         match msg:
@@ -247,6 +385,11 @@ class Buffer:
                 self.state.heartbeat(msg.producer)
                 return [Ok(rid=msg.rid).encode()]
             case Get():
+                most = self.cfg.max_get_wait_s
+                if not 0 <= msg.timeout_s <= most:
+                    raise SchemaError(
+                        "timeout_s", f"{msg.timeout_s} not in [0, max_get_wait_s={most}]"
+                    )
                 return self._get(ident, msg)
             case Commit():
                 n = self.state.commit(msg.consumer, msg.batch_id, msg.through)
@@ -258,7 +401,15 @@ class Buffer:
                 next_seq = self.state.producer_restarted(msg.producer)
                 return [HelloReply(rid=msg.rid, next_seq=next_seq).encode()]
             case SetVersion():
-                self.state.set_version(msg.version, max(1, msg.groups_per_step))
+                before = self._version_session  # rewinds only once its session is gone
+                live = any(h.session == before and h.connection for h in self.consumer_owners)
+                self.state.check_version(msg.version, msg.groups_per_step, not live)
+                if msg.version < self.state.version:
+                    self.state.counts[m.BUF_VERSION_REWINDS] += 1
+                    log.warning("version goes back from %d to %d (a new learner session)",
+                                self.state.version, msg.version)  # fmt: skip
+                self._version_session = msg.session
+                self.state.set_version(msg.version, msg.groups_per_step)
                 return [Ok(rid=msg.rid).encode()]
             case Ping() | StatsRequest():
                 return [StatsReply(rid=msg.rid, stats=self.stats()).encode()]
@@ -268,10 +419,11 @@ class Buffer:
             error = Error(reason="bad_request", error="put: no trajectories", seq=msg.seq)
             return self._refuse(error)
         try:
-            trajs = [decode_trajectory(b.buffer, copy=False) for b in blobs]
-            status = self.state.put(msg.producer, msg.seq, blobs, trajs)
+            views = _payload(msg.lengths, blobs, self.cfg.max_frames)
+            trajs = [decode_trajectory(b, copy=False) for b in views]
+            status = self.state.put(msg.producer, msg.seq, views, trajs)
         except (SchemaError, PutRejected) as e:
-            self.state.discard_put(msg.producer, msg.seq)
+            # Its sequence number stays unused: a later valid put may carry it.
             if isinstance(e, SchemaError):
                 return self._refuse(Error(reason=_reason(e), error=f"trajectory {e}", seq=msg.seq))
             return self._refuse(Error(reason="group", error=str(e), seq=msg.seq))
@@ -287,14 +439,17 @@ class Buffer:
         b = self.state.get(msg.consumer, msg.session, msg.rid or "", msg.num_groups, msg.num_tokens)
         if b is None:
             return None
+        blobs = [blob for g in b.groups for blob in g.blobs]
         header = BatchReply(
             rid=msg.rid,
             batch_id=b.batch_id,
             sizes=[len(g.blobs) for g in b.groups],
             staleness=[self.state.staleness(g) for g in b.groups],
             version=self.state.version,
+            lengths=[len(blob) for blob in blobs],
         )
-        return [header.encode(), *(blob for g in b.groups for blob in g.blobs)]
+        # One payload frame: ZeroMQ's cost per frame exceeds a copy of the bytes (bench_buffer).
+        return [header.encode(), b"".join(blobs)]
 
     def _serve_parked(self, out: list) -> None:
         now = time.monotonic()
@@ -309,6 +464,8 @@ class Buffer:
     def stats(self) -> dict[str, Any]:
         s = self.state.stats()
         s["parked_gets"] = len(self._parked)
+        s["producers_live"] = sum(1 for h in self.producer_owners if h.connection)
+        s["consumers_live"] = sum(1 for h in self.consumer_owners if h.connection)
         s["producer_endpoint"] = self.producer_endpoint
         s["consumer_endpoint"] = self.consumer_endpoint
         return s

@@ -13,11 +13,14 @@ What is stale, and how many groups producers may start, is decided by `Admission
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from slime_async.config.buffer import BufferConfig
+from slime_async.metrics import names as m
 from slime_async.queue import wal as W
 from slime_async.queue.admission import NO_VERSION, Admission
 from slime_async.queue.groups import (
@@ -30,9 +33,15 @@ from slime_async.queue.groups import (
     check_put,
 )
 from slime_async.queue.messages import AckStatus
-from slime_async.queue.schema import Trajectory, decode_trajectory
+from slime_async.queue.schema import SchemaError, Trajectory, decode_trajectory
+
+log = logging.getLogger(__name__)
 
 _RECENT = 65536  # how many delivered / dropped group ids are remembered (late members, re-pushes)
+MAX_VERSION = (1 << 31) - 1  # token versions travel as int32
+AHEAD = 1
+"""How far a token's version may run ahead of the learner's announced one: the learner pushes
+weights, then announces; tokens of the new weights may arrive in between."""
 
 
 class BufferState:
@@ -67,6 +76,8 @@ class BufferState:
         self.staleness_hist: Counter[int] = Counter()
         self.wal: W.WriteAheadLog | None = None
         self._replaying = False
+        self.announced = False
+        """The learner announced a version in this buffer's life (or the WAL recorded one)."""
 
     @property
     def version(self) -> int:
@@ -96,6 +107,7 @@ class BufferState:
             "next_batch": self.next_batch,
             "version": self.version,
             "groups_per_step": self.groups_per_step,
+            "announced": self.announced,
         }
 
     def _replay(self, rtype: int, rec: dict[str, Any], blobs: list[bytes]) -> None:
@@ -107,6 +119,7 @@ class BufferState:
                 st.done = {s for s in st.done if s >= st.done_below}
             self.next_batch = max(self.next_batch, rec["next_batch"])
             self.admission.set_version(rec["version"], rec["groups_per_step"])
+            self.announced = self.announced or rec.get("announced", rec["version"] > 0)
         elif rtype == W.PUT:
             trajs = [decode_trajectory(b, copy=False) for b in blobs]
             self._apply_put(rec["p"], rec["s"], blobs, trajs)
@@ -146,9 +159,17 @@ class BufferState:
         self.admission.void(pid)
         return ledger.next_seq
 
-    def discard_put(self, pid: str, seq: int) -> None:
-        """A put refused as bad input still uses up its number: the dedupe window keeps moving."""
-        self._producer(pid).mark(seq)
+    def producer_session(self, pid: str) -> int:
+        """A new session took `pid` over (the old one is gone): where its numbering continues."""
+        ledger = self._producer(pid)
+        self.admission.void(pid)
+        return ledger.restart()
+
+    def forget_producer(self, pid: str) -> None:
+        """`pid` is gone for good (idle past `producer_idle_s`): drop its ledger and grants."""
+        self.producers.pop(pid, None)
+        self.admission.forget(pid)
+        self.counts[m.BUF_PRODUCERS_EXPIRED] += 1
 
     def reject(self, reason: str) -> None:
         """Count a request refused for `reason`."""
@@ -176,6 +197,15 @@ class BufferState:
             self.counts["duplicate_groups"] += 1
             return AckStatus.DUPLICATE
         new_groups = check_put(trajs, self.pending, self.ready, self.cfg.capacity_trajectories)
+        if self.announced:
+            for t in trajs:
+                newest = int(t.versions.max()) if t.versions.size else 0
+                if newest > self.version + AHEAD:
+                    raise SchemaError(
+                        "versions",
+                        f"trajectory {t.id!r} has a token of policy version {newest}, newer than "
+                        f"the learner's {self.version} (+{AHEAD} while a push is announced)",
+                    )
         nbytes = sum(len(b) for b in blobs)
         if nbytes > self.cfg.capacity_bytes:
             raise PutRejected(f"message of {nbytes} B exceeds capacity_bytes")
@@ -209,6 +239,7 @@ class BufferState:
             if g is None:
                 g = self.pending[t.group_id] = Group(t.group_id, t.group_size)
             g.blobs.append(blob)
+            g.last_put = time.monotonic()
             g.traj_ids.add(t.id)
             g.nbytes += len(blob)
             g.ntokens += t.num_tokens
@@ -234,7 +265,25 @@ class BufferState:
         self._log(W.VERSION, {"version": version, "groups_per_step": groups_per_step})
         self.drop_stale()
 
+    def check_version(self, version: int, groups_per_step: int, rewind_ok: bool) -> None:
+        """SchemaError naming the field of an announcement that cannot be right. `rewind_ok`: the
+        session that announced before is gone (a restarted learner may go back to its checkpoint,
+        or start from anywhere after a buffer restart without a log)."""
+        jump, cap, v = self.cfg.max_version_jump, self.cfg.capacity_trajectories, self.version
+        problem = (
+            f"{version} exceeds {MAX_VERSION} (versions are int32)" if version > MAX_VERSION
+            else f"{version} goes back from {v}, announced by this learner"
+            if not rewind_ok and version < v
+            else f"{version} jumps more than buffer.max_version_jump={jump} ahead of {v}"
+            if not rewind_ok and version > v + jump else None
+        )  # fmt: skip
+        if problem:
+            raise SchemaError("version", problem)
+        if groups_per_step > cap:
+            raise SchemaError("groups_per_step", f"{groups_per_step} > capacity_trajectories={cap}")
+
     def _apply_version(self, version: int, groups_per_step: int) -> None:
+        self.announced = True
         if self.admission.set_version(version, groups_per_step):
             self.in_training.clear()  # the batches trained at the old version are done
 
@@ -345,9 +394,9 @@ class BufferState:
             if through
             else [batch_id]
         )
+        if batch_id >= self.next_batch:
+            raise SchemaError("batch_id", f"batch {batch_id} was never delivered")
         if not through and batch_id not in self.delivered:
-            if batch_id >= self.next_batch:
-                raise PutRejected(f"batch_id: batch {batch_id} was never delivered")
             return 0  # committed before (a resend after a lost reply)
         for b in ids:
             self._log(W.COMMIT, {"batch": b})
@@ -364,6 +413,20 @@ class BufferState:
             self.counts["committed_groups"] += 1
             self.counts["committed_trajectories"] += len(g.blobs)
             self._forget(g)
+
+    # ---------------------------------------------------------------- expiry
+    def expire_incomplete(self) -> list[str]:
+        """Drop pending groups that received no member for `group_timeout_s` (logged, counted):
+        their producer is gone or broken, and they would hold admission's budget for ever."""
+        horizon = time.monotonic() - self.cfg.group_timeout_s
+        old = [gid for gid, g in self.pending.items() if g.last_put < horizon]
+        if old:
+            why = m.BUF_INCOMPLETE_TIMEOUT
+            log.warning("dropping %d incomplete group(s), e.g. %r, silent for %.0fs (%s)",
+                        len(old), old[0], self.cfg.group_timeout_s, why)  # fmt: skip
+            self._log(W.DROP, {"g": old, "why": why})
+            self._apply_drop(old, why)
+        return old
 
     # ---------------------------------------------------------------- metrics
     def stats(self) -> dict[str, Any]:

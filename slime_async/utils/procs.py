@@ -1,11 +1,19 @@
 """Child processes: started in their own process group, waited on by readiness, stopped by PID.
 
 Used by `slime-async run` and by the tests. Nothing here kills by name.
+
+A child started with `die_with_parent` gets SIGKILL from the kernel when its parent dies (Linux
+PR_SET_PDEATHSIG, set in the child before it runs its program). That reaches the child alone, not
+what it started in its process group: `kill_groups` stops whole groups by id, for a watchdog or a
+successor that finds them left behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
+import json
 import os
 import signal
 import socket
@@ -25,6 +33,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """A preexec function: SIGKILL this process when `parent` dies (Linux only). libc is loaded
+    here, in the parent: between fork and exec the child only makes the one call."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return preexec
+
+
 class Child:
     """One child process in a new session (its own process group), output to a log file."""
 
@@ -35,6 +59,7 @@ class Child:
         log_path: str | Path | None = None,
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
+        die_with_parent: bool = False,
     ):
         self.name = name
         self.argv = list(argv)
@@ -58,7 +83,15 @@ class Child:
             env=full_env,
             cwd=cwd,
             start_new_session=True,
+            preexec_fn=_die_with(os.getpid())
+            if die_with_parent and sys.platform == "linux"
+            else None,
         )
+        try:
+            self.started_at = psutil.Process(self.proc.pid).create_time()
+        except psutil.Error:  # already gone
+            self.started_at = time.time()
+        """The kernel's start time of the child (with the pid, it names the process uniquely)."""
 
     @property
     def pid(self) -> int:
@@ -130,6 +163,49 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def group_members(pgid: int, started_at: float) -> list[psutil.Process]:
+    """Live processes of process group `pgid` started no earlier than `started_at` (its leader's
+    start time: an older process with a reused id is not one of them)."""
+    members = []
+    for p in psutil.process_iter(["status", "create_time"]):
+        try:
+            if (
+                os.getpgid(p.pid) == pgid
+                and p.info["status"] != psutil.STATUS_ZOMBIE
+                and p.info["create_time"] >= started_at - 0.01
+            ):
+                members.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return members
+
+
+def kill_groups(groups: Mapping[int, float], grace_s: float) -> list[int]:
+    """Stop process groups {pgid: leader start time}: SIGTERM, then SIGKILL after `grace_s`.
+    Returns the pids that were alive. Used for what a dead supervisor left behind."""
+    found = {g: group_members(g, t) for g, t in groups.items()}
+    pids = sorted(p.pid for ps in found.values() for p in ps)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for ps in found.values():
+            for p in ps:
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(sig)
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline:
+            found = {g: [p for p in ps if _running(p)] for g, ps in found.items()}
+            if not any(found.values()):
+                return pids
+            time.sleep(0.05)
+    return pids
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def python_module(module: str, *args: str) -> list[str]:
     """argv that runs `python -m module args...` with this interpreter."""
     return [sys.executable, "-m", module, *args]
@@ -168,3 +244,37 @@ def tcp_ready(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
         return s.connect_ex((host, port)) == 0
+
+
+def watch_parent(fd: int, lock_path: str, children_path: str, grace_s: float) -> None:
+    """A supervisor's watchdog (its own process, this module's `__main__`: light to start): wait
+    for EOF on pipe `fd` (the supervisor exited or died), then, unless someone holds `lock_path`
+    (the supervisor, stopping cleanly, or a new owner), stop the process groups recorded in
+    `children_path` ({role: [pid, start time]}) and record none."""
+    with contextlib.suppress(OSError):
+        while os.read(fd, 1):
+            pass
+    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return
+    os.ftruncate(lock, 0)
+    os.pwrite(lock, f"watchdog {os.getpid()}\n".encode(), 0)
+    try:
+        left = json.loads(Path(children_path).read_text())
+    except (OSError, ValueError):
+        left = {}
+    pids = kill_groups({int(v[0]): float(v[1]) for v in left.values()}, grace_s)
+    tmp = Path(children_path + ".tmp")
+    tmp.write_text("{}")
+    os.replace(tmp, children_path)
+    if pids:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{stamp} watchdog: the supervisor died; stopped what it left: pids {pids}",
+              flush=True)  # fmt: skip
+    os.close(lock)
+
+
+if __name__ == "__main__":
+    watch_parent(int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4]))

@@ -1,0 +1,156 @@
+"""One owner per run directory: a second supervisor is refused while the first lives; when the
+supervisor is SIGKILLed its roles die with it (parent-death signal) and so does what they started
+(the watchdog); a new owner stops whatever a dead one left. Stand-in roles from test_supervisor."""
+
+import json
+import os
+import signal
+import sys
+
+import psutil
+import pytest
+
+from slime_async.launch.run_dir import RunDir, RunDirBusy
+from slime_async.launch.supervisor import Supervisor, cleanup_leftovers
+from slime_async.utils.procs import Child, group_alive, wait_until
+from tests.test_supervisor import DRIVER, role
+from tests.test_supervisor import env as env
+
+
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _start_driver(env, tmp_path):
+    script, record, run_dir = env
+    driver_py = tmp_path / "driver.py"
+    driver_py.write_text(DRIVER)
+    pidfile = tmp_path / "grandchild.pid"
+    driver = Child(
+        "supervisor",
+        [sys.executable, str(driver_py), str(script), str(record), str(run_dir.path), str(pidfile)],
+        log_path=tmp_path / "driver.log",
+    )
+    wait_until(lambda: run_dir.ready_file("learner").exists(), 60, "learner ready", child=driver)
+    starts = [x.split() for x in record.read_text().splitlines() if x.startswith("start")]
+    pids = {name: int(pid) for _s, name, pid in starts}
+    return driver, pids, int(pidfile.read_text())
+
+
+def test_sigkill_of_the_supervisor_leaves_no_orphan_and_one_owner_at_a_time(env, tmp_path):
+    _script, _record, run_dir = env
+    driver, pids, grandchild = _start_driver(env, tmp_path)
+    try:
+        recorded = json.loads(run_dir.children_json.read_text())
+        assert {n: v[0] for n, v in recorded.items()} == pids
+        # A second owner is refused while the first lives, naming its pid.
+        with pytest.raises(RunDirBusy, match=f"live supervisor \\(pid {driver.pid}\\)"):
+            RunDir(run_dir.path).lock()
+        with pytest.raises(RunDirBusy):
+            Supervisor(RunDir(run_dir.path), [[role(env, "x")]]).run()
+        os.kill(driver.pid, signal.SIGKILL)  # the supervisor alone: no chance to stop anything
+        driver.proc.wait(10)
+        # The roles die with it; the grandchild that ignores SIGTERM goes too (watchdog).
+        wait_until(lambda: not any(map(_alive, [*pids.values(), grandchild])), 60, "orphans to die")
+        for name, pid in pids.items():
+            assert not group_alive(pid), f"{name}'s group survived"
+        log = run_dir.log("supervisor")
+        wait_until(lambda: "watchdog: the supervisor died" in log.read_text(), 30, "its report")
+        # The directory is free again: a new owner takes it and finds nothing left to stop.
+        again = RunDir(run_dir.path)
+        again.lock()
+        assert cleanup_leftovers(again, 1.0) == []
+        again.unlock()
+    finally:
+        driver.stop(5)
+
+
+def test_a_new_owner_stops_what_a_dead_one_left(env, tmp_path):
+    """Leftovers the watchdog could not stop (it was killed too): `run --resume` stops them."""
+    script, record, run_dir = env
+    leftover = Child("left", [sys.executable, str(script), "--name", "left", "--record",
+                              str(record), "--ignore-term", "--no-ready"])  # fmt: skip
+    try:
+        run_dir.write_children({"buffer": (leftover.pid, leftover.started_at)})
+        owner = RunDir(run_dir.path)
+        owner.lock()
+        assert cleanup_leftovers(owner, 0.5) == [leftover.pid]
+        assert not _alive(leftover.pid)
+        assert run_dir.read_children() == {}
+        owner.unlock()
+    finally:
+        leftover.stop(1)
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_of_a_real_run_then_resume_finishes_with_nothing_lost_or_trained_twice(tmp_path):
+    """`slime-async run` (buffer with WAL, embedded engine, generator, megatron-core learner on a
+    tiny model) loses its supervisor to SIGKILL mid-run: no role survives it, `run --resume`
+    refuses nothing, finishes every step, and the buffer's accounting balances."""
+    import subprocess
+    import time
+
+    from examples.arithmetic.task import make_dataset
+    from slime_async.metrics import read_metrics
+    from slime_async.testing.models import make_tiny_model
+    from tests.test_e2e import REPO, _config
+
+    model = make_tiny_model(tmp_path / "model", "qwen3", seed=0)
+    data = make_dataset(tmp_path / "train.jsonl", 200, seed=0)
+    cfg = _config(tmp_path, model, data, "async")
+    run_dir = RunDir(tmp_path / "killed")
+    total = 8
+    overrides = [f"learner.num_steps={total}", "learner.save_interval=2",
+                 f"run.run_dir={run_dir.path}"]  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, "-m", "slime_async", "run", str(cfg), *overrides],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    metrics = run_dir.metrics_dir / "learner.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run_dir.checkpoints_dir / "step_2").is_dir() and metrics.exists()
+                   and len(metrics.read_text().splitlines()) >= 3):  # fmt: skip
+            assert first.poll() is None and time.monotonic() < deadline, "first run ended early"
+            time.sleep(0.1)  # polling the run's files: the readiness signal here
+        roles = run_dir.read_children()
+        assert {"buffer", "engine0", "generator0", "learner"} <= set(roles)
+        first.kill()  # SIGKILL of the supervisor alone
+        first.wait(10)
+        pids = [pid for pid, _ in roles.values()]
+        # The roles die with it at once; what they started goes with the watchdog.
+        wait_until(lambda: not any(map(group_alive, pids)), 30, "the roles' groups to die")
+        log = run_dir.log("supervisor")
+        wait_until(lambda: "watchdog: the supervisor died" in log.read_text(), 30, "its report")
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    done_before = len(read_metrics(metrics))
+    assert done_before < total
+
+    again = subprocess.run(
+        [sys.executable, "-m", "slime_async", "run", "--resume", str(run_dir.path)],
+        cwd=REPO, capture_output=True, text=True, timeout=420,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    learner = read_metrics(
+        metrics
+    )  # a step trained again after the checkpoint keeps its last record
+    assert [r["version"] for r in learner] == list(range(1, total + 1))
+    final = json.loads((run_dir.path / "buffer_final.json").read_text())
+    # Written by the buffer as it stopped, after the generators: nothing in flight.
+    assert final["producers_live"] == 0
+    assert final["batches_delivered_uncommitted"] == 0
+    c = final["counts"]
+    # Each trajectory committed at most once: trained steps after the last checkpoint were
+    # delivered again (redelivered), never committed twice.
+    assert c["committed_trajectories"] == c["committed_groups"] * 4
+    assert c["committed_groups"] <= total * 2
+    dropped = sum(final["dropped_trajectories"].values())
+    assert (
+        c["trajectories_in"] == c["committed_trajectories"] + dropped + final["trajectories_held"]
+    )
+    assert "Traceback" not in run_dir.log("buffer").read_text()
