@@ -47,6 +47,24 @@ def ref_probe_loss(inp, cfg) -> LossOutput:
     return out
 
 
+PROX_CALLS: list[dict] = []
+"""What `prox_probe_loss` saw, one entry per micro-batch call (cleared by the test)."""
+
+
+def prox_probe_loss(inp, cfg) -> LossOutput:
+    """pg_loss that records the pi_prox, pi_theta and mu it was given."""
+    assert inp.prox_logp is not None and not inp.prox_logp.requires_grad
+    PROX_CALLS.append(
+        {
+            "prox": inp.prox_logp.detach().clone(),
+            "logp": inp.logp.detach().clone(),
+            "mu": inp.behavior_logp.clone(),
+            "mask": inp.loss_mask.clone(),
+        }
+    )
+    return pg_loss(inp, cfg)
+
+
 def centered_adv(inp, cfg, state) -> torch.Tensor:
     """Reward minus the group mean, one value per trajectory [G, n]."""
     return inp.rewards - inp.rewards.mean(dim=1, keepdim=True)
@@ -113,7 +131,10 @@ def learner_cfg(model_dir: str | None = None, **kw) -> LearnerConfig:
 
 
 def algo_cfg(**kw) -> AlgoConfig:
-    return AlgoConfig(loss="learner_worker:pg_loss", advantage="learner_worker:centered_adv", **kw)
+    """The test loss and estimator; one update per batch unless `mini_batches` is given (the
+    DP and TP comparisons split rows per rank, so only a single mini-batch is comparable)."""
+    base = dict(loss="learner_worker:pg_loss", advantage="learner_worker:centered_adv")
+    return AlgoConfig(**{**base, "mini_batches": 1, **kw})
 
 
 # Training compared across TP sizes: the clip is active (TP-aware grad norm) and so is the
@@ -127,14 +148,14 @@ def capture_grads(learner) -> dict:
     grads: dict = {}
     original = learner.optimizer.step
 
-    def step(lr, tp_group):
+    def step(lr, tp_group, **kw):
         grads.update(
             {
                 n: p.grad.detach().clone()
                 for n, p in zip(learner.optimizer.names, learner.optimizer.params, strict=True)
             }
         )
-        return original(lr, tp_group)
+        return original(lr, tp_group, **kw)
 
     learner.optimizer.step = step
     return grads
@@ -173,6 +194,17 @@ def task_dp2(out: Path, model_dirs: list[str]) -> None:
     learner.close()
 
 
+def task_dp2_minibatches(out: Path, model_dirs: list[str]) -> None:
+    """DP=2 with more mini-batches than rank 0 has rows (its last ones are empty locally)."""
+    learner = Learner(learner_cfg(model_dirs[0]), algo_cfg(mini_batches=4))
+    groups = make_groups(100, 4)
+    mine = groups[:1] if learner.rank == 0 else groups[1:]  # 2 rows against 6
+    metrics = [learner.train_step(mine) for _ in range(2)]
+    if dist.get_rank() == 0:
+        torch.save({"metrics": metrics, "version": learner.version}, out / "dp2_mb.pt")
+    learner.close()
+
+
 def run_two_ranks(task: str, out: Path, model_dirs: list[str], timeout: float) -> None:
     """Run `task` of this file under torchrun with 2 gloo ranks; fail with its log if it fails."""
     argv = python_module(
@@ -199,4 +231,5 @@ if __name__ == "__main__":
     # close() would rendezvous again on torchrun's store.
     dist.init_process_group("gloo")
     task, out_dir, *dirs = sys.argv[1:]
-    {"tp2": task_tp2, "dp2": task_dp2}[task](Path(out_dir), dirs)
+    tasks = {"tp2": task_tp2, "dp2": task_dp2, "dp2_mb": task_dp2_minibatches}
+    tasks[task](Path(out_dir), dirs)

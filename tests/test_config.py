@@ -139,3 +139,44 @@ def test_buffer_step_size_follows_the_learner_unless_set():
     assert load_config([], ["learner.groups_per_step=5"]).buffer.groups_per_step == 5
     cfg = load_config([], ["learner.groups_per_step=5", "buffer.groups_per_step=7"])
     assert cfg.buffer.groups_per_step == 7
+
+
+def test_push_interval_beyond_the_staleness_bound_is_refused():
+    """The engines lag the learner by up to push_interval - 1 versions: a bound below that would
+    hold no admissible batch and hang the run (issue 14 item 1)."""
+    with pytest.raises(ConfigError) as e:
+        load_config([], ["learner.push_interval=4", "buffer.max_staleness=1"])
+    msg = str(e.value)
+    assert "learner.push_interval" in msg and "buffer.max_staleness" in msg and ">= 3" in msg
+    assert "got {" not in msg  # the message, not a dump of the whole config
+    assert load_config([], ["learner.push_interval=4", "buffer.max_staleness=3"])
+    # Sync mode sets both itself.
+    assert load_config([], ["run.mode=sync", "learner.push_interval=4", "buffer.max_staleness=1"])
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo"])
+def test_group_size_too_small_for_the_estimator_is_refused(advantage):
+    with pytest.raises(ConfigError, match=r"generator\.group_size >= 2") as e:
+        load_config([], [f"algo.advantage={advantage}", "generator.group_size=1"])
+    assert "algo.advantage" in str(e.value)
+    load_config([], ["algo.advantage=reinforce", "generator.group_size=1"])
+
+
+def test_k1_as_a_kl_loss_is_refused():
+    with pytest.raises(ConfigError, match=r"algo\.kl_estimator"):
+        load_config([], ["algo.kl_coef=0.1", "algo.kl_estimator=k1"])
+    load_config([], ["algo.kl_coef=0.1", "algo.kl_estimator=k3"])
+    load_config([], ["algo.kl_coef=0", "algo.kl_estimator=k1"])  # no penalty: nothing to refuse
+
+
+def test_more_mini_batches_than_trajectories_is_refused():
+    over = ["learner.groups_per_step=1", "generator.group_size=2", "algo.mini_batches=3"]
+    with pytest.raises(ConfigError, match=r"algo\.mini_batches = 3"):
+        load_config([], over)
+
+
+def test_stale_policy_defaults_to_keep_and_is_validated():
+    assert load_config().buffer.stale_policy == "keep"
+    assert load_config([], ["buffer.stale_policy=drop"]).buffer.stale_policy == "drop"
+    with pytest.raises(ConfigError, match="stale_policy"):
+        load_config([], ["buffer.stale_policy=discard"])

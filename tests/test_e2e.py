@@ -20,6 +20,20 @@ MAX_STALENESS = 1
 STEPS = 4
 
 
+def char_sum_reward(sample, response_text: str, info: dict | None = None) -> float:
+    """A reward that differs between random responses (a random model never gets the arithmetic
+    right): groups of equal rewards have no gradient, and the learner skips those batches."""
+    return (sum(map(ord, response_text)) % 11) / 10.0
+
+
+def _versions_follow_updates(records: list[dict]) -> None:
+    """One version per batch with an applied update, none for a skipped one; never backwards."""
+    previous = records[0]["version"] - (0 if records[0]["learner/batch_skipped"] else 1)
+    for r in records:
+        assert r["version"] == previous + (0 if r["learner/batch_skipped"] else 1), r
+        previous = r["version"]
+
+
 def _config(tmp_path: Path, model: Path, data: Path, mode: str) -> Path:
     cfg = tmp_path / f"e2e-{mode}.toml"
     cfg.write_text(
@@ -47,7 +61,7 @@ max_running_requests = 16
 [generator]
 dataset = "{data}"
 rollout = "single_turn"
-reward = "examples.arithmetic.task:reward"
+reward = "tests.test_e2e:char_sum_reward"
 group_size = 4
 max_inflight = 16
 
@@ -99,17 +113,27 @@ def test_pipeline_runs_pushes_and_loses_nothing(tiny_setup, mode):
 
     learner = read_metrics(run_dir / "metrics" / "learner.jsonl")
     assert [r["step"] for r in learner] == list(range(1, STEPS + 1))
-    assert [r["version"] for r in learner] == list(range(1, STEPS + 1))
-    # Weights went to the engine after every step ...
-    assert all(r["push/seconds"] > 0 for r in learner)
+    assert learner[0]["version"] <= 1
+    _versions_follow_updates(learner)
+    assert learner[-1]["version"] >= STEPS - 1  # rewards vary: (almost) no batch is skipped
+    # Weights went to the engine after every step that made a new version ...
+    assert all(r["push/seconds"] > 0 for r in learner if not r["learner/batch_skipped"])
+    # ... made of several mini-batch updates per batch (PPO's inner loop).
+    assert sum(r["learner/updates"] for r in learner) > STEPS
     # ... and the engine served them: the generator saw the advancing versions.
     gen = read_metrics(run_dir / "metrics" / "generator0.jsonl")
     assert max(r["step"] for r in gen) >= STEPS - 1
     # A healthy engine: no call failed over, none failed for good (both counted in every record).
     assert all(r["gen/engine_failovers"] == 0 and r["gen/engine_errors"] == 0 for r in gen)
-    # The staleness bound held end to end (sync mode: 0).
+    # The staleness bound held end to end (sync mode: 0), on the buffer's clock (the version
+    # the engines hold) and on the learner's own (push_interval = 1: the same bound), which does
+    # not depend on the buffer's bookkeeping; no token crossed it, so none was kept over it.
     bound = 0 if mode == "sync" else MAX_STALENESS
     assert all(r["staleness/max"] <= bound for r in learner)
+    assert all(r["staleness/learner_max"] <= bound for r in learner)
+    assert all(r["stale/over_bound_tokens"] == 0 for r in learner)
+    # Stale drops are reported (none here: stale_policy "keep" never drops; admission throttled).
+    assert all(r["buffer/dropped_stale_groups"] == 0 for r in learner)
 
     # Nothing lost: acknowledged = trained + dropped (by reason) + still held.
     final = json.loads((run_dir / "buffer_final.json").read_text())
@@ -120,6 +144,7 @@ def test_pipeline_runs_pushes_and_loses_nothing(tiny_setup, mode):
     acknowledged = final["counts"]["trajectories_in"]
     assert acknowledged == trained + dropped + final["trajectories_held"], final
     assert set(final["dropped_trajectories"]) <= {"stale", "late_member_of_dropped_group"}
+    assert final["dropped_stale"]["policy"] == "keep" and final["dropped_stale"]["groups"] == 0
 
 
 def test_interrupted_run_resumes_without_loss_or_repeat(tiny_setup):
@@ -166,7 +191,11 @@ def test_interrupted_run_resumes_without_loss_or_repeat(tiny_setup):
     )  # fmt: skip
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     learner = read_metrics(metrics)  # a step trained twice keeps its last record
-    assert [r["version"] for r in learner] == list(range(1, total + 1))
+    assert [r["step"] for r in learner] == list(range(1, total + 1))
+    # The version never goes back: the resumed learner continues from the newest version the
+    # buffer announced (the engines held it, tokens carry it), not from its older checkpoint.
+    versions = [r["version"] for r in learner]
+    assert versions == sorted(versions), versions
     log = (run_dir / "logs" / "learner.log").read_text()
     assert "resumed at step" in log
     final = json.loads((run_dir / "buffer_final.json").read_text())

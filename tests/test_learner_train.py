@@ -126,15 +126,37 @@ def test_env_tokens_get_no_gradient(model_dir, learner_factory):
         assert torch.equal(g, grads[1][name]), name
 
 
-def test_equal_rewards_give_zero_loss_and_gradient(model_dir, learner_factory):
-    learner = learner_factory(learner_cfg(str(model_dir)))
+def test_zero_gradient_batch_moves_nothing_and_keeps_the_version(model_dir, learner_factory):
+    """Equal rewards give zero advantages: no Adam update (its momentum would still move the
+    weights), no version bump, and the skip is counted with its reason."""
+    learner = learner_factory(learner_cfg(str(model_dir)), algo_cfg(mini_batches=2))
+    learner.train_step(make_groups(1, 2))  # a real step first: Adam has momentum now
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
     groups = make_groups(5, 1, group_size=2)
     for t in groups[0]:
         t.reward = 0.5  # centred advantages are all 0
     metrics = learner.train_step(groups)
     assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
     assert metrics["tokens"] == sum(int(t.loss_mask.sum()) for t in groups[0])
-    assert learner.version == 1
+    assert metrics["learner/skipped_updates/zero_gradient"] == 2
+    assert metrics["learner/updates"] == 0 and metrics["learner/batch_skipped"] == 1
+    assert (learner.step, learner.version) == (2, 1)
+    for n, p in learner.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_non_finite_gradient_is_skipped_without_a_version(model_dir, learner_factory):
+    learner = learner_factory(learner_cfg(str(model_dir)))
+    groups = make_groups(6, 2)
+    bad = groups[0].trajectories[0]
+    bad.logprobs = np.where(bad.loss_mask > 0, -1e30, 0.0).astype(np.float32)  # ratio = inf
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    metrics = learner.train_step(groups)
+    assert metrics["learner/skipped_updates/non_finite"] == 1
+    assert metrics["learner/batch_skipped"] == 1
+    assert (learner.step, learner.version) == (1, 0)
+    for n, p in learner.model.named_parameters():
+        assert torch.equal(p, before[n]), n
 
 
 @pytest.mark.parametrize(
@@ -162,9 +184,7 @@ def test_unknown_loss_fails_at_construction(model_dir):
 
 
 def test_kl_reference_is_the_frozen_starting_policy(model_dir, learner_factory):
-    algo = AlgoConfig(
-        loss="learner_worker:ref_probe_loss", advantage="learner_worker:centered_adv", kl_coef=0.1
-    )
+    algo = algo_cfg(loss="learner_worker:ref_probe_loss", kl_coef=0.1)
     learner = learner_factory(learner_cfg(str(model_dir)), algo)
     gaps = [learner.train_step(make_groups(seed, 2))["ref_gap_max"] for seed in range(3)]
     assert gaps[0] == 0.0  # step 1: the policy is still the reference

@@ -268,7 +268,7 @@ def test_producer_client_raises_buffer_rejected():
 
 
 def test_staleness_drop_order_and_histogram():
-    with running(max_staleness=2) as (buf, cfg):
+    with running(max_staleness=2, stale_policy="drop") as (buf, cfg):
         groups = [synthetic_group(f"v{v}", 2, version=v, seed=v) for v in (0, 1, 3, 2)]
         groups[0][1].versions[-3:] = 9  # newer tail tokens do not make a group fresher
         asyncio.run(_put_all(cfg, groups))

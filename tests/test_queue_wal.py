@@ -44,7 +44,7 @@ async def _put_all(cfg, groups, producer="p0"):
 
 
 def test_restart_recovers_acknowledged_uncommitted_and_forgets_committed(tmp_path):
-    cfg = _cfg(tmp_path / "wal", max_staleness=1)
+    cfg = _cfg(tmp_path / "wal", max_staleness=1, stale_policy="drop")
     with running(cfg):
         groups = [synthetic_group(f"g{i}", 2, version=2 * (i >= 4), seed=i) for i in range(6)]
         asyncio.run(_put_all(cfg, groups))

@@ -90,6 +90,7 @@ class SlimeConfig(Section):
                 self.buffer.max_staleness = 0
             if self.learner.push_interval != 1:
                 self.learner.push_interval = 1
+        _check_across_sections(self)
         return self
 
     def paths(self) -> RunPaths:
@@ -107,6 +108,46 @@ class SlimeConfig(Section):
     @classmethod
     def read_json(cls, path: str | Path) -> SlimeConfig:
         return cls.model_validate(json.loads(Path(path).read_text()))
+
+
+# Smallest group size at which each built-in estimator trains on anything: a group of one has a
+# zero (grpo, dr_grpo) or undefined (rloo: leave-one-out of nothing) advantage.
+# TODO(merge): use slime_async.algos.min_group_size(name) (issue 14, part 1); it lives behind
+# torch, which this module must not import, so keep this table in step with it.
+_MIN_GROUP_SIZE = {"grpo": 2, "dr_grpo": 2, "rloo": 2}
+
+
+def _check_across_sections(cfg: SlimeConfig) -> None:
+    """Refuse combinations that hang, or silently train nothing, naming the keys."""
+    lag = cfg.learner.push_interval - 1
+    if lag > cfg.buffer.max_staleness:
+        raise ValueError(
+            f"learner.push_interval = {cfg.learner.push_interval} needs buffer.max_staleness >= "
+            f"{lag} (got {cfg.buffer.max_staleness}): between pushes the engines' weights lag the "
+            f"learner by up to push_interval - 1 = {lag} versions, so the buffer would hold no "
+            "batch within the bound and the learner would wait for ever; raise "
+            "buffer.max_staleness or lower learner.push_interval"
+        )
+    need = _MIN_GROUP_SIZE.get(cfg.algo.advantage, 1)
+    if cfg.generator.group_size < need:
+        raise ValueError(
+            f"algo.advantage = {cfg.algo.advantage!r} needs generator.group_size >= {need} "
+            f"(got {cfg.generator.group_size}): with one trajectory per prompt its advantages "
+            "are zero or undefined, so nothing would be trained; use advantage = 'reinforce' "
+            "or 'reinforce_pp' for single samples"
+        )
+    if cfg.algo.kl_coef > 0 and cfg.algo.kl_estimator == "k1":
+        raise ValueError(
+            "algo.kl_estimator = 'k1' with algo.kl_coef > 0: k1 (log pi/pi_ref) as a loss has "
+            "zero expected gradient, so the penalty does nothing; use 'k2' or 'k3'"
+        )
+    trajectories = cfg.learner.groups_per_step * cfg.generator.group_size
+    if cfg.algo.mini_batches > trajectories:
+        raise ValueError(
+            f"algo.mini_batches = {cfg.algo.mini_batches} exceeds the trajectories of one step "
+            f"(learner.groups_per_step x generator.group_size = {trajectories}): some "
+            "mini-batches would always be empty"
+        )
 
 
 def _parse_value(text: str) -> Any:
@@ -213,6 +254,9 @@ def load_config(
             loc = tuple(str(p) for p in err["loc"])
             dotted = ".".join(loc)
             where = _origin_of(loc, origins)
+            if not loc and err["type"] == "value_error":  # a cross-section check names its keys
+                lines.append(str(err["msg"]).removeprefix("Value error, "))
+                continue
             if err["type"] == "extra_forbidden":
                 hint = difflib.get_close_matches(loc[-1], _known_keys(model, loc), n=1)
                 msg = f"unknown key '{dotted}'" + (f" (did you mean '{hint[0]}'?)" if hint else "")

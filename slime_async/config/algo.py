@@ -70,6 +70,13 @@ class AlgoConfig(Section):
     """DAPO dynamic sampling: drop groups whose rewards are all equal (their advantage is 0)."""
     filter_eps: float = Field(1e-6, ge=0)
     """A group whose reward std is at most this counts as zero-variance."""
+    mini_batches: int = Field(4, ge=1)
+    """Optimizer steps per batch: its trajectories split into this many mini-batches, each one
+    AdamW update (PPO's inner loop). pi_prox is the policy at the start of the batch, so after
+    the first update the clip and the behaviour weight see a ratio != 1: the trust region is
+    active. One policy version per batch, whatever this is."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over the batch's mini-batches (updates per batch = ppo_epochs * mini_batches)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "AlgoConfig":

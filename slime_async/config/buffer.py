@@ -30,7 +30,19 @@ class BufferConfig(Section):
     allow_non_loopback: bool = False
     """Bind to a non-loopback address without CURVE keys (off: refuse)."""
     max_staleness: int = Field(4, ge=0)
-    """Groups older than this many policy versions (current - oldest token version) are dropped."""
+    """The staleness bound: versions between the weights the engines hold (the version the learner
+    announced after its last push) and a token's version. Admission throttles generation so a
+    group started now is trained within it; `stale_policy` decides about a group that still
+    crosses it. Must be >= learner.push_interval - 1 (the engines' lag behind the learner)."""
+    stale_policy: Literal["drop", "mask", "keep"] = "keep"
+    """A group that crosses max_staleness anyway (a long or multi-turn rollout): "drop" it in the
+    buffer (counted, and the producer is told: AckStatus.STALE), "mask" (the learner zeroes the
+    loss mask of its tokens older than the bound, trains the rest), or "keep" (train on all of it;
+    the bounded importance weight pi_prox/mu corrects it). "keep" is the default because it is the
+    only one that does not select against long responses: a group crosses the bound because it
+    took long to generate, so dropping it removes long responses from training (measured: 13
+    groups dropped in one quickstart run, async responses 128 vs 192 tokens in sync mode), and
+    masking removes their early tokens. Admission already keeps almost every group in bound."""
     order: Literal["oldest_first", "freshest_first"] = "oldest_first"
     """Which ready groups are delivered first."""
     capacity_trajectories: int = Field(8192, ge=1)

@@ -50,6 +50,9 @@ class LearnerConfig(Section):
     """Optimizer steps to train."""
     torch_threads: int = Field(0, ge=0)
     """CPU threads of each learner process (torch.set_num_threads); 0: torch's default."""
+    prox_compare_interval: int = Field(10, ge=0)
+    """With algo.prox_source = "interpolate": also run the exact pi_prox forward pass on every this
+    many-th batch and log how far the interpolation is from it (prox/interp_abs_err; 0: never)."""
     seed: int = 1234
     """Seed of parameter init and dropout (unset in a full config: run.seed)."""
     weight_master_addr: str | None = None

@@ -74,6 +74,9 @@ class BufferState:
         self.dropped_trajectories: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.staleness_hist: Counter[int] = Counter()
+        # Groups dropped as stale: their trajectories' response lengths and rewards, to compare
+        # with the ones trained on (stale drops select against slow, i.e. long, rollouts).
+        self.dropped_stale: Counter[str] = Counter()
         self.wal: W.WriteAheadLog | None = None
         self._replaying = False
         self.announced = False
@@ -291,7 +294,10 @@ class BufferState:
         return self.admission.staleness(g.oldest)
 
     def drop_stale(self, group_ids: list[str] | None = None) -> list[str]:
-        """Drop held, undelivered groups beyond max_staleness (only `group_ids` if given)."""
+        """Drop held, undelivered groups beyond max_staleness (only `group_ids` if given), when
+        `stale_policy` is "drop" ("mask" and "keep" leave them to the learner)."""
+        if self.cfg.stale_policy != "drop":
+            return []
         if group_ids is None:
             candidates = [*self.ready, *self.pending.values()]
         else:
@@ -310,6 +316,13 @@ class BufferState:
                 continue
             self.dropped[why] += 1
             self.dropped_trajectories[why] += len(g.blobs)
+            if why == "stale":
+                self.dropped_stale["groups"] += 1
+                for blob in g.blobs:
+                    t = decode_trajectory(blob, copy=False)
+                    self.dropped_stale["trajectories"] += 1
+                    self.dropped_stale["response_tokens"] += int(t.loss_mask.sum())
+                    self.dropped_stale["reward"] += float(t.reward)
             self._forget(g)
             self._recent_drops.add(gid)
 
@@ -429,6 +442,18 @@ class BufferState:
         return old
 
     # ---------------------------------------------------------------- metrics
+    def _dropped_stale_stats(self) -> dict[str, Any]:
+        """Groups dropped as stale: count, and mean response length / reward per trajectory."""
+        d = self.dropped_stale
+        n = max(d["trajectories"], 1)
+        return {
+            "policy": self.cfg.stale_policy,
+            "groups": d["groups"],
+            "trajectories": d["trajectories"],
+            "mean_response_len": d["response_tokens"] / n,
+            "mean_reward": d["reward"] / n,
+        }
+
     def stats(self) -> dict[str, Any]:
         return {
             "version": self.version,
@@ -448,5 +473,6 @@ class BufferState:
             "dropped_trajectories": dict(self.dropped_trajectories),
             "rejected": dict(self.rejected),
             "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+            "dropped_stale": self._dropped_stale_stats(),
             "wal": self.wal.stats() if self.wal else None,
         }

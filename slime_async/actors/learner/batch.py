@@ -49,6 +49,8 @@ class Row:
     """P >= 1: the first response token is predicted at position P - 1."""
     per_token: dict[str, np.ndarray] = field(default_factory=dict)
     """name -> [R] response-aligned values (behaviour logp, loss mask, versions, advantages)."""
+    temperature: float = 1.0
+    """The temperature its log-probs are computed at (the one the engine sampled it with)."""
 
     @property
     def response_len(self) -> int:
@@ -75,6 +77,8 @@ class MicroBatch:
     """name -> [B, T] response-aligned values, 0 on padding."""
     rows: list[int]
     """Indices into the step's row list, in batch order."""
+    temperature: torch.Tensor | None = None
+    """[B] float32 per-row temperature (each trajectory's own)."""
 
     @property
     def num_tokens(self) -> int:
@@ -125,18 +129,21 @@ def collate(rows: list[Row], indices: list[int], device: torch.device) -> MicroB
         resp_valid=torch.from_numpy(valid).to(device),
         per_token={k: torch.from_numpy(v).to(device) for k, v in per_token.items()},
         rows=list(indices),
+        temperature=torch.tensor([r.temperature for r in picked], dtype=torch.float32).to(device),
     )
 
 
 def vocab_parallel_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / T)[label] and optionally the entropy, over TP vocab shards.
 
-    logits: [B, S, V/tp] this rank's vocab slice; labels: [B, S] global ids.
+    logits: [B, S, V/tp] this rank's vocab slice; labels: [B, S] global ids; temperature: one
+    for all rows or [B], one per row. Over the full vocabulary, with no top-k/top-p filtering:
+    what SGLang reports as a token's log-prob (`log_softmax(logits / T)` before filtering).
     Returns logp [B, S] (and entropy [B, S]) in fp32, with grad. The sums across TP ranks
     all-reduce forward and pass the gradient through unchanged backward: every TP rank
     computes the same loss, so each rank's slice gets exactly its share.
@@ -146,7 +153,9 @@ def vocab_parallel_logprobs(
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     z = logits.float()
-    if temperature != 1.0:
+    if isinstance(temperature, torch.Tensor):
+        z = z / temperature.to(z).view(-1, 1, 1)
+    elif temperature != 1.0:
         z = z / temperature
     v_local = z.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * v_local
@@ -204,8 +213,11 @@ def check_trajectory(t: Trajectory, vocab_size: int) -> None:
     check_ids(np.concatenate([t.prompt_ids, t.response_ids]), vocab_size, f"trajectory {t.id!r}")
 
 
-def rows_from_groups(groups: Sequence[TrainGroup], vocab_size: int) -> list[Row]:
-    """One Row per trajectory (prompt + response tokens, response-aligned per-token arrays)."""
+def rows_from_groups(
+    groups: Sequence[TrainGroup], vocab_size: int, temperature: float = 1.0
+) -> list[Row]:
+    """One Row per trajectory (prompt + response tokens, response-aligned per-token arrays), at
+    the trajectory's own temperature (`temperature`, the run's, where it recorded none)."""
     rows = []
     for g in groups:
         for t in g:
@@ -216,5 +228,6 @@ def rows_from_groups(groups: Sequence[TrainGroup], vocab_size: int) -> list[Row]
                 "loss_mask": np.asarray(t.loss_mask, dtype=np.float32),
                 "versions": np.asarray(t.versions, dtype=np.int64),
             }
-            rows.append(Row(tokens, len(t.prompt_ids), per_token))
+            temp = temperature if t.temperature is None else float(t.temperature)
+            rows.append(Row(tokens, len(t.prompt_ids), per_token, temp))
     return rows

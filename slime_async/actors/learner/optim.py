@@ -104,9 +104,13 @@ class MasterAdamW:
             dist.all_reduce(sharded, group=tp_group)
         return float((sharded + replicated).sqrt())
 
-    def step(self, lr: float, tp_group) -> float:
-        """Clip to cfg.clip_grad, step at `lr`, copy masters back; returns the pre-clip norm."""
-        norm = self.grad_norm(tp_group)
+    def step(self, lr: float, tp_group, norm: float | None = None) -> float:
+        """Clip to cfg.clip_grad, step at `lr`, copy masters back; returns the pre-clip norm.
+
+        `norm`: the gradient norm if the caller computed it already. A non-finite norm applies
+        nothing (the caller counts it)."""
+        if norm is None:
+            norm = self.grad_norm(tp_group)
         scale = 1.0
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
             scale = self.cfg.clip_grad / (norm + 1e-6)

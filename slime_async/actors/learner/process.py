@@ -2,7 +2,7 @@
 
     buffer (consumer endpoint) --batch of whole groups--> rank 0 --groups split by DP rank--> ranks
     ranks --train_step--> version v+1 --every push_interval steps: HF-named buckets--> engines
-    rank 0 --set_version(v+1) after the push--> buffer (staleness + admission)
+    rank 0 --set_version(pushed version) after the push--> buffer (staleness + admission)
     rank 0 --commit through the last checkpointed batch--> buffer
 
 Connects to: the buffer's consumer endpoint (rank 0 only) and every engine's HTTP endpoint
@@ -13,9 +13,17 @@ checkpoint holds their effect (or right away when no checkpoints are taken mid-r
 learner killed between checkpoints gets the same batches again: no trajectory is lost or trained
 on twice across a resume.
 
-The version is announced after the push, not after the step: a rollout admitted at version v then
-starts on engines that already hold v, which is what makes `run.mode = "sync"` (max_staleness 0)
-generate-train-push in lock step with the same code.
+The version announced to the buffer is the one the engines hold: it is announced after each push,
+not after each step. So the buffer's clock is the version new tokens are made with, a group started
+now is never stale on arrival whatever push_interval is, and admission's budget counts from the
+pushed version: batches trained since the last push stay in the budget until the next one (with
+push_interval P the engines lag the learner by up to P - 1 versions, which the config requires
+max_staleness to cover). A rollout admitted at version v starts on engines that already hold v,
+which is what makes `run.mode = "sync"` (max_staleness 0) generate-train-push in lock step.
+
+The version never goes back: a learner restarted from an older checkpoint (or from scratch, with
+save_interval = 0) takes the buffer's announced version if it is newer, pushes its weights under it,
+and so never meets tokens "ahead" of its own version.
 """
 
 from __future__ import annotations
@@ -116,6 +124,8 @@ class _Rank0:
                 state_path=run_dir / "weight_group.json" if run_dir is not None else None,
             )
         self.metrics: MetricsLogger | None = None
+        self.first_record: dict[str, Any] = {}
+        """Start-up facts logged with the first step's record."""
         if run_dir is not None:
             self.metrics = MetricsLogger(
                 run_dir,
@@ -174,18 +184,39 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
         # yet, so starting over from the model gets every batch again, none lost or repeated.
         log.warning("no complete checkpoint in %s: starting from %s", lc.load, lc.model_path)
     learner_cfg = lc.model_copy(update={"load": str(resume_from) if resume_from else None})
-    learner = Learner(learner_cfg, cfg.algo, temperature=cfg.generator.sampling.temperature)
+    # A greedy request is sampled (and its log-probs reported) at temperature 1 (SGLang's rule).
+    temperature = cfg.generator.sampling.temperature or 1.0
+    learner = Learner(
+        learner_cfg,
+        cfg.algo,
+        temperature=temperature,
+        max_staleness=cfg.buffer.max_staleness,
+        stale_policy=cfg.buffer.stale_policy,
+    )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     rank0 = _Rank0(cfg, run_dir, backend) if learner.is_rank0 else None
     try:
+        buffer_version = 0
         if rank0 is not None:
             cursor = int(learner.loaded_extra.get("buffer_cursor", 0))
             if cursor:
                 retired = rank0.consumer.resume(cursor)
                 log.info("resumed at step %d (buffer cursor %d, %d batches retired)",
                          learner.step, cursor, retired)  # fmt: skip
+            buffer_version = int(rank0.consumer.stats().get("version", 0))
             if rank0.pusher is not None:
                 rank0.pusher.connect()
+        buffer_version = int(_broadcast_object(buffer_version))
+        claimed = 0
+        if buffer_version > learner.version:
+            # The buffer (and its tokens) went further than this learner's checkpoint: continue
+            # the version count from there, or every newer token would be "ahead" of it.
+            log.warning(
+                "the buffer announced version %d, this learner (step %d) holds %d: continuing "
+                "from version %d with its weights", buffer_version, learner.step,
+                learner.version, buffer_version,
+            )  # fmt: skip
+            learner.version = claimed = buffer_version
         has_pusher = _broadcast_flag(rank0 is not None and rank0.pusher is not None)
         if has_pusher:
             # Every engine gets this learner's weights before training: engines start from the
@@ -195,6 +226,8 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
             _resync(learner, rank0)
         if rank0 is not None:
             rank0.consumer.set_version(learner.version, lc.groups_per_step)
+            if claimed:  # reported with the first step's record
+                rank0.first_record[M.VERSION_CLAIMED] = float(claimed)
         if dist.is_initialized():
             dist.barrier()
         if learner.is_rank0:
@@ -226,28 +259,44 @@ RESYNC_ATTEMPTS = 3
 """Pushes in a row that may fail (an engine died midway) before the learner gives up."""
 
 
-def _resync(learner: Learner, rank0: _Rank0 | None) -> float:
+def _resync(learner: Learner, rank0: _Rank0 | None) -> tuple[float, int]:
     """Push again while the pusher asks for it (an engine restarted, came back, or a push failed
-    midway): the group is rebuilt with the live engines and they get the current weights."""
+    midway): the group is rebuilt with the live engines and they get the current weights.
+    Returns the seconds spent and the pushes made (after one, the engines hold learner.version)."""
     seconds = 0.0
     for attempt in range(RESYNC_ATTEMPTS + 1):
         needed = rank0 is not None and rank0.pusher is not None and rank0.pusher.resync_needed()
         if not _broadcast_flag(needed):
-            return seconds
+            return seconds, attempt
         if attempt == RESYNC_ATTEMPTS:
             raise RuntimeError(f"the weight push failed {RESYNC_ATTEMPTS} times in a row")
         log.warning("weight resync of version %d (attempt %d)", learner.version, attempt + 1)
         seconds += _push(learner, rank0)
-    return seconds
+    return seconds, RESYNC_ATTEMPTS
+
+
+def _broadcast_object(value: Any) -> Any:
+    """Rank 0's `value` on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _broadcast_flag(value: bool) -> bool:
     """Rank 0's `value` on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    flag = [value]
-    dist.broadcast_object_list(flag, src=0)
-    return bool(flag[0])
+    return bool(_broadcast_object(value))
+
+
+def _buffer_drop_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    """The buffer's stale drops so far (count, mean length and reward of their trajectories)."""
+    d = stats.get("dropped_stale") or {}
+    return {
+        M.BUFFER_DROPPED_GROUPS: float(d.get("groups", 0)),
+        M.BUFFER_DROPPED_LEN: float(d.get("mean_response_len", 0.0)),
+        M.BUFFER_DROPPED_REWARD: float(d.get("mean_reward", 0.0)),
+    }
 
 
 def _train(
@@ -258,6 +307,7 @@ def _train(
     has_pusher: bool,
 ) -> int:
     lc = cfg.learner
+    pushed = learner.version  # what the engines hold (pushed at start-up when > 0)
     while learner.step < lc.num_steps:
         t_step = time.perf_counter()
         batch, waited, info, given = None, 0.0, {}, None
@@ -266,20 +316,37 @@ def _train(
             given = train_groups(batch)
             info = batch_metrics(given)
         groups = _scatter_groups(learner, given)
+        if given:
+            oldest = [o for g in given for t in g if (o := t.oldest_version()) is not None]
+            if oldest:
+                info[M.STALENESS_LEARNER_MAX] = learner.version - min(oldest)
         t_train = time.perf_counter()
         m = learner.train_step(groups)
         train_s = time.perf_counter() - t_train
         push_s = 0.0
-        if has_pusher and (learner.step % lc.push_interval == 0 or learner.step == lc.num_steps):
+        due = learner.step % lc.push_interval == 0 or learner.step == lc.num_steps
+        if has_pusher and due and learner.version != pushed:
             push_s = _push(learner, rank0)
+            pushed = learner.version
         if has_pusher:  # a failed push, or an engine that restarted: the current weights again
-            push_s += _resync(learner, rank0)
+            resync_s, resyncs = _resync(learner, rank0)
+            push_s += resync_s
+            if resyncs:
+                pushed = learner.version
         if rank0 is not None:
-            # Announce the new version as soon as the engines hold it: admission opens again.
-            rank0.consumer.set_version(learner.version, lc.groups_per_step)
+            # Announce the version the engines hold as soon as they hold it: admission opens
+            # again. Without engines to lag behind, the learner's own version.
+            rank0.consumer.set_version(pushed if has_pusher else learner.version,
+                                       lc.groups_per_step)  # fmt: skip
+            if m.get(M.BATCH_SKIPPED):
+                # Nothing of this batch reached the weights: retire it now, or it would hold
+                # admission's budget until the next version (which it did not make).
+                rank0.consumer.commit(batch.batch_id)
             step_s = time.perf_counter() - t_step
             record = {
                 **info,
+                **_buffer_drop_metrics(rank0.consumer.stats()),
+                **rank0.first_record,
                 **{k: v for k, v in m.items() if isinstance(v, int | float)},
                 M.VERSION: learner.version,
                 M.LEARNER_WAIT_S: waited,
@@ -290,13 +357,14 @@ def _train(
                 **(rank0.pusher.metrics() if rank0.pusher is not None else {}),
                 M.STEP_SECONDS: step_s,
             }
+            rank0.first_record = {}
             if rank0.metrics is not None:
                 rank0.metrics.log(learner.step, record)
             log.info(
-                "step %d reward %.3f acc %.3f staleness %.2f loss %.4f wait %.0f%% push %.2fs",
-                learner.step, record.get(M.REWARD, 0.0), record.get(M.ACCURACY, 0.0),
+                "step %d reward %.3f acc %.3f staleness %.2f loss %.4f clip %.4f wait %.0f%% "
+                "push %.2fs", learner.step, record.get(M.REWARD, 0.0), record.get(M.ACCURACY, 0.0),
                 record.get(M.STALENESS_MEAN, 0.0), record.get(M.LOSS, 0.0),
-                record[M.LEARNER_WAIT_PCT], push_s,
+                record.get(M.CLIP_FRAC, 0.0), record[M.LEARNER_WAIT_PCT], push_s,
             )  # fmt: skip
         last = learner.step == lc.num_steps
         checkpoint = save_dir is not None and (

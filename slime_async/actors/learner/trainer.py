@@ -3,14 +3,16 @@
 Runs in every rank of a torchrun job (or alone: then it starts a one-process group on
 127.0.0.1). Tensor parallelism shards the model inside a TP group, which must get identical
 data; data parallelism splits the groups of a step across TP groups, and gradients are summed
-over data-parallel ranks after the micro-batches of a step, so the ranks may run different
-numbers of micro-batches. It binds nothing itself: torch.distributed rendezvous is torchrun's
-(MASTER_ADDR/MASTER_PORT) or a free loopback port. Memory is bounded by the model, its
+over data-parallel ranks after the micro-batches of each mini-batch, so the ranks may run
+different numbers of micro-batches (every rank runs every mini-batch update, empty or not). It
+binds nothing itself: torch.distributed rendezvous is torchrun's (MASTER_ADDR/MASTER_PORT) or a
+free loopback port. Memory is bounded by the model, its
 optimizer state (fp32 moments, and fp32 masters for bf16), one micro-batch of at most
 `learner.micro_batch_tokens` padded tokens, and one weight-export bucket.
 
-    learner = Learner(cfg.learner, cfg.algo, temperature=cfg.generator.sampling.temperature)
-    metrics = learner.train_step(groups)          # [TrainGroup]: one optimizer step, version += 1
+    learner = Learner(cfg.learner, cfg.algo, temperature=cfg.generator.sampling.temperature,
+                      max_staleness=cfg.buffer.max_staleness, stale_policy=cfg.buffer.stale_policy)
+    metrics = learner.train_step(groups)  # [TrainGroup]: ppo_epochs x mini_batches updates, version += 1
     for bucket in learner.export_hf_buckets(256 << 20): ...   # HF names; rank 0 only
     learner.save_checkpoint(dir, extra={"cursor": ...})
 
@@ -19,7 +21,10 @@ The algorithm is a loss and an advantage estimator looked up in `slime_async.alg
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import math
 import os
 import random
 import time
@@ -59,18 +64,61 @@ from slime_async.utils.procs import free_port
 
 LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
 
+log = logging.getLogger("slime_async.learner")
+
+
+def interpolated_prox_logp(
+    behavior_logp: torch.Tensor, logp: torch.Tensor, versions: torch.Tensor, current_version: int
+) -> torch.Tensor:
+    """AReaL's log-linear pi_prox (`prox_logp_method = "loglinear"`), with AReaL's versions.
+
+        log pi_prox ~ log mu + alpha * (log pi_theta - log mu),
+        alpha = clamp((v_prox - v_mu) / (v_theta - v_mu), 0, 1),  0 where v_theta <= v_mu,
+
+    with v_theta = `current_version` (AReaL passes the trained engine's version, which is the
+    version of the weights at the start of the batch: the ones that generate version-v tokens)
+    and v_prox = current_version - 1. So a token one version old gets pi_prox = mu, two versions
+    old alpha = 1/2, k old (k - 1)/k; tokens of the current version get mu as well. All `[B, T]`.
+    """
+    v_mu = versions.to(logp.dtype)
+    v_theta = float(current_version)
+    diff = v_theta - v_mu
+    alpha = torch.where(
+        diff > 0, (v_theta - 1.0 - v_mu) / diff.clamp(min=1.0), torch.zeros_like(v_mu)
+    )
+    alpha = alpha.clamp(0.0, 1.0)
+    return behavior_logp + alpha * (logp.detach() - behavior_logp)
+
 
 class Learner:
     """One rank of the learner. All ranks construct it and call the same methods in step."""
 
-    def __init__(self, learner_cfg: LearnerConfig, algo_cfg: AlgoConfig, temperature: float = 1.0):
+    def __init__(
+        self,
+        learner_cfg: LearnerConfig,
+        algo_cfg: AlgoConfig,
+        temperature: float = 1.0,
+        *,
+        max_staleness: int | None = None,
+        stale_policy: str = "keep",
+    ):
+        """`temperature`: the run's sampling temperature, for trajectories that record none.
+        `max_staleness` / `stale_policy`: the buffer's bound and what to do with tokens beyond it
+        ("mask" zeroes their loss mask; "drop" and "keep" train on them; None: not checked)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (got {temperature})")
+        if stale_policy not in ("drop", "mask", "keep"):
+            raise ValueError(f"stale_policy must be drop, mask or keep (got {stale_policy!r})")
         self.cfg = learner_cfg
         self.algo_cfg = algo_cfg
         self.temperature = float(temperature)
+        self.max_staleness = max_staleness
+        self.stale_policy = stale_policy
+        self._batches = 0
         # Plug-ins first: a wrong name or a broken function fails before any process group.
-        self.algo = build_algorithm(algo_cfg)
+        # The learner resolves pi_prox itself (forward pass or interpolation, it knows the
+        # weights' versions) and hands it to the loss as prox_logp, which the loss then uses as is.
+        self.algo = build_algorithm(algo_cfg.model_copy(update={"prox_source": "forward"}))
         if learner_cfg.load is None and learner_cfg.model_path is None:
             raise ValueError(
                 "learner: set learner.model_path (HF dir) or learner.load (checkpoint)"
@@ -101,6 +149,13 @@ class Learner:
 
         if cfg.load is not None:
             common = learner_ckpt.read_common(cfg.load)
+            if self.algo.needs_ref_logp and cfg.model_path is None and int(common["step"]) > 0:
+                # The KL reference is the initial policy; a resumed checkpoint is a trained one.
+                raise ValueError(
+                    f"algo.kl_coef > 0 and learner.load = {cfg.load} (a checkpoint after step "
+                    f"{common['step']}) without learner.model_path: the KL reference must be "
+                    "the initial model; set learner.model_path to it"
+                )
             self.arch = ModelArch(**common["arch"])
             self.hf_config = common["hf_config"]
             self.tokenizer_dir: Path | None = Path(cfg.load) / "hf"
@@ -123,7 +178,8 @@ class Learner:
         if cfg.load is not None:
             self.load_checkpoint(cfg.load)
         if self.algo.needs_ref_logp:
-            # The reference is the starting policy: model_path's weights when given, else the checkpoint's.
+            # The reference is the initial policy: model_path's weights when given, else the
+            # checkpoint's, which is then a step-0 one (a converted model; checked above).
             self.ref_model = build_gpt_model(self.arch, self.dtype, init=False, on_cpu=on_cpu)
             if cfg.model_path is not None:
                 convert.load_hf_into_model(self.ref_model, cfg.model_path, self.arch)
@@ -183,19 +239,41 @@ class Learner:
     def _forward(
         self, model, mb: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response log-probs [B, T] (and entropy [B, T]) at self.temperature."""
+        """Response log-probs [B, T] (and entropy [B, T]), each row at its own temperature."""
         s = mb.input_ids.shape[1]
         logits = model(mb.input_ids, mb.position_ids, megatron_compat.causal_mask(s, self.device))
-        logp, ent = vocab_parallel_logprobs(logits, mb.labels, self.temperature, with_entropy)
+        temp = mb.temperature if mb.temperature is not None else self.temperature
+        logp, ent = vocab_parallel_logprobs(logits, mb.labels, temp, with_entropy)
         logp = gather_response(logp, mb)
         return logp, (gather_response(ent, mb) if ent is not None else None)
 
     @torch.no_grad()
+    def _rows_logprobs(self, model, rows: list[Row]) -> list[np.ndarray]:
+        """[R] fp32 response log-probs of each row under `model` (no grad)."""
+        out: list[Any] = [None] * len(rows)
+        for idx in plan_micro_batches([r.input_len for r in rows], self.cfg.micro_batch_tokens):
+            mb = collate(rows, idx, self.device)
+            logp, _ = self._forward(model, mb, False)
+            for j, i in enumerate(mb.rows):
+                out[i] = logp[j, : rows[i].response_len].float().cpu().numpy()
+        return out
+
+    @torch.no_grad()
     def compute_logprobs(
-        self, sequences: list[list[int]], with_entropy: bool = False
+        self,
+        sequences: list[list[int]],
+        with_entropy: bool = False,
+        temperatures: Sequence[float] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """For each sequence, log p(seq[t+1] | seq[:t+1]) [L-1] (and entropy [L-1]), fp32 on CPU."""
-        rows = [Row(np.asarray(s, dtype=np.int64), prompt_len=1) for s in sequences]
+        """For each sequence, log p(seq[t+1] | seq[:t+1]) [L-1] (and entropy [L-1]), fp32 on CPU,
+        at `temperatures[i]` (default: the learner's temperature)."""
+        temps = (
+            list(temperatures) if temperatures is not None else [self.temperature] * len(sequences)
+        )
+        rows = [
+            Row(np.asarray(s, dtype=np.int64), prompt_len=1, temperature=float(t))
+            for s, t in zip(sequences, temps, strict=True)
+        ]
         out: list[Any] = [None] * len(rows)
         was_training = self.model.training
         self.model.eval()
@@ -236,12 +314,8 @@ class Learner:
                 "every TP rank must receive the same groups"
             )
 
-    def _run_step(
-        self, rows: list[Row], loss_of: LossFn, extra_metrics: dict[str, float]
-    ) -> dict[str, float]:
-        """Micro-batches, forward/backward, DP gradient SUM, clip, optimizer step, version += 1."""
-        t0 = time.perf_counter()
-        self._check_same_data_in_tp_group(rows)
+    def _totals(self, rows: list[Row]) -> tuple[float, float, float]:
+        """(loss tokens, sequences, all tokens) of `rows` summed over data-parallel ranks."""
         local = torch.tensor(
             [
                 float(sum(r.per_token["loss_mask"].sum() for r in rows)),
@@ -252,29 +326,92 @@ class Learner:
             device=self.device,
         )
         dist.all_reduce(local, group=self.dp_group)
-        token_den, seq_den, total_tokens = local.tolist()
-        self._denominators = (max(token_den, 1.0), max(seq_den, 1.0))
+        token_den, seq_den, total = local.tolist()
+        return token_den, seq_den, total
 
-        loss_sum = 0.0
-        raws: list[dict] = []
-        padded = 0
+    def _update(self, rows: list[Row], loss_of: LossFn, lr: float) -> dict[str, Any]:
+        """One optimizer update on this rank's share `rows` of one mini-batch.
+
+        The loss is divided by the mini-batch's totals over all its micro-batches and DP ranks,
+        gradients are summed over DP ranks, clipped, and applied, unless the mini-batch is empty
+        on every rank, or its gradient is zero (Adam would still move the weights by its
+        momentum) or not finite: then nothing is applied and the reason is returned.
+        """
+        token_den, seq_den, _ = self._totals(rows)
+        out: dict[str, Any] = {"raws": [], "loss": 0.0, "padded": 0, "skipped": None}
         self.optimizer.zero_grad()
+        if seq_den == 0:
+            out["skipped"] = "empty"
+            return out
+        self._denominators = (max(token_den, 1.0), max(seq_den, 1.0))
         need_entropy = self.algo.needs_entropy
         for idx in plan_micro_batches([r.input_len for r in rows], self.cfg.micro_batch_tokens):
             mb = collate(rows, idx, self.device)
-            padded += mb.num_tokens
+            out["padded"] += mb.num_tokens
             logp, ent = self._forward(self.model, mb, need_entropy)
             loss, raw = loss_of(mb, logp, ent)
             loss.backward()
-            loss_sum += float(loss.detach())
-            raws.append(raw)
-        t_fb = time.perf_counter()
-
+            out["loss"] += float(loss.detach())
+            out["raws"].append(raw)
         self.optimizer.reduce_gradients(self.dp_group)
+        norm = self.optimizer.grad_norm(self.tp_group)
+        out["grad_norm"] = norm
+        if not math.isfinite(norm):
+            out["skipped"] = "non_finite"
+        elif norm == 0.0:
+            out["skipped"] = "zero_gradient"
+        else:
+            self.optimizer.step(lr, self.tp_group, norm=norm)
+        self.optimizer.zero_grad()
+        return out
+
+    def _run_step(
+        self,
+        rows: list[Row],
+        loss_of: LossFn,
+        extra_metrics: dict[str, float],
+        mini_batches: int = 1,
+        epochs: int = 1,
+    ) -> dict[str, float]:
+        """`epochs` x `mini_batches` optimizer updates on one batch; version += 1 if any applied.
+
+        A policy version is a batch: version v + 1 is the weights after all mini-batch updates
+        on the batch trained at version v (the push and the buffer's announcement follow it). A
+        batch none of whose updates was applied leaves the weights, and the version, as they were.
+        """
+        t0 = time.perf_counter()
+        self._check_same_data_in_tp_group(rows)
+        token_den, seq_den, total_tokens = self._totals(rows)
+        # Mini-batches of similar lengths on every rank: rows sorted by length, dealt round robin.
+        order = sorted(range(len(rows)), key=lambda i: rows[i].input_len)
+        parts = [[rows[i] for i in order[k::mini_batches]] for k in range(mini_batches)]
         lr = lr_at(self.step, self.cfg)
-        grad_norm = self.optimizer.step(lr, self.tp_group)
+        raws: list[dict] = []
+        losses: list[float] = []
+        norms: list[float] = []
+        padded = 0
+        skipped: dict[str, int] = {}
+        for _ in range(epochs):
+            for part in parts:
+                res = self._update(part, loss_of, lr)
+                raws.extend(res["raws"])
+                padded += res["padded"]
+                if res["skipped"] != "empty":
+                    losses.append(res["loss"])
+                    norms.append(res["grad_norm"])
+                if res["skipped"] is not None:
+                    skipped[res["skipped"]] = skipped.get(res["skipped"], 0) + 1
+        t_fb = time.perf_counter()
+        updates = epochs * mini_batches - sum(skipped.values())
         self.step += 1
-        self.version += 1
+        if updates:
+            self.version += 1
+        else:
+            log.warning(
+                "step %d: no update applied (%s): weights and version %d unchanged",
+                self.step, ", ".join(f"{k} x{v}" for k, v in sorted(skipped.items())),
+                self.version,
+            )  # fmt: skip
         t_opt = time.perf_counter()
 
         merged = merge_metrics(raws)
@@ -282,17 +419,21 @@ class Learner:
             gathered: list[Any] = [None] * dist.get_world_size(self.dp_group)
             dist.all_gather_object(gathered, merged, group=self.dp_group)
             merged = merge_metrics(gathered)
-        loss_t = torch.tensor([loss_sum], dtype=torch.float64, device=self.device)
+        loss_t = torch.tensor([sum(losses)], dtype=torch.float64, device=self.device)
         dist.all_reduce(loss_t, group=self.dp_group)
         t_end = time.perf_counter()
+        finite_norms = [n for n in norms if math.isfinite(n)]
         return {
-            M.LOSS: float(loss_t),
-            M.GRAD_NORM: grad_norm,
+            M.LOSS: float(loss_t) / max(len(losses), 1),
+            M.GRAD_NORM: float(np.mean(finite_norms)) if finite_norms else 0.0,
             M.LR: lr,
             M.TOKENS: token_den,
             M.SEQUENCES: seq_den,
             M.TOKENS_TOTAL: total_tokens,
-            M.PADDING_FRAC: 1.0 - float(sum(r.input_len for r in rows)) / max(padded, 1),
+            M.PADDING_FRAC: 1.0 - float(sum(r.input_len for r in rows)) * epochs / max(padded, 1),
+            M.UPDATES: float(updates),
+            **{f"{M.SKIPPED_UPDATES}/{k}": float(v) for k, v in skipped.items()},
+            M.BATCH_SKIPPED: float(updates == 0),
             **extra_metrics,
             **finalize_metrics(merged),
             M.TIME_FORWARD_BACKWARD: t_fb - t0,
@@ -300,24 +441,116 @@ class Learner:
             M.TIME_STEP: t_end - t0,
         }
 
-    def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
-        """One RL optimizer step on this rank's groups; version += 1.
+    def _stale_tokens(self, groups: Sequence[TrainGroup], rows: list[Row]) -> dict[str, float]:
+        """Apply `stale_policy` to model tokens older than `max_staleness`; their metrics.
 
+        A token's staleness is measured on the buffer's clock: the version the buffer knew at
+        delivery (the group's staleness plus its oldest model-token version) minus the token's.
+        """
+        if self.max_staleness is None:
+            return {}
+        over_tokens = 0
+        masked_groups: list[int] = []
+        i = 0
+        for k, g in enumerate(groups):
+            mine = rows[i : i + len(g)]
+            i += len(g)
+            oldest = [o for t in g if (o := t.oldest_version()) is not None]
+            if not oldest:
+                continue
+            clock = g.staleness + min(oldest)
+            hit = False
+            for r in mine:
+                model = r.per_token["loss_mask"] > 0
+                over = model & (clock - r.per_token["versions"] > self.max_staleness)
+                n = int(over.sum())
+                over_tokens += n
+                if n and self.stale_policy == "mask":
+                    r.per_token["loss_mask"] = np.where(over, 0.0, r.per_token["loss_mask"]).astype(
+                        np.float32
+                    )
+                hit = hit or n > 0
+            if hit:
+                masked_groups.append(k)
+        masked = set(masked_groups)
+        # [over-bound tokens, masked groups, then (trajectories, length sum, reward sum) of the
+        # masked groups and of the others]
+        sums = np.zeros(8)
+        sums[0], sums[1] = over_tokens, len(masked)
+        for k, g in enumerate(groups):
+            base = 2 if k in masked else 5
+            for t in g:
+                sums[base] += 1
+                sums[base + 1] += float(t.loss_mask.sum())
+                sums[base + 2] += float(t.reward)
+        if dist.get_world_size(self.dp_group) > 1:  # the batch's totals, not this rank's share
+            t = torch.tensor(sums, dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, group=self.dp_group)
+            sums = t.cpu().numpy()
+        out = {M.STALE_OVER_BOUND_TOKENS: float(sums[0])}
+        if self.stale_policy != "mask":
+            return out
+        mn, kn = max(sums[2], 1.0), max(sums[5], 1.0)
+        out.update(
+            {
+                M.STALE_MASKED_TOKENS: float(sums[0]),
+                M.STALE_MASKED_GROUPS: float(sums[1]),
+                M.STALE_MASKED_LEN: float(sums[3] / mn),
+                M.STALE_MASKED_REWARD: float(sums[4] / mn),
+                M.STALE_KEPT_LEN: float(sums[6] / kn),
+                M.STALE_KEPT_REWARD: float(sums[7] / kn),
+            }
+        )
+        return out
+
+    def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
+        """One RL batch: `algo.ppo_epochs` x `algo.mini_batches` optimizer updates; version += 1.
+
+        pi_prox is the policy at the start of the batch (a no-grad forward pass before the first
+        update), or AReaL's log-linear interpolation (`algo.prox_source = "interpolate"`).
         Groups the algorithm filters out (e.g. DAPO's zero-variance filter) are not trained on
         and count in no denominator.
         """
         kept, advantages = self._advantages(groups)
-        rows = rows_from_groups(kept, self.arch.vocab_size)
+        rows = rows_from_groups(kept, self.arch.vocab_size, self.temperature)
         for row, adv in zip(rows, advantages, strict=True):
             row.per_token["advantages"] = adv
+        extra = {M.GROUPS_KEPT: float(len(kept)), M.GROUPS_GIVEN: float(len(groups))}
+        extra.update(self._stale_tokens(kept, rows))
         current = self.version
+        interpolate = self.algo_cfg.prox_source == "interpolate"
+        self._batches += 1
+        exact = not interpolate or (
+            self.cfg.prox_compare_interval > 0
+            and (self._batches - 1) % self.cfg.prox_compare_interval == 0
+        )
+        # Every rank takes the same branch (same config, same batch count): no collective waits.
+        if exact:
+            for row, lp in zip(rows, self._rows_logprobs(self.model, rows), strict=True):
+                row.per_token["prox_logp"] = lp
+        if self.ref_model is not None:
+            for row, lp in zip(rows, self._rows_logprobs(self.ref_model, rows), strict=True):
+                row.per_token["ref_logp"] = lp
 
         def loss_of(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None):
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref, _ = self._forward(self.ref_model, mb, False)
             pt = mb.per_token
+            prox = pt.get("prox_logp")
+            compare: dict[str, float] = {}
+            if interpolate:
+                approx = interpolated_prox_logp(
+                    pt["behavior_logp"], logp.detach(), pt["versions"], current
+                )
+                if prox is not None:
+                    m = pt["loss_mask"]
+                    compare = {
+                        f"{M.PROX_INTERP_ERR}|sum": float(((approx - prox).abs() * m).sum()),
+                        f"{M.PROX_INTERP_ERR}|n": float(m.sum()),
+                        f"{M.PROX_BEHAVIOR_ERR}|sum": float(
+                            ((pt["behavior_logp"] - prox).abs() * m).sum()
+                        ),
+                        f"{M.PROX_BEHAVIOR_ERR}|n": float(m.sum()),
+                    }
+                prox = approx
             out = self.algo.loss(
                 LossInput(
                     logp=logp,
@@ -328,17 +561,22 @@ class Learner:
                     current_version=current,
                     token_denominator=self._denominators[0],
                     seq_denominator=self._denominators[1],
-                    # One optimizer step per batch: the weights at the start of the step are the
-                    # current ones, so the proximal forward pass equals logp.detach().
-                    prox_logp=logp.detach(),
-                    ref_logp=ref,
+                    prox_logp=prox,
+                    ref_logp=pt.get("ref_logp"),
                     entropy=ent,
                 )
             )
-            return out.loss, out.metrics
+            return out.loss, {**out.metrics, **compare}
 
-        extra = {M.GROUPS_KEPT: float(len(kept)), M.GROUPS_GIVEN: float(len(groups))}
-        return self._run_step(rows, loss_of, extra)
+        return self._run_step(
+            rows, loss_of, extra, self.algo_cfg.mini_batches, self.algo_cfg.ppo_epochs
+        )
+
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the data-parallel ranks (a copy): `AdvantageInput.all_reduce_sum`."""
+        out = t.detach().to(self.device, torch.float64).clone()
+        dist.all_reduce(out, group=self.dp_group)
+        return out.to(t.device, t.dtype)
 
     def _advantages(
         self, groups: Sequence[TrainGroup]
@@ -368,7 +606,13 @@ class Learner:
             keep = self.algo.keep_groups(rewards, lengths)
             if keep.numel() == 0:
                 continue
-            adv = self.algo.advantages(AdvantageInput(rewards[keep], lengths[keep], mask[keep]))
+            adv_in = AdvantageInput(rewards[keep], lengths[keep], mask[keep])
+            if dist.get_world_size(self.dp_group) > 1 and "all_reduce_sum" in {
+                f.name for f in dataclasses.fields(AdvantageInput)
+            }:
+                # TODO(merge): pass it to the constructor once AdvantageInput has the field.
+                adv_in.all_reduce_sum = self._all_reduce_sum
+            adv = self.algo.advantages(adv_in)
             if adv.dim() == 2:
                 adv = adv.unsqueeze(-1).expand(-1, -1, t_max)
             for a, gi in enumerate(keep.tolist()):
@@ -385,9 +629,8 @@ class Learner:
                 raise ValueError(f"sft example {i}: prompt and target need at least one token each")
             tokens = np.asarray(list(prompt) + list(target), dtype=np.int64)
             check_ids(tokens, self.arch.vocab_size, f"sft example {i}")
-            rows.append(
-                Row(tokens, len(prompt), {"loss_mask": np.ones(len(target), dtype=np.float32)})
-            )
+            mask = {"loss_mask": np.ones(len(target), dtype=np.float32)}
+            rows.append(Row(tokens, len(prompt), mask, self.temperature))
 
         def loss_of(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None):
             mask = mb.per_token["loss_mask"]
