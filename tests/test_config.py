@@ -162,11 +162,14 @@ def test_group_size_too_small_for_the_estimator_is_refused(advantage):
     load_config([], ["algo.advantage=reinforce", "generator.group_size=1"])
 
 
-def test_k1_as_a_kl_loss_is_refused():
-    with pytest.raises(ConfigError, match=r"algo\.kl_estimator"):
-        load_config([], ["algo.kl_coef=0.1", "algo.kl_estimator=k1"])
-    load_config([], ["algo.kl_coef=0.1", "algo.kl_estimator=k3"])
-    load_config([], ["algo.kl_coef=0", "algo.kl_estimator=k1"])  # no penalty: nothing to refuse
+def test_k1_as_a_kl_loss_is_accepted_and_the_group_size_table_agrees_with_algos():
+    # k1 gets the gradient of KL(pi || ref) in algos/kl.py, so it is a valid penalty.
+    load_config([], ["algo.kl_coef=0.1", "algo.kl_estimator=k1"])
+    from slime_async.algos import ADVANTAGES, min_group_size
+    from slime_async.config import _MIN_GROUP_SIZE
+
+    for name in ADVANTAGES.names():
+        assert _MIN_GROUP_SIZE.get(name, 1) == min_group_size(name), name
 
 
 def test_more_mini_batches_than_trajectories_is_refused():

@@ -112,8 +112,8 @@ class SlimeConfig(Section):
 
 # Smallest group size at which each built-in estimator trains on anything: a group of one has a
 # zero (grpo, dr_grpo) or undefined (rloo: leave-one-out of nothing) advantage.
-# TODO(merge): use slime_async.algos.min_group_size(name) (issue 14, part 1); it lives behind
-# torch, which this module must not import, so keep this table in step with it.
+# The built-in estimators' `slime_async.algos.min_group_size`: that module imports torch, which
+# config must not (tests/test_config.py checks the two agree).
 _MIN_GROUP_SIZE = {"grpo": 2, "dr_grpo": 2, "rloo": 2}
 
 
@@ -135,11 +135,6 @@ def _check_across_sections(cfg: SlimeConfig) -> None:
             f"(got {cfg.generator.group_size}): with one trajectory per prompt its advantages "
             "are zero or undefined, so nothing would be trained; use advantage = 'reinforce' "
             "or 'reinforce_pp' for single samples"
-        )
-    if cfg.algo.kl_coef > 0 and cfg.algo.kl_estimator == "k1":
-        raise ValueError(
-            "algo.kl_estimator = 'k1' with algo.kl_coef > 0: k1 (log pi/pi_ref) as a loss has "
-            "zero expected gradient, so the penalty does nothing; use 'k2' or 'k3'"
         )
     trajectories = cfg.learner.groups_per_step * cfg.generator.group_size
     if cfg.algo.mini_batches > trajectories:

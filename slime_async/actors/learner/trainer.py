@@ -21,7 +21,6 @@ The algorithm is a loss and an advantage estimator looked up in `slime_async.alg
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -591,27 +590,41 @@ class Learner:
         by_size: dict[int, list[TrainGroup]] = {}
         for g in groups:
             by_size.setdefault(len(g), []).append(g)
+        sizes = sorted(by_size)
+        dp = dist.get_world_size(self.dp_group) > 1
+        if dp:
+            # Batch-wide estimators (reinforce_pp, reinforce) all-reduce inside the call: every
+            # rank calls the estimator for the same sizes in the same order, with empty inputs
+            # where it holds no group of that size, or the collectives would not pair up.
+            gathered: list[list[int] | None] = [None] * dist.get_world_size(self.dp_group)
+            dist.all_gather_object(gathered, sizes, group=self.dp_group)
+            sizes = sorted({n for s in gathered for n in (s or [])})
         kept: list[TrainGroup] = []
         advantages: list[np.ndarray] = []
-        for n, same in by_size.items():
-            t_max = max(len(t.response_ids) for g in same for t in g)
+        for n in sizes:
+            same = by_size.get(n, [])
+            t_max = max((len(t.response_ids) for g in same for t in g), default=1)
             mask = torch.zeros(len(same), n, t_max)  # [G, n, T]
             for a, g in enumerate(same):
                 for b, t in enumerate(g):
                     mask[a, b, : len(t.loss_mask)] = torch.from_numpy(
                         t.loss_mask.astype(np.float32)
                     )
-            rewards = torch.tensor([[float(t.reward) for t in g] for g in same])  # [G, n]
+            rewards = torch.tensor([[float(t.reward) for t in g] for g in same]).reshape(-1, n)
             lengths = mask.sum(-1)
-            keep = self.algo.keep_groups(rewards, lengths)
-            if keep.numel() == 0:
+            keep = (
+                self.algo.keep_groups(rewards, lengths)
+                if same
+                else torch.zeros(0, dtype=torch.long)
+            )
+            if keep.numel() == 0 and not dp:
                 continue
-            adv_in = AdvantageInput(rewards[keep], lengths[keep], mask[keep])
-            if dist.get_world_size(self.dp_group) > 1 and "all_reduce_sum" in {
-                f.name for f in dataclasses.fields(AdvantageInput)
-            }:
-                # TODO(merge): pass it to the constructor once AdvantageInput has the field.
-                adv_in.all_reduce_sum = self._all_reduce_sum
+            adv_in = AdvantageInput(
+                rewards[keep],
+                lengths[keep],
+                mask[keep],
+                all_reduce_sum=self._all_reduce_sum if dp else None,
+            )
             adv = self.algo.advantages(adv_in)
             if adv.dim() == 2:
                 adv = adv.unsqueeze(-1).expand(-1, -1, t_max)
