@@ -65,7 +65,7 @@ strict_sglang = true
 [generator]
 dataset = "{data}"
 rollout = "single_turn"
-reward = "examples.arithmetic.task:reward"
+reward = "tests.test_e2e:char_sum_reward"  # varies between random responses: every batch trains
 group_size = {GROUP_SIZE}
 max_inflight = 16
 
@@ -136,7 +136,11 @@ def _finish(proc: subprocess.Popen, timeout: float = 420) -> str:
 
 def _assert_nothing_lost_nothing_twice(run_dir: Path, steps: int) -> None:
     learner = read_metrics(run_dir / "metrics" / "learner.jsonl")
-    assert [r["version"] for r in learner][-1] == steps
+    assert learner[-1]["step"] == steps
+    # A restarted learner continues from the buffer's version when that is newer than its
+    # checkpoint's (actors/learner/process.py), so versions never go back but may skip ahead.
+    versions = [r["version"] for r in learner if r["step"] == max(x["step"] for x in learner)]
+    assert versions[-1] >= steps
     final = json.loads((run_dir / "buffer_final.json").read_text())
     # Every step's groups committed exactly once: none twice, none missing.
     assert final["counts"]["committed_trajectories"] == steps * GROUPS_PER_STEP * GROUP_SIZE

@@ -2,6 +2,7 @@
 supervisor is SIGKILLed its roles die with it (parent-death signal) and so does what they started
 (the watchdog); a new owner stops whatever a dead one left. Stand-in roles from test_supervisor."""
 
+import itertools
 import json
 import os
 import signal
@@ -139,7 +140,11 @@ def test_sigkill_of_a_real_run_then_resume_finishes_with_nothing_lost_or_trained
     learner = read_metrics(
         metrics
     )  # a step trained again after the checkpoint keeps its last record
-    assert [r["version"] for r in learner] == list(range(1, total + 1))
+    assert [r["step"] for r in learner] == list(range(1, total + 1))
+    # The resumed learner continues from the buffer's version when that is newer than its
+    # checkpoint's: versions only go forward (they may skip ahead), never repeat.
+    versions = [r["version"] for r in learner]
+    assert all(a < b for a, b in itertools.pairwise(versions)) and versions[-1] >= total, versions
     final = json.loads((run_dir.path / "buffer_final.json").read_text())
     # Written by the buffer as it stopped, after the generators: nothing in flight.
     assert final["producers_live"] == 0
