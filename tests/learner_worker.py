@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -233,3 +234,20 @@ if __name__ == "__main__":
     task, out_dir, *dirs = sys.argv[1:]
     tasks = {"tp2": task_tp2, "dp2": task_dp2, "dp2_mb": task_dp2_minibatches}
     tasks[task](Path(out_dir), dirs)
+
+
+@pytest.fixture()
+def learner_factory():
+    """`make(cfg, algo=None, temperature=1.0, **kw)` -> a Learner, closed after the test."""
+    made = []
+
+    def make(cfg, algo=None, temperature=1.0, **kw):
+        learner = Learner(cfg, algo or algo_cfg(), temperature, **kw)
+        made.append(learner)
+        return learner
+
+    try:
+        yield make
+    finally:
+        for learner in made:
+            learner.close()

@@ -14,7 +14,6 @@ import json
 import logging
 import re
 import sys
-from dataclasses import dataclass
 
 import pytest
 
@@ -25,18 +24,10 @@ from slime_async.metrics import GEN_RESPONSE_LEN_MAX, GEN_RESPONSE_LEN_MEAN
 from slime_async.queue.messages import AckStatus
 from slime_async.testing.models import char_tokenizer
 from slime_async.utils.plugins import PluginError
+from tests.test_rollout import Out
 
 MOD = "tests.test_generator_plugins"
 sys.modules.setdefault(MOD, sys.modules[__name__])  # plug-ins by import path share this module
-
-
-@dataclass
-class Out:
-    token_ids: list
-    logprobs: list
-    versions: list
-    finish_reason: object
-    engine_url: str = "e0"
 
 
 class Engine:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from learner_worker import algo_cfg, capture_grads, learner_cfg, make_groups, make_sharp_model
+from learner_worker import learner_factory as learner_factory
 
 from slime_async.actors.learner.optim import lr_at
 from slime_async.actors.learner.trainer import Learner
@@ -21,22 +22,6 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path (glo
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_sharp_model(tmp_path_factory.mktemp("model") / "qwen3", "qwen3")
-
-
-@pytest.fixture()
-def learner_factory():
-    made = []
-
-    def make(cfg, algo=None, temperature=1.0):
-        learner = Learner(cfg, algo or algo_cfg(), temperature)
-        made.append(learner)
-        return learner
-
-    try:
-        yield make
-    finally:
-        for learner in made:
-            learner.close()
 
 
 def test_dp2_on_different_data_equals_one_process_on_the_joined_batch(

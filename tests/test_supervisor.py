@@ -8,6 +8,7 @@ import signal
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import psutil
 import pytest
@@ -259,8 +260,8 @@ DRIVER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
-def test_signal_stops_every_child_and_leaves_no_orphans(env, tmp_path, sig):
+def start_driver(env, tmp_path) -> tuple[Child, Path]:
+    """DRIVER as a supervisor process over `env`'s roles; its pid file of the grandchild."""
     script, record, run_dir = env
     driver_py = tmp_path / "driver.py"
     driver_py.write_text(DRIVER)
@@ -270,6 +271,13 @@ def test_signal_stops_every_child_and_leaves_no_orphans(env, tmp_path, sig):
         [sys.executable, str(driver_py), str(script), str(record), str(run_dir.path), str(pidfile)],
         log_path=tmp_path / "driver.log",
     )
+    return driver, pidfile
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_signal_stops_every_child_and_leaves_no_orphans(env, tmp_path, sig):
+    _script, record, run_dir = env
+    driver, pidfile = start_driver(env, tmp_path)
     try:
         wait_until(
             lambda: run_dir.ready_file("learner").exists(), 60, "learner ready", child=driver

@@ -14,8 +14,8 @@ import pytest
 from slime_async.launch.run_dir import RunDir, RunDirBusy
 from slime_async.launch.supervisor import Supervisor, cleanup_leftovers
 from slime_async.utils.procs import Child, group_alive, wait_until
-from tests.test_supervisor import DRIVER, role
 from tests.test_supervisor import env as env
+from tests.test_supervisor import role, start_driver
 
 
 def _alive(pid):
@@ -26,15 +26,8 @@ def _alive(pid):
 
 
 def _start_driver(env, tmp_path):
-    script, record, run_dir = env
-    driver_py = tmp_path / "driver.py"
-    driver_py.write_text(DRIVER)
-    pidfile = tmp_path / "grandchild.pid"
-    driver = Child(
-        "supervisor",
-        [sys.executable, str(driver_py), str(script), str(record), str(run_dir.path), str(pidfile)],
-        log_path=tmp_path / "driver.log",
-    )
+    _script, record, run_dir = env
+    driver, pidfile = start_driver(env, tmp_path)
     wait_until(lambda: run_dir.ready_file("learner").exists(), 60, "learner ready", child=driver)
     starts = [x.split() for x in record.read_text().splitlines() if x.startswith("start")]
     pids = {name: int(pid) for _s, name, pid in starts}

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from slime_async.algos.aggregation import aggregate, masked, token_mask, version_lag
+from slime_async.algos.aggregation import masked, token_mask, version_lag
 from slime_async.algos.api import LOSSES, LossInput, LossOutput
 from slime_async.algos.importance import behavior_weights, proximal_logp
-from slime_async.algos.kl import add_regularizers
 from slime_async.algos.metrics import TokenStats
-from slime_async.algos.ppo import clipped_surrogate
+from slime_async.algos.ppo import surrogate_output
 from slime_async.config.algo import AlgoConfig
 
 
@@ -43,17 +42,8 @@ def _gspo_output(
     prox: torch.Tensor | None,
 ) -> LossOutput:
     ratio = sequence_ratio(masked(inp.logp, mask), old, mask)
-    pg, clipped, _ = clipped_surrogate(
-        ratio, masked(inp.advantages, mask), cfg.gspo_eps_clip_low, cfg.gspo_eps_clip_high, None
-    )
-    if weight is not None:
-        pg = weight * pg
-    stats.count()
-    stats.weight("ratio", ratio)
-    stats.mean("clip_frac", clipped)
-    stats.mean("pg_loss", pg)
-    per_token = add_regularizers(pg, inp, cfg, mask, stats, weight, prox)
-    return LossOutput(loss=aggregate(per_token, mask, inp, cfg), metrics=stats.raw())
+    clip = (cfg.gspo_eps_clip_low, cfg.gspo_eps_clip_high, None)
+    return surrogate_output(inp, cfg, mask, stats, ratio, clip, weight, prox)
 
 
 @LOSSES.register("gspo")

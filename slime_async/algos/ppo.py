@@ -44,29 +44,38 @@ def clipped_surrogate(
     return loss, clipped, dual
 
 
-def _surrogate_output(
+def surrogate_output(
     inp: LossInput,
     cfg: AlgoConfig,
     mask: torch.Tensor,
     stats: TokenStats,
-    log_ratio: torch.Tensor,
+    ratio: torch.Tensor,
+    clip: tuple[float, float, float | None],
     weight: torch.Tensor | None,
     prox: torch.Tensor | None,
 ) -> LossOutput:
-    ratio = torch.exp(masked(log_ratio, mask))
+    """The clipped surrogate of `ratio` (masked already), weighted by the behaviour weight when
+    given, with its statistics, the KL/entropy terms and the aggregation: the tail every
+    PPO-shaped loss shares (ppo_clip, decoupled_ppo, gspo, decoupled_gspo).
+    `clip` = (eps_low, eps_high, dual_clip_c)."""
+    eps_low, eps_high, dual_c = clip
     pg, clipped, dual = clipped_surrogate(
-        ratio, masked(inp.advantages, mask), cfg.eps_clip_low, cfg.eps_clip_high, cfg.dual_clip_c
+        ratio, masked(inp.advantages, mask), eps_low, eps_high, dual_c
     )
     if weight is not None:
         pg = weight * pg
     stats.count()
     stats.weight("ratio", ratio)
     stats.mean("clip_frac", clipped)
-    if cfg.dual_clip_c is not None:
+    if dual_c is not None:
         stats.mean("dual_clip_frac", dual)
     stats.mean("pg_loss", pg)
     per_token = add_regularizers(pg, inp, cfg, mask, stats, weight, prox)
     return LossOutput(loss=aggregate(per_token, mask, inp, cfg), metrics=stats.raw())
+
+
+def _token_clip(cfg: AlgoConfig) -> tuple[float, float, float | None]:
+    return cfg.eps_clip_low, cfg.eps_clip_high, cfg.dual_clip_c
 
 
 @LOSSES.register("ppo_clip")
@@ -85,7 +94,8 @@ def ppo_clip(inp: LossInput, cfg: AlgoConfig) -> LossOutput:
         old = inp.behavior_logp.detach()
     else:
         old = proximal_logp(inp, cfg, mask)
-    return _surrogate_output(inp, cfg, mask, stats, inp.logp - old, None, None)
+    ratio = torch.exp(masked(inp.logp - old, mask))
+    return surrogate_output(inp, cfg, mask, stats, ratio, _token_clip(cfg), None, None)
 
 
 def _decoupled(inp: LossInput, cfg: AlgoConfig, mode: str) -> LossOutput:
@@ -93,7 +103,8 @@ def _decoupled(inp: LossInput, cfg: AlgoConfig, mode: str) -> LossOutput:
     stats = TokenStats(mask, version_lag(inp))
     prox = proximal_logp(inp, cfg, mask)
     weight = behavior_weights(inp, cfg, mask, prox, stats, mode)
-    return _surrogate_output(inp, cfg, mask, stats, inp.logp - prox, weight, prox)
+    ratio = torch.exp(masked(inp.logp - prox, mask))
+    return surrogate_output(inp, cfg, mask, stats, ratio, _token_clip(cfg), weight, prox)
 
 
 @LOSSES.register("decoupled_ppo")

@@ -523,8 +523,11 @@ class Learner:
             self.cfg.prox_compare_interval > 0
             and (self._batches - 1) % self.cfg.prox_compare_interval == 0
         )
+        # With one update per batch the policy at the start of the batch is the one being
+        # trained: the loss's logp.detach() is pi_prox exactly, and the forward pass is skipped.
+        one_update = self.algo_cfg.mini_batches * self.algo_cfg.ppo_epochs == 1
         # Every rank takes the same branch (same config, same batch count): no collective waits.
-        if exact:
+        if exact and not (one_update and not interpolate):
             for row, lp in zip(rows, self._rows_logprobs(self.model, rows), strict=True):
                 row.per_token["prox_logp"] = lp
         if self.ref_model is not None:
