@@ -69,6 +69,7 @@ def start_engine(model_dir: Path, log_dir: Path, name: str) -> tuple[Child, str]
             str(port),
             "engine.device=cpu",
             "engine.torch_threads=1",
+            "engine.strict_sglang=true",
         ),
         log_path=log_dir / f"{name}.log",
     )
