@@ -13,6 +13,19 @@ of the same buckets between two bare processes measured in the same run. `--devi
 same path over gloo (a dry run).
 
     python bench/bench_engine.py --push --model qwen3-0.5b --device cuda --bucket-mb 512
+
+GRPO-shaped load (`--grpo`): 64 prompts x n = 8 samples (one request each, `sampling_params.n`),
+512 new tokens, temperature 1, against one engine with `engine.prefix_sharing` on and one with it
+off (each prompt prefilled 8 times), in the same run; then each engine's peak GPU memory against
+`engine.mem_fraction` of the GPU.
+
+    python bench/bench_engine.py --grpo --model qwen3-0.5b --device cuda
+
+Kernels (`--kernels`, GPU): the paged Triton decode kernel against SDPA over gathered blocks at
+1 / 64 / 256 requests and 160 / 1,024 tokens each (the attention alone, one layer), and the
+runner's whole decode step replayed from its CUDA graph (no HTTP, no scheduler).
+
+    python bench/bench_engine.py --kernels --model qwen3-0.5b --device cuda
 """
 
 from __future__ import annotations
@@ -60,7 +73,13 @@ def make_model(out: Path, name: str, dtype: torch.dtype) -> Path:
 
 
 def start_engine(
-    model_dir: Path, device: str, dtype: str, max_running: int, log: Path, threads: int
+    model_dir: Path,
+    device: str,
+    dtype: str,
+    max_running: int,
+    log: Path,
+    threads: int,
+    extra: tuple[str, ...] = (),
 ) -> tuple[Child, str]:
     port = free_port()
     args = [
@@ -71,6 +90,7 @@ def start_engine(
         f"engine.max_running_requests={max_running}",
         "engine.max_context_len=1024",
         f"engine.torch_threads={threads}",
+        *extra,
     ]
     child = Child("engine", python_module("slime_async", "engine", *args), log_path=log)
     url = f"http://127.0.0.1:{port}"
@@ -162,6 +182,125 @@ def bench_generation(args: argparse.Namespace, work: Path) -> None:
     print("| --- | --- | --- | --- |")
     for b, eng, ref in rows:
         print(f"| {b} | {eng:.0f} | {ref:.0f} | {eng / ref:.2f}x |")
+
+
+# ---- GRPO-shaped load ----------------------------------------------------------------------------
+
+
+async def grpo_tokens_per_s(url: str, prompts: list[list[int]], n: int, new_tokens: int):
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "n": n, "ignore_eos": True}
+    async with EngineClient(url, timeout_s=3600) as c:
+        body = {"input_ids": prompts[-1], "sampling_params": {**params, "max_new_tokens": 4}}
+        await c.call("POST", "/generate", body)  # warm-up
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(
+            *(c.call("POST", "/generate", {"input_ids": p, "sampling_params": params,
+                                           "return_logprob": True}) for p in prompts)
+        )  # fmt: skip
+        dt = time.perf_counter() - t0
+    tokens = sum(len(o["output_ids"]) for group in outs for o in group)
+    return tokens / dt, tokens, dt
+
+
+def server_info(url: str) -> dict:
+    import json
+
+    with urllib.request.urlopen(f"{url}/get_server_info", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def bench_grpo(args: argparse.Namespace, work: Path) -> None:
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    model_dir = make_model(work / args.model, args.model, dtype)
+    vocab = 1000 if args.model != "tiny" else 64
+    prompts = prompts_for(args.grpo_prompts, args.grpo_prompt_len, vocab)
+    slots = args.grpo_prompts * args.grpo_n
+    rows = []
+    modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.grpo_sharing]
+    for sharing in modes:
+        extra = (f"engine.prefix_sharing={str(sharing).lower()}",
+                 f"engine.mem_fraction={args.mem_fraction}", "engine.max_prefill_tokens=16384")  # fmt: skip
+        child, url = start_engine(model_dir, args.device, args.dtype, slots,
+                                  work / f"engine_{sharing}.log", 0, extra)  # fmt: skip
+        try:
+            before = server_info(url)
+            tps, tokens, dt = asyncio.run(
+                grpo_tokens_per_s(url, prompts, args.grpo_n, args.grpo_new_tokens)
+            )
+            info = server_info(url)
+        finally:
+            child.stop()
+        prefilled = info["prefill_tokens"] - before["prefill_tokens"]
+        rows.append((sharing, tps, tokens, dt, prefilled, info))
+        print(f"prefix_sharing={sharing}: {tps:,.0f} tok/s ({tokens} tokens in {dt:.1f} s), "
+              f"prompt tokens prefilled {prefilled}", flush=True)  # fmt: skip
+    print(f"\nGRPO load: {args.grpo_prompts} prompts x {args.grpo_n} samples, prompt "
+          f"{args.grpo_prompt_len}, {args.grpo_new_tokens} new tokens, temperature 1, {args.dtype}")  # fmt: skip
+    print(
+        "| prompt sharing | tokens/s | prompt tokens prefilled | peak GPU memory | mem_fraction x total |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for sharing, tps, _, _, prefilled, info in rows:
+        mem = info.get("memory", {})
+        peak = mem.get("peak_reserved_bytes", 0) / 2**30
+        cap = mem.get("mem_fraction", 0) * mem.get("total_bytes", 0) / 2**30
+        print(
+            f"| {'on' if sharing else 'off'} | {tps:,.0f} | {prefilled:,} | {peak:.1f} GiB | {cap:.1f} GiB |"
+        )
+    if len(rows) == 2:
+        print(f"sharing on / off: {rows[0][1] / rows[1][1]:.2f}x")
+
+
+def _median_ms(fn, *args) -> float:
+    import triton
+
+    return triton.testing.do_bench(lambda: fn(*args), return_mode="median")
+
+
+# ---- kernels --------------------------------------------------------------------------------------
+
+
+def bench_kernels(args: argparse.Namespace, work: Path) -> None:
+    from slime_async.actors.engine.embedded import attention
+    from slime_async.actors.engine.embedded.model_runner import ModelRunner
+
+    dev, dt = "cuda", torch.bfloat16
+    H, Hkv, D, bs = 16, 8, 128, 16
+    print("| requests | tokens each | Triton paged kernel (us) | SDPA over gathered blocks (us) |")
+    print("| --- | --- | --- | --- |")
+    for n in (1, 64, 256):
+        for L in (160, 1024):
+            nb = n * (L // bs) + 1
+            kc = torch.randn(nb, bs, Hkv, D, device=dev, dtype=dt)
+            vc = torch.randn_like(kc)
+            q = torch.randn(n, H, D, device=dev, dtype=dt)
+            bt = (torch.randperm(nb - 1, device=dev)[: n * (L // bs)] + 1).view(n, -1).int()
+            lens = torch.full((n,), L, dtype=torch.int32, device=dev)
+            tk = _median_ms(attention.paged_decode, q, kc, vc, bt, lens, D**-0.5)
+            tg = _median_ms(attention.decode_reference, q, kc, vc, bt, lens, D**-0.5, L)
+            print(f"| {n} | {L} | {tk * 1e3:.1f} | {tg * 1e3:.1f} |", flush=True)
+    model_dir = make_model(work / args.model, args.model, dt)
+    for attn in ("triton", "gathered"):
+        runner = ModelRunner(model_dir, dev, dt, max_slots=256, max_context_len=1024,
+                             num_blocks=256 * 64 + 1, decode_attention=attn)  # fmt: skip
+        runner.capture_cuda_graphs()
+        print(f"\nwhole decode step from its CUDA graph ({attn} attention, fused layers: "
+              f"{type(runner.math).__name__})")  # fmt: skip
+        print("| requests | context | ms per step | tokens/s |")
+        print("| --- | --- | --- | --- |")
+        for n in (1, 64, 256):
+            for L in (160, 1024):
+                per = L // bs
+                bt = torch.arange(1, n * per + 1, dtype=torch.int32).view(n, per)
+                table = torch.zeros((n, runner.max_blocks_per_seq), dtype=torch.int32)
+                table[:, :per] = bt
+                ids = torch.randint(5, 1000, (n,), device=dev)
+                pos = torch.full((n,), L - 1, dtype=torch.long)
+                ms = _median_ms(runner.decode, ids, pos, table)
+                print(f"| {n} | {L} | {ms:.2f} | {n / ms * 1e3:,.0f} |", flush=True)
+        runner.drop_cuda_graphs()
+        runner = None
+        torch.cuda.empty_cache()
 
 
 # ---- weight push --------------------------------------------------------------------------------
@@ -282,11 +421,25 @@ def main() -> None:
     ap.add_argument("--push", action="store_true", help="weight-push benchmark (two GPUs)")
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--grpo", action="store_true", help="GRPO-shaped load, prompt sharing on/off")
+    ap.add_argument("--grpo-prompts", type=int, default=64)
+    ap.add_argument("--grpo-n", type=int, default=8)
+    ap.add_argument("--grpo-prompt-len", type=int, default=256)
+    ap.add_argument("--grpo-new-tokens", type=int, default=512)
+    ap.add_argument("--grpo-sharing", choices=["both", "on", "off"], default="both")
+    ap.add_argument("--mem-fraction", type=float, default=0.8)
+    ap.add_argument(
+        "--kernels", action="store_true", help="decode attention and step timings (GPU)"
+    )
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         if args.push:
             bench_push(args, Path(tmp))
+        elif args.grpo:
+            bench_grpo(args, Path(tmp))
+        elif args.kernels:
+            bench_kernels(args, Path(tmp))
         else:
             bench_generation(args, Path(tmp))
 

@@ -4,6 +4,9 @@
 #   e2e    the two-GPU run: embedded engine on GPU 0, learner on GPU 1 (configs/gpu_two_h200.toml)
 #   async  bench_async.py on the same config: sync vs async, same steps
 #   buffer the buffer benchmark on the host's free cores
+#   engine the embedded engine on one GPU: its -m gpu tests, the decode kernels, the issue-18
+#          table (1/64/128/256 concurrent vs HF generate); engine_grpo: the GRPO-shaped load with
+#          prompt sharing on and off, and peak memory against engine.mem_fraction
 #   SUITE="push e2e" bash bench/gpu_suite.sh [overrides for the e2e/async runs...]
 # The image has torch and transformers but not megatron-core, pyzmq or pydantic: their wheels
 # travel in .whl/ (README, "Development").
@@ -38,6 +41,21 @@ for part in $SUITE; do
         --out /tmp/bench_gpu configs/gpu_two_h200.toml "$@" >"$OUT/bench_async.log" 2>&1
       echo "exit $?"; tail -18 "$OUT/bench_async.log"
       cp /tmp/bench_gpu/summary.json "$OUT/bench_async.json" 2>/dev/null ;;
+    engine)
+      echo "== embedded engine: -m gpu tests"
+      timeout "${ENGINE_TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_engine_runner.py 2>&1 | tee "$OUT/engine_tests.log" | tail -15
+      echo "== embedded engine: decode kernels and steps"
+      timeout "${KERNELS_S:-150}" python3 bench/bench_engine.py --kernels --model qwen3-0.5b \
+        --device cuda 2>&1 | grep -v -i warn | tee "$OUT/engine_kernels.log"
+      echo "== embedded engine vs HF generate"
+      timeout "${TABLE_S:-300}" python3 bench/bench_engine.py --model qwen3-0.5b --device cuda \
+        --dtype bfloat16 --batches 1,64,128,256 --new-tokens 128 2>&1 | grep -v -i warn \
+        | tee "$OUT/engine_table.log" | tail -12 ;;
+    engine_grpo)
+      echo "== GRPO-shaped load, prompt sharing on and off"
+      timeout "${GRPO_S:-400}" python3 bench/bench_engine.py --grpo --model qwen3-0.5b \
+        --device cuda 2>&1 | grep -v -i warn | tee "$OUT/engine_grpo.log" | tail -12 ;;
     buffer)
       echo "== buffer benchmark (host CPUs)"
       timeout "${BUFFER_S:-100}" python3 bench/bench_buffer.py >"$OUT/buffer.log" 2>&1

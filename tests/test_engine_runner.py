@@ -1,5 +1,7 @@
-"""The slot-cache model runner and the scheduler reproduce HF transformers' greedy decoding."""
+"""The paged-KV model runner and the scheduler reproduce HF transformers' greedy decoding."""
 
+import math
+import os
 import threading
 
 import pytest
@@ -7,6 +9,7 @@ import torch
 from engine_util import hf_greedy
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from slime_async.actors.engine.embedded import attention
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
 from slime_async.actors.engine.embedded.sampling import SamplingParams
 from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
@@ -23,31 +26,63 @@ def _one_thread():
     torch.set_num_threads(prev)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_batched_prefill_and_decode_match_hf(tmp_path, family):
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    d = make_tiny_model(tmp_path_factory.mktemp("m") / "qwen3", family="qwen3", seed=5)
+    return d, AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
+
+
+def _greedy_with_runner(runner: ModelRunner, prompts, steps: int):
+    """Prefill `prompts` packed, then `steps` greedy decode steps, each prompt in its own blocks."""
+    bs = runner.block_size
+    tables = [runner.pool.allocate(math.ceil((len(p) + steps) / bs)) for p in prompts]
+    logits = runner.prefill([(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    lens = [len(p) for p in prompts]
+    bt = torch.zeros((len(prompts), runner.max_blocks_per_seq), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t)
+    toks, lps = [[] for _ in prompts], [[] for _ in prompts]
+    for _ in range(steps):
+        tok = logits.argmax(-1)
+        lp = torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0]
+        for i in range(len(prompts)):
+            toks[i].append(tok[i].item())
+            lps[i].append(lp[i].item())
+        logits = runner.decode(tok, torch.tensor(lens), bt)
+        lens = [n + 1 for n in lens]
+    return toks, lps
+
+
+@pytest.mark.parametrize(
+    "family,math_path", [("llama", "hf"), ("qwen2", "hf"), ("qwen3", "hf"), ("qwen3", "fused"),
+                         ("qwen2", "fused")],
+)  # fmt: skip
+def test_packed_prefill_and_paged_decode_match_hf(tmp_path, family, math_path):
     d = make_tiny_model(
         tmp_path / family, family=family, seed=3, tie_word_embeddings=family == "qwen2"
     )
-    runner = ModelRunner(d, max_slots=8, max_context_len=64)
+    # block_size 4: prompts span several blocks, handed out in an interleaved order.
+    runner = ModelRunner(d, max_slots=8, max_context_len=64, block_size=4,
+                         fused=math_path == "fused", compile=False)  # fmt: skip
+    runner.pool.allocate(3)  # tables do not start at block 1
     hf = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
-    logits = runner.prefill(list(range(len(PROMPTS))), PROMPTS)  # [n, V]
-    lens = [len(p) for p in PROMPTS]
-    got_tokens = [[] for _ in PROMPTS]
-    got_logps = [[] for _ in PROMPTS]
-    for _ in range(12):
-        tok = logits.argmax(-1)
-        lp = torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0]
-        for i in range(len(PROMPTS)):
-            got_tokens[i].append(tok[i].item())
-            got_logps[i].append(lp[i].item())
-        logits = runner.decode(tok.tolist(), lens)
-        lens = [n + 1 for n in lens]
+    toks, lps = _greedy_with_runner(runner, PROMPTS, 12)
     for i, p in enumerate(PROMPTS):
         ref_tokens, ref_logps = hf_greedy(hf, p, 12)
-        assert got_tokens[i] == ref_tokens, f"prompt {i}"
-        torch.testing.assert_close(
-            torch.tensor(got_logps[i]), torch.tensor(ref_logps), atol=1e-4, rtol=0
-        )
+        assert toks[i] == ref_tokens, f"prompt {i}"
+        torch.testing.assert_close(torch.tensor(lps[i]), torch.tensor(ref_logps), atol=1e-4, rtol=0)
+
+
+def test_fused_weights_are_views_so_updates_reach_them(qwen3, tmp_path):
+    """FusedLayerMath packs q|k|v and gate|up; a weight load must change the packed tensors."""
+    d, _ = qwen3
+    runner = ModelRunner(d, max_slots=2, max_context_len=32, fused=True, compile=False)
+    layer = runner.layers[0]
+    new = torch.randn_like(layer.self_attn.k_proj.weight)
+    runner.load_weights([("model.layers.0.self_attn.k_proj.weight", new)])
+    q_rows = layer.self_attn.q_proj.weight.shape[0]
+    packed = runner.math.w[0]["qkv"]
+    torch.testing.assert_close(packed[q_rows : q_rows + new.shape[0]], new)
 
 
 def test_unsupported_family_is_named(tmp_path):
@@ -67,11 +102,21 @@ def _run_all(sched: Scheduler, prompts, params) -> list[Request]:
     return reqs
 
 
-def test_scheduler_compacts_slots_when_requests_of_different_lengths_leave(tmp_path):
-    """Requests leave at different steps (slot compaction) and every one still equals HF greedy."""
-    d = make_tiny_model(tmp_path / "m", family="qwen3", seed=5)
-    hf = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
-    sched = Scheduler(ModelRunner(d, max_slots=3, max_context_len=64))  # fewer slots than requests
+def _assert_hf(hf, reqs, prompts, lengths):
+    for r, p, n in zip(reqs, prompts, lengths, strict=True):
+        ref_tokens, ref_logps = hf_greedy(hf, p, n)
+        assert r.output_ids == ref_tokens and r.finish_reason == {"type": "length", "length": n}
+        torch.testing.assert_close(
+            torch.tensor(r.output_logprobs), torch.tensor(ref_logps), atol=1e-4, rtol=0
+        )
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_requests_leaving_at_different_steps_free_blocks_and_equal_hf(qwen3, overlap):
+    """More requests than slots; they leave at different steps and their blocks are reused."""
+    d, hf = qwen3
+    runner = ModelRunner(d, max_slots=3, max_context_len=64, block_size=4)
+    sched = Scheduler(runner, overlap=overlap, prefix_sharing=False)
     sched.start()
     try:
         lengths = [3, 9, 1, 6, 12, 4]
@@ -82,12 +127,53 @@ def test_scheduler_compacts_slots_when_requests_of_different_lengths_leave(tmp_p
         reqs = _run_all(sched, prompts, params)
     finally:
         sched.stop()
-    for r, p, n in zip(reqs, prompts, lengths, strict=True):
-        ref_tokens, ref_logps = hf_greedy(hf, p, n)
-        assert r.output_ids == ref_tokens and r.finish_reason == {"type": "length", "length": n}
-        torch.testing.assert_close(
-            torch.tensor(r.output_logprobs), torch.tensor(ref_logps), atol=1e-4, rtol=0
-        )
+    _assert_hf(hf, reqs, prompts, lengths)
+    assert runner.pool.in_use() == 0  # every block came back
+
+
+def test_a_full_cache_retracts_and_recomputes(qwen3):
+    """A cache too small for every running request: the newest is retracted (counted), re-queued,
+    recomputed, and every output still equals HF greedy."""
+    d, hf = qwen3
+    # 4 requests x (9 + 14 tokens) need 24 blocks of 4; the cache has 12 (+ scratch).
+    runner = ModelRunner(d, max_slots=4, max_context_len=64, block_size=4, num_blocks=13)
+    sched = Scheduler(runner, prefix_sharing=False)
+    sched.start()
+    try:
+        prompts = [PROMPTS[2]] * 4
+        params = [SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)] * 4
+        reqs = _run_all(sched, prompts, params)
+    finally:
+        sched.stop()
+    _assert_hf(hf, reqs, prompts, [14] * 4)
+    assert sched.retractions >= 1
+
+
+def test_shared_prompts_are_prefilled_once_and_flushed_with_new_weights(qwen3, tmp_path):
+    """Twins in one batch share a prefill; a later request takes the cached full blocks; a weight
+    load forgets them (its KV is recomputed under the new weights and equals HF of those)."""
+    d, hf = qwen3
+    prompt = [2, *range(10, 20)]  # 11 tokens: two full blocks of 4 and a partial one
+    runner = ModelRunner(d, max_slots=8, max_context_len=64, block_size=4)
+    sched = Scheduler(runner)
+    sched.start()
+    try:
+        params = [SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)] * 3
+        twins = _run_all(sched, [prompt] * 3, params)
+        assert sched.prefill_tokens == len(prompt)  # one prefill for the three
+        assert [r.cached_tokens for r in twins] == [0, len(prompt), len(prompt)]
+        (later,) = _run_all(sched, [[*prompt, 40, 41]], params[:1])
+        assert later.cached_tokens == 8 and sched.prefill_tokens == len(prompt) + 5
+        d1 = make_tiny_model(tmp_path / "m1", family="qwen3", seed=9)
+        sched.call(lambda: runner.load_from_disk(d1)).result(timeout=60)
+        (after,) = _run_all(sched, [prompt], params[:1])
+        assert after.cached_tokens == 0
+    finally:
+        sched.stop()
+    _assert_hf(hf, twins, [prompt] * 3, [5] * 3)
+    _assert_hf(hf, [later], [[*prompt, 40, 41]], [5])
+    hf1 = AutoModelForCausalLM.from_pretrained(d1, local_files_only=True).eval()
+    _assert_hf(hf1, [after], [prompt], [5])
 
 
 def test_stop_token_kept_and_min_new_tokens(tmp_path):
@@ -114,21 +200,59 @@ def test_stop_token_kept_and_min_new_tokens(tmp_path):
     assert ignored.output_ids == ref and ignored.finish_reason["type"] == "length"
 
 
+def _random_paged(device, dtype, bs=16, hkv=2, h=4, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(12, bs, hkv, d, generator=g).to(device, dtype)
+    vc = torch.randn(12, bs, hkv, d, generator=g).to(device, dtype)
+    q = torch.randn(4, h, d, generator=g).to(device, dtype)
+    bt = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6], [11, 0, 0, 0], [7, 8, 10, 2]], dtype=torch.int32)
+    lens = torch.tensor([bs * 3 + 1, bs * 4, 1, bs + 5], dtype=torch.int32)
+    return q, kc, vc, bt.to(device), lens.to(device)
+
+
+@pytest.mark.skipif(
+    attention.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs Triton and TRITON_INTERPRET=1 (the CPU interpreter) set before it is imported",
+)
+def test_paged_decode_kernel_in_triton_interpreter():
+    """The Triton kernel (CPU interpreter) equals the gathered reference in fp32."""
+    q, kc, vc, bt, lens = _random_paged("cpu", torch.float32)
+    got = attention.paged_decode(q, kc, vc, bt, lens, 32**-0.5)
+    ref = attention.decode_reference(q, kc, vc, bt, lens, 32**-0.5)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+# ---- on a GPU (pytest -m gpu on the GPU machine) -------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
+def test_paged_decode_kernel_on_gpu(dtype):
+    q, kc, vc, bt, lens = _random_paged("cuda", dtype, bs=16, hkv=8, h=16, d=128, seed=1)
+    got = attention.paged_decode(q, kc, vc, bt, lens, 128**-0.5).float()
+    ref = attention.decode_reference(q.float(), kc.float(), vc.float(), bt, lens, 128**-0.5)
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
 @pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.gpu
+@needs_cuda
 def test_runner_on_gpu_matches_hf_before_and_after_a_weight_load(tmp_path, graphs):
-    """Eager and CUDA-graph decoding equal HF greedy; graphs see weights loaded in place."""
+    """Fused + compiled layers, the Triton kernel and CUDA graphs equal HF greedy in fp32; the
+    graphs see weights loaded in place."""
     d0 = make_tiny_model(tmp_path / "m0", family="qwen3", seed=8)
     d1 = make_tiny_model(tmp_path / "m1", family="qwen3", seed=9)
-    runner = ModelRunner(d0, device="cuda", max_slots=4, max_context_len=64)
+    runner = ModelRunner(d0, device="cuda", max_slots=4, max_context_len=64, num_blocks=64)
+    assert runner.decode_attention == "triton"
     if graphs:
         assert runner.capture_cuda_graphs() == [1, 2, 4]
     sched = Scheduler(runner)
     sched.start()
-    params = [SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)] * len(
-        PROMPTS[:3]
-    )
+    params = [SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)] * 3
     try:
         before = _run_all(sched, PROMPTS[:3], params)  # 3 rows: the size-4 graph pads one row
         sched.call(lambda: runner.load_from_disk(d1)).result(timeout=60)
@@ -143,3 +267,29 @@ def test_runner_on_gpu_matches_hf_before_and_after_a_weight_load(tmp_path, graph
             torch.testing.assert_close(
                 torch.tensor(r.output_logprobs), torch.tensor(ref_logps), atol=1e-3, rtol=0
             )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_many_concurrent_equal_one_at_a_time(tmp_path):
+    """64 concurrent greedy requests (graphs, kernel, overlap, shared prompts) = one at a time."""
+    d = make_tiny_model(tmp_path / "m", family="qwen3", seed=4)
+    runner = ModelRunner(d, device="cuda", max_slots=64, max_context_len=128)
+    runner.capture_cuda_graphs()
+    sched = Scheduler(runner)
+    sched.start()
+    g = torch.Generator().manual_seed(0)
+    prompts = [[2, *torch.randint(5, 60, (int(n),), generator=g).tolist()]
+               for n in torch.randint(1, 30, (64,), generator=g)]  # fmt: skip
+    prompts[1] = prompts[0]  # a shared prompt too
+    lengths = [int(n) for n in torch.randint(1, 40, (64,), generator=g)]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    try:
+        together = _run_all(sched, prompts, params)
+        alone = [_run_all(sched, [p], [s])[0] for p, s in zip(prompts, params, strict=True)]
+    finally:
+        sched.stop()
+    for a, b in zip(together, alone, strict=True):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs),
+                                   atol=1e-4, rtol=0)  # fmt: skip

@@ -67,6 +67,43 @@ class EngineConfig(Section):
     """Client-side retries of a failed call, with exponential back-off (doubling from 0.2 s,
     capped at 30 s: about 110 s in all, enough to ride out an engine's restart)."""
 
+    mem_fraction: float = Field(0.8, gt=0, le=1)
+    """Embedded engine on a GPU: the share of the GPU's memory its weights, activations and paged
+    KV cache may take together; the cache gets what is left (and no more than is free)."""
+    block_size: int = Field(16, ge=1, le=1024)
+    """Tokens per KV-cache block (a power of two; the Triton decode kernel needs >= 16)."""
+    kv_cache_tokens: int | None = Field(None, ge=2)
+    """Size the KV cache to this many tokens instead (on a CPU the default is
+    max_running_requests x max_context_len; on a GPU mem_fraction decides)."""
+    max_prefill_tokens: int = Field(8192, ge=1)
+    """Most new prompt tokens packed into one prefill pass (one longer prompt still runs alone)."""
+    prefix_sharing: bool = True
+    """Prefill a shared prompt once: the n samples of a request, and later requests whose prompt
+    starts with cached full blocks, share its KV blocks (flushed on every weight update)."""
+    decode_attention: Literal["auto", "triton", "gathered"] = "auto"
+    """Decode attention over the paged cache: `triton` (the project's paged kernel, CUDA),
+    `gathered` (SDPA over each request's gathered blocks), `auto` (triton where it runs)."""
+    compile: bool = True
+    """GPU: fuse each layer's norms, rotary, SiLU and residual adds with torch.compile."""
+    overlap_schedule: bool = True
+    """Launch decode step t+1 before the host reads step t's tokens (host work overlaps the GPU)."""
+
+    @model_validator(mode="after")
+    def _paged_cache(self) -> "EngineConfig":
+        """Block sizes the cache and the kernel can use; the embedded-only keys of the cache."""
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"engine.block_size must be a power of two, got {self.block_size}")
+        if self.decode_attention == "triton" and self.block_size < 16:
+            raise ValueError(
+                "engine.decode_attention = 'triton' needs engine.block_size >= 16 "
+                f"(got {self.block_size})"
+            )
+        if self.kv_cache_tokens is not None and "mem_fraction" in self.model_fields_set:
+            raise ValueError(
+                "engine.kv_cache_tokens and engine.mem_fraction both size the KV cache: set one"
+            )
+        return self
+
     @model_validator(mode="after")
     def _embedded_only(self) -> "EngineConfig":
         """Keys that only the embedded engine reads are refused with external engines."""
@@ -76,6 +113,9 @@ class EngineConfig(Section):
                 used.append("engine.strict_sglang")
             if self.initial_weight_version != "default":
                 used.append("engine.initial_weight_version")
+            cache_keys = ("mem_fraction", "block_size", "kv_cache_tokens", "max_prefill_tokens",
+                          "prefix_sharing", "decode_attention", "compile", "overlap_schedule")  # fmt: skip
+            used += [f"engine.{k}" for k in cache_keys if k in self.model_fields_set]
             if used:
                 raise ValueError(
                     f"{', '.join(used)}: only the embedded engine reads it, and "

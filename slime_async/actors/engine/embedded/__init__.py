@@ -2,7 +2,11 @@
 
     server.py        the aiohttp app: SGLang's endpoints, their field names and failure behaviour
     scheduler.py     continuous batching: admission, decode steps, aborts, pause/continue
-    model_runner.py  the HF model's forward passes over a preallocated KV cache (CUDA graphs on GPU)
+    model_runner.py  the HF model's forward passes (packed prefill, decode) over the paged KV cache
+    layers.py        the per-layer math in replaceable pieces (HF modules; fused + compiled on GPU)
+    kv_cache.py      KV blocks, reference counts and the prefix index of shared prompts
+    attention.py     attention over the blocks: the Triton paged decode kernel, gathered SDPA
+    cuda_graphs.py   the decode step captured per batch-size bucket
     sampling.py      temperature / top-k / top-p sampling and the log-probs returned with tokens
 
 Started by `slime-async engine` (`slime_async/commands/engine.py`), which serves `server.py`.

@@ -1,42 +1,50 @@
-"""The embedded engine's model: a Hugging Face causal LM run over a slot KV cache.
+"""The embedded engine's model: a Hugging Face causal LM run over a paged KV cache.
 
 Why not HF `generate()` or a per-request `DynamicCache`: continuous batching needs requests of
-different lengths to share one decode step. Stacking per-request caches every step copies the
-whole KV cache each token; instead this module keeps one preallocated cache per layer,
-`k, v: [S, Hkv, L, D]` (S = max running requests, L = max context length), and runs the HF
-model's own submodules (embedding, norms, q/k/v/o projections, q/k norms of Qwen3, MLP, rotary
-embedding, lm_head) with its own attention over that cache:
+different lengths to share one step. This module runs the HF model's own weights (embedding,
+rotary, the per-layer math of layers.py, final norm, lm_head) over packed tokens, `[T, ...]`,
+with attention over a paged KV cache (kv_cache.py: fixed-size blocks, a block table per request):
 
-- Running requests occupy slots 0..n-1 (compacted when one leaves: the last slot's rows move into
-  the hole), so a decode step attends over the views `k[:n, :, :Lmax]` without a gather; each
-  row masks the positions past its own length.
-- Prefill runs newly admitted prompts as one right-padded batch with a causal mask: a real token
-  never sees the padding after it, so padding changes nothing, and each row's K/V is written into
-  its slot.
+- `prefill`: the new tokens of many prompts packed into one forward pass without padding (the
+  matmuls see only real tokens); each prompt's K/V is written into its blocks and its queries
+  attend over its own cached keys (a prefix-index hit is read, not recomputed).
+- `decode`: one token per request; attention reads only each request's own blocks up to its own
+  length (attention.py: a Triton paged kernel on CUDA, gathered SDPA elsewhere). On a GPU the
+  step is replayed from a CUDA graph per batch-size bucket (cuda_graphs.py); the inputs (token,
+  position, block table) live in static buffers, the weights are updated in place, so one graph
+  serves every step of its bucket across weight updates.
 
-Families: llama, qwen2, qwen3 (the ones the learner converts). Memory is bounded by the cache:
-2 * layers * S * Hkv * L * D elements of `dtype`, allocated once at start.
+Families: llama, qwen2, qwen3 (the ones the learner converts); `self.math` (layers.py) is the
+per-layer hook for others. Memory: the weights, the KV cache (sized once at start: on a GPU from
+`mem_fraction` of its memory, on a CPU `max_slots * max_context_len` tokens unless given), and
+the activations of one prefill of at most `max_prefill_tokens` or one decode of `max_slots`.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
+
+from slime_async.actors.engine.embedded import attention
+from slime_async.actors.engine.embedded.kv_cache import (
+    BlockPool,
+    blocks_for_memory,
+    kv_bytes_per_token,
+)
+from slime_async.actors.engine.embedded.layers import FusedLayerMath, LayerMath, fusable
+
+log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class ModelRunner:
-    """One HF causal LM plus its slot KV cache. Not thread-safe: one scheduler thread drives it."""
+    """One HF causal LM plus its paged KV cache. Not thread-safe: one scheduler thread drives it."""
 
     def __init__(
         self,
@@ -45,6 +53,13 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         max_slots: int = 64,
         max_context_len: int = 2048,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        mem_fraction: float = 0.8,
+        max_prefill_tokens: int = 8192,
+        fused: bool | None = None,
+        compile: bool = True,
+        decode_attention: str = "auto",
     ):
         self.model_path = str(model_path)
         self.device = torch.device(device)
@@ -64,166 +79,216 @@ class ModelRunner:
         self.config = cfg
         self.vocab_size = int(cfg.vocab_size)
         self.max_slots = max_slots
+        self.max_prefill_tokens = max_prefill_tokens
         max_pos = int(getattr(cfg, "max_position_embeddings", max_context_len) or max_context_len)
         self.max_context_len = min(max_context_len, max_pos)
         attn = self.model.model.layers[0].self_attn
         self.head_dim = int(attn.head_dim)
+        self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(cfg.num_key_value_heads)
-        shape = (max_slots, self.num_kv_heads, self.max_context_len, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.layers]
         self.eos_token_ids = _eos_ids(cfg)
-        self._graph_sizes: list[int] = []  # batch sizes with a captured decode graph
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        cuda = self.device.type == "cuda"
+        fused = (cuda and fusable(self.model)) if fused is None else fused
+        self.math: LayerMath = (
+            FusedLayerMath(self.model, self.head_dim, compile=compile and cuda)
+            if fused
+            else LayerMath(self.model, self.head_dim)
+        )
+        # ---- the paged KV cache
+        self.block_size = block_size
+        self.max_blocks_per_seq = math.ceil(self.max_context_len / block_size)
+        layers = len(self.model.model.layers)
+        per_block = block_size * kv_bytes_per_token(layers, self.num_kv_heads, self.head_dim, dtype)
+        self.memory: dict[str, int | float] = {"mem_fraction": mem_fraction}
+        if num_blocks is None:
+            if cuda:
+                num_blocks, info = blocks_for_memory(
+                    self.device, mem_fraction, per_block, self._activation_bytes()
+                )
+                self.memory.update(info)
+            else:  # every slot can hold a whole context, as the old slot cache
+                num_blocks = max_slots * self.max_blocks_per_seq + 1
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
+        self.pool = BlockPool(num_blocks, block_size)
+        self.memory.update(num_blocks=num_blocks, block_size=block_size,
+                           kv_bytes=num_blocks * per_block)  # fmt: skip
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)",
+            num_blocks, block_size, num_blocks * per_block / 2**30, num_blocks * block_size,
+        )  # fmt: skip
+        self.decode_attention = self._pick_attention(decode_attention)
+        self.graphs = None  # cuda_graphs.DecodeGraphs once captured
+
+    def _activation_bytes(self) -> int:
+        """A bound on the activations besides the cache: one prefill of max_prefill_tokens (layer
+        intermediates, in the weights' dtype) and one decode's logits and sampling (fp32)."""
+        cfg, el = self.config, torch.empty((), dtype=self.dtype).element_size()
+        width = 6 * cfg.hidden_size + 3 * cfg.intermediate_size
+        width += 3 * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        prefill = self.max_prefill_tokens * width * el
+        # Prefill attention over gathered blocks: scores of each prompt's queries over its keys
+        # (fp32, all heads; SDPA's math path when a mask is given) and the gathered K/V.
+        keys = min(self.max_context_len, self.max_prefill_tokens)
+        prefill += self.max_prefill_tokens * keys * self.num_heads * 4 * 2
+        # Logits (the graphs' buffer and the eager ones), then the sampler's scaled logits,
+        # log-softmax, softmax, sort and cumsum (top-p), multinomial: fp32 [max_slots, V] each.
+        sampling = self.max_slots * self.vocab_size * 4 * 10
+        return int(prefill + sampling + (1 << 30))
+
+    def _pick_attention(self, choice: str) -> str:
+        d_ok = self.head_dim & (self.head_dim - 1) == 0 and self.block_size >= 16
+        if choice == "gathered":
+            return "gathered"
+        if not (attention.triton_available(self.device) and d_ok):
+            if choice == "triton":
+                raise ValueError(
+                    "engine.decode_attention = 'triton' needs a CUDA device with Triton, a "
+                    "power-of-two head_dim and engine.block_size >= 16"
+                )
+            return "gathered"
+        if self.device.type == "cuda":
+            err = self._check_kernel()
+            if err is not None:
+                if choice == "triton":
+                    raise RuntimeError(f"the paged decode kernel failed its check: {err}")
+                log.error("paged decode kernel failed its check (%s): using gathered SDPA", err)
+                return "gathered"
+        return "triton"
+
+    def _check_kernel(self) -> str | None:
+        """The Triton kernel against the gathered reference on random blocks of this shape."""
+        try:
+            g = torch.Generator(device=self.device).manual_seed(0)
+            nb, bs = 9, self.block_size
+            kc = torch.randn(nb, bs, self.num_kv_heads, self.head_dim, generator=g,
+                             device=self.device).to(self.dtype)  # fmt: skip
+            vc = torch.randn(kc.shape, generator=g, device=self.device).to(self.dtype)
+            q = torch.randn(3, self.num_heads, self.head_dim, generator=g, device=self.device)
+            q = q.to(self.dtype)
+            bt = torch.tensor([[3, 1, 4, 1], [5, 8, 2, 6], [7, 0, 0, 0]], dtype=torch.int32,
+                              device=self.device)  # fmt: skip
+            lens = torch.tensor([bs * 3 + 1, bs * 4, 1], dtype=torch.int32, device=self.device)
+            got = attention.paged_decode(q, kc, vc, bt, lens, self.head_dim**-0.5).float()
+            ref = attention.decode_reference(q.float(), kc.float(), vc.float(), bt, lens,
+                                             self.head_dim**-0.5)  # fmt: skip
+            err = ((got - ref).norm() / ref.norm()).item()
+            tol = 1e-4 if self.dtype == torch.float32 else 2e-2
+            return None if err < tol else f"relative error {err:.2e} > {tol}"
+        except Exception as e:  # no compiler, unsupported shape, ...
+            return f"{type(e).__name__}: {e}"
 
     @property
     def layers(self):
         return self.model.model.layers
 
-    # ---- forward passes ------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Run `prompts` (one per slot) from position 0; returns last-token logits [n, V]."""
-        n, t = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros((n, t), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(self.device)
-        pos = torch.arange(t, device=self.device)[None, :].expand(n, t)
-        lengths = [len(p) for p in prompts]
-        # Where each real (non-padding) token's K/V goes: one scatter per layer, not one per row.
-        row_idx = torch.tensor(
-            [i for i, ln in enumerate(lengths) for _ in range(ln)], device=self.device
-        )
-        pos_idx = torch.tensor([j for ln in lengths for j in range(ln)], device=self.device)
-        slot_idx = torch.tensor(slots, device=self.device)[row_idx]
-
-        def attend(layer: int, q, k, v):  # q: [n, H, t, D]; k, v: [n, Hkv, t, D]
-            self.k_cache[layer][slot_idx, :, pos_idx] = k.transpose(1, 2)[row_idx, pos_idx]
-            self.v_cache[layer][slot_idx, :, pos_idx] = v.transpose(1, 2)[row_idx, pos_idx]
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=True, scale=self._scale
-            )
-
-        h = self._forward(ids, pos, attend)  # [n, t, hidden]
-        last = torch.tensor([ln - 1 for ln in lengths], device=self.device)
-        h_last = h[torch.arange(n, device=self.device), last]  # [n, hidden]
-        return self.model.lm_head(self.model.model.norm(h_last)).float()
-
-    @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One step for slots 0..n-1: feed `tokens[i]` at `positions[i]`; returns logits [n, V]."""
-        n = len(tokens)
-        size = next((b for b in self._graph_sizes if b >= n), None)
-        if size is None:
-            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [n, 1]
-            pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [n]
-            return self._decode_step(ids, pos, max(positions) + 1)
-        # Rows n..size-1 are padding: they write K/V at position 0 of free slots, never read.
-        self._ids.zero_()
-        self._pos.zero_()
-        self._ids[:n, 0].copy_(torch.tensor(tokens, dtype=torch.long))
-        self._pos[:n].copy_(torch.tensor(positions, dtype=torch.long))
-        graph, logits = self._graphs[size]
-        graph.replay()
-        return logits[:n]
-
-    def _decode_step(self, ids: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
-        """ids: [n, 1], pos: [n] on the device; attends over cache positions [0, span)."""
-        n = ids.shape[0]
-        rows = torch.arange(n, device=self.device)
-        # attend_mask: [n, 1, 1, span], True where key position <= the row's own position.
-        attend_mask = torch.arange(span, device=self.device)[None, :] <= pos[:, None]
-        attend_mask = attend_mask[:, None, None, :]
-
-        def attend(layer: int, q, k, v):  # q: [n, H, 1, D]; k, v: [n, Hkv, 1, D]
-            kc, vc = self.k_cache[layer], self.v_cache[layer]
-            kc[rows, :, pos] = k[:, :, 0]
-            vc[rows, :, pos] = v[:, :, 0]
-            return F.scaled_dot_product_attention(
-                q,
-                kc[:n, :, :span],
-                vc[:n, :, :span],
-                attn_mask=attend_mask,
-                enable_gqa=True,
-                scale=self._scale,
-            )
-
-        h = self._forward(ids, pos[:, None], attend)  # [n, 1, hidden]
-        return self.model.lm_head(self.model.model.norm(h[:, 0])).float()
-
-    @torch.inference_mode()
-    def capture_cuda_graphs(self) -> list[int]:
-        """Capture the decode step for batch sizes 1, 2, 4, 8, 16, 32, ... and max_slots.
-
-        Why: a decode step of a small model is a few hundred tiny kernels; launching them one by
-        one costs more than running them. A graph replays them in one launch. Graphs attend over
-        the whole cache length (masked), so one graph serves every step of its batch size; the
-        weights and KV cache are updated in place, so graphs stay valid across weight updates.
-        """
-        if self.device.type != "cuda":
-            return []
-        small = [b for b in (1, 2, 4, 8) if b < self.max_slots]
-        sizes = sorted({*small, *range(16, self.max_slots, 16), self.max_slots})
-        self._ids = torch.zeros((self.max_slots, 1), dtype=torch.long, device=self.device)
-        self._pos = torch.zeros((self.max_slots,), dtype=torch.long, device=self.device)
-        span = self.max_context_len
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up (cuBLAS handles, allocator) off the capture
-            for _ in range(2):
-                self._decode_step(self._ids, self._pos, span)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
-        for b in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._decode_step(self._ids[:b], self._pos[:b], span)
-            self._graphs[b] = (graph, logits)
-        torch.cuda.synchronize(self.device)
-        self._graph_sizes = sizes
-        return sizes
-
     @property
     def _scale(self) -> float:
         return self.head_dim**-0.5
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, attend) -> torch.Tensor:
-        """The decoder stack on ids/pos [n, t] with `attend` doing cache I/O; returns [n, t, hidden]."""
+    # ---- forward passes ------------------------------------------------------------------
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, attend):
+        """The decoder stack on packed ids/pos [T]: K/V written at cache `slots` [T], then
+        `attend(layer, q)` -> [T, H, D]. Returns hidden states [T, hidden]."""
         inner = self.model.model
         h = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(h, pos)  # [n, t, D]
-        cos, sin = cos[:, None], sin[:, None]
-        n, t = ids.shape
-        for li, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(n, t, -1, self.head_dim)
-            k = attn.k_proj(x).view(n, t, -1, self.head_dim)
-            v = attn.v_proj(x).view(n, t, -1, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            o = attend(li, q, k, v).transpose(1, 2).reshape(n, t, -1)
-            h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        cos, sin = inner.rotary_emb(h[None], pos[None])  # [1, T, D]
+        cos, sin = cos[0, :, None], sin[0, :, None]
+        t = ids.shape[0]
+        for li in range(len(self.layers)):
+            q, k, v = self.math.attn_in(li, h, cos, sin)
+            attention.write_kv(self.k_cache[li], self.v_cache[li], slots, k, v)
+            o = attend(li, q)
+            h = self.math.attn_out(li, h, o.reshape(t, -1))
         return h
 
-    def drop_cuda_graphs(self) -> None:
-        self._graph_sizes, self._graphs = [], {}
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(h)).float()
 
-    def move_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` cached positions of slot `src` into slot `dst` (compaction)."""
+    @torch.inference_mode()
+    def prefill(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """seqs: (new tokens, position of the first, block table) per sequence; the blocks cover
+        the cached prefix [0, start) and the new tokens. Returns last-token logits [n, V]."""
+        dev, bs = self.device, self.block_size
+        n = len(seqs)
+        lens_new = [len(toks) for toks, _, _ in seqs]
+        starts = [s for _, s, _ in seqs]
+        total = [s + m for s, m in zip(starts, lens_new, strict=True)]
+        m_max, l_max = max(lens_new), max(total)
+        ids = torch.tensor([t for toks, _, _ in seqs for t in toks], dtype=torch.long)
+        pos = torch.cat([torch.arange(s, s + m) for s, m in zip(starts, lens_new, strict=True)])
+        width = math.ceil(l_max / bs)
+        table = torch.zeros((n, width), dtype=torch.long)
+        for i, (_, _, blocks) in enumerate(seqs):
+            nb = math.ceil(total[i] / bs)
+            table[i, :nb] = torch.tensor(blocks[:nb], dtype=torch.long)
+        row_of_tok = torch.repeat_interleave(torch.arange(n), torch.tensor(lens_new))
+        slots = table[row_of_tok, pos // bs] * bs + pos % bs
+        # Attention operands: each sequence's queries (padded to m_max) over its keys (l_max).
+        offs = torch.tensor([0, *lens_new[:-1]]).cumsum(0)
+        j = torch.arange(m_max)
+        valid_q = j[None, :] < torch.tensor(lens_new)[:, None]
+        q_rows = torch.where(valid_q, offs[:, None] + j[None, :], 0)
+        q_pos = torch.where(valid_q, torch.tensor(starts)[:, None] + j[None, :], 0)
+        kp = torch.arange(l_max)
+        kv_slots = table[:, kp // bs] * bs + kp % bs
+        kv_len = torch.tensor(total)
+        ids, pos, slots = ids.to(dev), pos.to(dev), slots.to(dev)
+        q_rows, q_pos = q_rows.to(dev), q_pos.to(dev)
+        kv_slots, kv_len = kv_slots.to(dev), kv_len.to(dev)
+
+        def attend(li: int, q: torch.Tensor) -> torch.Tensor:
+            return attention.gathered_attention(
+                q, self.k_cache[li], self.v_cache[li], q_rows, q_pos, kv_slots, kv_len, self._scale
+            )
+
+        h = self._forward(ids, pos, slots, attend)
+        last = (offs + torch.tensor(lens_new) - 1).to(dev)
+        return self._logits(h[last])
+
+    @torch.inference_mode()
+    def decode(
+        self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor
+    ) -> torch.Tensor:
+        """One step: feed ids [m] (on the device) at positions [m] (host, int64) with block
+        tables [m, max_blocks_per_seq] (host, int32); returns logits [m, V] (float32).
+
+        From a CUDA graph when one is captured for a bucket >= m (the returned tensor is the
+        graph's output buffer: read it before the next step)."""
+        if self.graphs is not None:
+            out = self.graphs.run(ids, positions, block_tables)
+            if out is not None:
+                return out
+        pos = positions.to(self.device, non_blocking=True)
+        bt = block_tables.to(self.device, non_blocking=True)
+        span = int(positions.max()) + 1 if positions.numel() else 1
+        return self.decode_step(ids, pos, bt, span)
+
+    def decode_step(
+        self, ids: torch.Tensor, pos: torch.Tensor, bt: torch.Tensor, span: int | None = None
+    ) -> torch.Tensor:
+        """The decode computation on device tensors (what a CUDA graph captures); `span` bounds
+        the keys the gathered path reads (None: the table's width)."""
+        bs = self.block_size
+        lens = (pos + 1).to(torch.int32)
+        slots = bt.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        kernel = self.decode_attention == "triton"
+
+        def attend(li: int, q: torch.Tensor) -> torch.Tensor:
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            if kernel:
+                return attention.paged_decode(q, kc, vc, bt, lens, self._scale)
+            return attention.decode_reference(q, kc, vc, bt, lens, self._scale, span)
+
+        return self._logits(self._forward(ids, pos, slots, attend))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Give block `dst` the contents of `src` (copy-on-write of a shared prompt's last block)."""
         for kc, vc in zip(self.k_cache, self.v_cache, strict=True):
-            kc[dst, :, :length] = kc[src, :, :length]
-            vc[dst, :, :length] = vc[src, :, :length]
-
-    def copy_slot(self, src: int, dst: int, length: int) -> None:
-        """Give slot `dst` the first `length` cached positions of `src` (n > 1 shares a prefill)."""
-        self.move_slot(src, dst, length)
+            kc[dst] = kc[src]
+            vc[dst] = vc[src]
 
     @torch.inference_mode()
     def prompt_logprobs(self, ids: list[int], temperature: float) -> list[float]:
@@ -234,6 +299,28 @@ class ModelRunner:
         logp = torch.log_softmax(logits, -1)
         return logp.gather(1, x[0, 1:, None])[:, 0].tolist()
 
+    # ---- CUDA graphs -----------------------------------------------------------------------
+
+    def capture_cuda_graphs(self) -> list[int]:
+        """Capture the decode step for batch sizes 1, 2, 4, 8, 16, 32, ... and max_slots (GPU)."""
+        if self.device.type != "cuda":
+            return []
+        from slime_async.actors.engine.embedded.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self)
+        return self.graphs.sizes
+
+    def drop_cuda_graphs(self) -> None:
+        self.graphs = None
+
+    def memory_info(self) -> dict[str, int | float]:
+        info = dict(self.memory)
+        if self.device.type == "cuda":
+            info["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+            info["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        info["blocks_in_use"] = self.pool.in_use()
+        return info
+
     # ---- weights -------------------------------------------------------------------------
 
     def parameter_names(self) -> set[str]:
@@ -241,7 +328,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the model; every name and shape is checked before any copy."""
+        """Copy HF-named tensors into the model (in place: CUDA graphs and packed weights see
+        them); every name and shape is checked before any copy. Cached prefixes are forgotten
+        (their KV came from the old weights)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         for name, t in named:
             if name not in params:
@@ -252,6 +341,7 @@ class ModelRunner:
                 )
         for name, t in named:
             params[name].copy_(t.to(device=self.device, dtype=params[name].dtype))
+        self.pool.clear_index()
 
     def load_from_disk(self, model_path: str | Path) -> None:
         """Load every safetensors tensor of an HF directory into the running model."""

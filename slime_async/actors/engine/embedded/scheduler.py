@@ -1,21 +1,36 @@
-"""Continuous batching: one thread owns the model and steps every running request together.
+"""Continuous batching over the paged KV cache: one thread owns the model and steps every request.
 
-    HTTP handlers --submit()--> waiting deque --admit (free slot)--> running[0..n-1] --finish--> on_done
+    HTTP handlers --submit()--> waiting deque --admit (slot + KV blocks)--> running --finish--> on_done
                    --call(fn)--> command queue, run between steps (weight updates, abort, pause)
 
-Each loop iteration: run queued commands; unless paused, admit waiting requests into free slots
-and prefill them as one batch (each gets its first token), then one decode step for every running
-request; finished requests leave at once and their slot is refilled at the next iteration.
-Weight updates run as commands between two steps, so a running request continues under the new
-weights and every token records the weight version (a string, as in SGLang) that sampled it.
+Each loop iteration: run queued commands; unless paused, admit waiting requests (a free slot, KV
+blocks for their tokens, the prefill token budget) and prefill them as one packed batch (each gets
+its first token), then one decode step for every running request. Finished requests free their
+blocks at once; nobody's KV moves.
+
+Shared prompts: the full blocks of each prompt enter the runner's prefix index (kv_cache.py); a
+request whose prompt starts with indexed blocks takes them and prefills only the rest, and
+requests of one batch with the same tokens (the n samples of a group) are prefilled once: the
+others share its full blocks and copy its last, partial one (copy-on-write). `prefix_sharing`
+off turns both off.
+
+Overlap: the decode step t+1 is launched (its inputs come from step t's sampled tokens, still on
+the GPU) before the host reads step t's tokens, so the host's bookkeeping of step t (appending,
+stop checks, streaming) runs while the GPU computes step t+1. A request that finished at step t
+(a stop token) wasted its row of step t+1; its token is dropped. Requests known to finish at t
+(length) are left out of t+1. Before anything else touches the requests (commands, admission,
+a retraction) the step in flight is read first, so commands see every token, and each step runs
+under one weight version: the version recorded with its tokens.
 
 Strict mode (`engine.strict_sglang`) imitates SGLang 0.5.23's failures: `flush()` fails while any
 request holds KV (running; in_place pause keeps them), and `fail_fatally()` stops the loop for good
 (SGLang's scheduler exits when a weight update's flush fails). A failed step finishes its requests
 with an `error` mark, which the server answers with a 5xx (SGLang's answer to engine errors).
 
-Memory: at most `max_running_requests` requests hold KV (the runner's preallocated cache); the
-waiting deque holds only token ids and is bounded by the HTTP clients' concurrency.
+Memory: the runner's KV cache bounds the tokens held; when a decode step finds no free block, the
+newest running request is retracted (its blocks freed, re-queued at the front, recomputed later;
+counted in `retractions` and logged). The waiting deque holds only token ids and is bounded by the
+HTTP clients' concurrency.
 """
 
 from __future__ import annotations
@@ -23,6 +38,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
+import operator
 import threading
 import time
 from collections.abc import Callable
@@ -62,11 +79,35 @@ class Request:
     """SGLang's top_logprobs_num: keep the N best (logprob, token) of each step."""
     output_top: list[list[tuple[float, int]]] = field(default_factory=list)
     group: list[Request] | None = None
-    """n > 1: the requests sharing this one's prompt; the first prefills, the others copy its KV."""
+    """n > 1: the requests sharing this one's prompt (they share its prefill and its blocks)."""
+    cached_tokens: int = 0
+    """Prompt tokens taken from shared KV blocks instead of prefilled (SGLang's cached_tokens)."""
+    slot: int = -1
+    """Row of the scheduler's block-table and sampling-parameter arrays while running."""
+    blocks: list[int] = field(default_factory=list)
+    """KV blocks holding this request's positions 0, B, 2B, ... while running."""
+    issued: int = 0
+    """Output tokens sampled on the device, including one of a step whose result is unread."""
+    stop_set: frozenset[int] = frozenset()
+    limit: int = 0
+    """Output tokens this request may reach (max_new_tokens, or the context's end)."""
 
     @property
     def context_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+
+@dataclass
+class _Step:
+    """A decode step launched on the device whose tokens the host has not read yet."""
+
+    rows: list[Request]
+    tokens: torch.Tensor  # [m] on the device (the next step's inputs)
+    tokens_host: torch.Tensor  # [m] pinned host copy, valid once `done` completed
+    logprobs_host: torch.Tensor
+    tops: dict[int, list[tuple[float, int]]]
+    done: Any  # torch.cuda.Event, or None on a CPU
+    version: str
 
 
 class Scheduler:
@@ -80,6 +121,8 @@ class Scheduler:
         decode_text: Callable[[list[int]], str] | None = None,
         strict: bool = False,
         initial_version: str = "default",
+        prefix_sharing: bool = True,
+        overlap: bool = True,
     ):
         self.runner = runner
         self._decode_text = decode_text or (lambda ids: "")
@@ -89,9 +132,18 @@ class Scheduler:
         self.fatal: str | None = None
         """Why the loop stopped for good (strict mode's imitation of SGLang's scheduler exit)."""
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_sharing = prefix_sharing
+        self.overlap = overlap
         self._gen = torch.Generator(device=runner.device).manual_seed(seed)
         self._waiting: collections.deque[Request] = collections.deque()
-        self._running: list[Request] = []  # index == KV slot
+        self._running: list[Request] = []
+        self._pending: _Step | None = None
+        self._free_slots = list(range(runner.max_slots - 1, -1, -1))
+        slots, width = runner.max_slots, runner.max_blocks_per_seq
+        self._bt = torch.zeros((slots, width), dtype=torch.int32)  # block tables by slot
+        self._temp = torch.ones(slots, dtype=torch.float32)
+        self._top_k = torch.full((slots,), -1, dtype=torch.long)
+        self._top_p = torch.ones(slots, dtype=torch.float32)
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             collections.deque()
         )
@@ -101,7 +153,13 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self.steps = 0
         self.prefill_tokens = 0
-        """Prompt tokens run through prefill (n > 1 shares one prefill per prompt)."""
+        """Prompt tokens run through prefill (shared prompts are prefilled once)."""
+        self.cached_tokens = 0
+        """Prompt tokens taken from shared blocks (prefix index or a same-batch twin)."""
+        self.retractions = 0
+        """Running requests re-queued because the KV cache ran out of blocks (each logged)."""
+        self.wasted_rows = 0
+        """Decode rows computed for requests that had already stopped (overlap; dropped)."""
 
     def start(self) -> None:
         self._thread.start()
@@ -134,10 +192,18 @@ class Scheduler:
         with self._cv:
             return {"running": len(self._running), "waiting": len(self._waiting)}
 
+    def stats(self) -> dict[str, int]:
+        pool = self.runner.pool
+        return {"prefill_tokens": self.prefill_tokens, "cached_tokens": self.cached_tokens,
+                "retractions": self.retractions, "wasted_decode_rows": self.wasted_rows,
+                "prefix_evictions": pool.evictions, "kv_blocks_free": pool.available,
+                "kv_blocks_total": pool.num_blocks - 1}  # fmt: skip
+
     # ---- commands (run on the scheduler thread through call()) --------------------------------
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Abort") -> int:
         """Finish every request whose rid starts with `rid` (or all) with finish reason abort."""
+        self._drain()
         hit = lambda r: abort_all or (rid is not None and r.rid.startswith(rid))  # noqa: E731
         n = 0
         with self._cv:
@@ -156,21 +222,27 @@ class Scheduler:
     def pause(self, mode: PauseMode) -> None:
         """Stop stepping. abort: finish running requests; retract: requeue them (recomputed on
         resume); in_place: keep them and their KV. New requests wait until `resume`."""
+        self._drain()
         self._paused = True
         if mode == "abort":
             self.abort(abort_all=True, message="Abort by pause_generation")
         elif mode == "retract":
+            running, self._running = self._running, []
+            for r in running:
+                self._unplace(r)
             with self._cv:
-                self._waiting.extendleft(reversed(self._running))
-            self._running = []
+                self._waiting.extendleft(reversed(running))
 
     def resume(self) -> None:
         self._paused = False
 
     def flush(self) -> bool:
-        """SGLang's flush_cache: there is no prefix cache here, so it always succeeds unless
-        strict, where (as in SGLang) it fails while any request holds KV (is running)."""
-        return not (self.strict and self._running)
+        """SGLang's flush_cache: forget the prefix index. Strict (as SGLang): fails while any
+        request holds KV (is running)."""
+        if self.strict and self._running:
+            return False
+        self.runner.pool.clear_index()
+        return True
 
     def fail_fatally(self, reason: str) -> None:
         """Stop the loop for good, failing every request (SGLang's scheduler process exits)."""
@@ -196,6 +268,7 @@ class Scheduler:
                 while (
                     not self._stop
                     and not self._commands
+                    and self._pending is None
                     and (self._paused or (not self._waiting and not self._running))
                 ):
                     self._cv.wait()
@@ -203,112 +276,291 @@ class Scheduler:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
+            if commands:
+                self._guarded(self._drain)  # commands see every token of the step in flight
             for fn, fut in commands:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn())
                     except BaseException as e:  # the caller gets the error; the engine serves on
                         fut.set_exception(e)
-            if self._paused:
-                continue
             if self._stop:
                 break
-            try:
-                self._step()
-            except Exception as e:  # a failed step fails its requests (5xx), not the server
-                log.exception("engine step failed")
-                for r in self._running:
-                    r.error = f"engine error: {type(e).__name__}: {e}"
-                    r.finish_reason = {"type": "abort", "message": r.error}
-                self._release_finished()
+            if self._paused:
+                self._guarded(self._drain)
+                continue
+            self._guarded(self._step)
         why = self.fatal or "engine shutting down"
+        self._pending = None
         for r in [*self._running, *self._waiting]:
             r.error = why if self.fatal else None
             self._finish(r, {"type": "abort", "message": why})
         self._running = []
         self._waiting.clear()
 
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        try:
+            with torch.inference_mode():
+                fn()
+        except Exception as e:  # a failed step fails its requests (5xx), not the server
+            log.exception("engine step failed")
+            self._pending = None
+            for r in self._running:
+                r.error = f"engine error: {type(e).__name__}: {e}"
+                r.finish_reason = {"type": "abort", "message": r.error}
+            self._release_finished()
+
     def _step(self) -> None:
-        admitted: list[Request] = []
-        budget = self.max_prefill_tokens
-        with self._cv:
-            while self._waiting and len(self._running) + len(admitted) < self.runner.max_slots:
-                nxt = self._waiting[0]
-                if admitted and nxt.context_len > budget:
-                    break
-                admitted.append(self._waiting.popleft())
-                budget -= nxt.context_len
-        if admitted:
-            first = len(self._running)
-            self._running.extend(admitted)
-            slots = list(range(first, first + len(admitted)))
-            # n > 1: the prompt is prefilled once; the other samples copy its KV and logits.
-            lead = {}
-            prefill_rows: list[int] = []
-            for i, r in enumerate(admitted):
-                key = id(r.group) if r.group is not None and not r.output_ids else None
-                if key is not None and key in lead:
-                    continue
-                if key is not None:
-                    lead[key] = i
-                prefill_rows.append(i)
-            logits_p = self.runner.prefill(
-                [slots[i] for i in prefill_rows],
-                [admitted[i].input_ids + admitted[i].output_ids for i in prefill_rows],
-            )
-            self.prefill_tokens += sum(admitted[i].context_len for i in prefill_rows)
-            row_of = {i: j for j, i in enumerate(prefill_rows)}
-            index = []
-            for i, r in enumerate(admitted):
-                if i in row_of:
-                    index.append(row_of[i])
-                    continue
-                src = lead[id(r.group)]
-                self.runner.copy_slot(slots[src], slots[i], r.context_len)
-                index.append(row_of[src])
-            logits = logits_p[torch.tensor(index, device=logits_p.device)]
-            self._sample_into(admitted, logits)
-            self._release_finished()
+        if self._waiting and self._free_slots:
+            self._drain()
+            admitted = self._admit()
+            if admitted:
+                self._prefill(admitted)
         if self._running:
-            feed = [r.output_ids[-1] for r in self._running]
-            positions = [r.context_len - 1 for r in self._running]
-            logits = self.runner.decode(feed, positions)
-            self._sample_into(self._running, logits)
-            self._release_finished()
+            nxt = self._launch()
+            self._drain()  # step t's bookkeeping while the device runs step t + 1
+            self._pending = nxt
+            if not self.overlap:
+                self._drain()
+        else:
+            self._drain()
         self.steps += 1
 
-    def _sample_into(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
-        top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.long)
-        top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
-        banned = torch.zeros(logits.shape, dtype=torch.bool)
-        for i, r in enumerate(reqs):  # min_new_tokens: stop tokens cannot be drawn yet
-            if len(r.output_ids) < r.params.min_new_tokens and self._stop_ids(r):
-                banned[i, list(self._stop_ids(r))] = True
-        if bool(banned.any()):
-            # Out of place: the runner's logits are inference tensors (no in-place writes here).
-            logits = logits.masked_fill(banned.to(logits.device), float("-inf"))
-        gens = [r.generator for r in reqs]
-        row_gens = gens if any(g is not None for g in gens) else None
+    # ---- admission and prefill -----------------------------------------------------------------
+
+    def _admit(self) -> list[Request]:
+        """Move waiting requests into running while slots, KV blocks and the prefill budget last;
+        give each its blocks (shared prefix blocks first)."""
+        pool, bs = self.runner.pool, self.runner.block_size
+        admitted: list[Request] = []
+        budget = self.max_prefill_tokens
+        twins: dict[tuple[int, ...], Request] = {}
+        with self._cv:
+            while self._waiting and self._free_slots:
+                r = self._waiting[0]
+                tokens = r.input_ids + r.output_ids
+                n = len(tokens)
+                lead = twins.get(tuple(tokens)) if self.prefix_sharing else None
+                if lead is not None:  # a twin in this batch: its full blocks, a copy of the tail
+                    shared = lead.blocks[: n // bs]
+                    need = math.ceil(n / bs) - len(shared)
+                    compute = 0
+                else:
+                    keys = pool.keys(tokens) if self.prefix_sharing else []
+                    shared = pool.match(keys[: (n - 1) // bs])  # >= 1 token left to compute
+                    need = math.ceil(n / bs) - len(shared)
+                    compute = n - len(shared) * bs
+                if admitted and compute > budget:
+                    break
+                pool.share(shared)
+                if need > pool.available:
+                    pool.release(shared)
+                    if not admitted and not self._running:  # can never fit
+                        self._waiting.popleft()
+                        r.error = (f"request of {n} tokens needs {need} KV blocks; the cache has "
+                                   f"{pool.available} (engine.mem_fraction / block_size)")  # fmt: skip
+                        log.error("refused %s: %s", r.rid, r.error)
+                        self._finish(r, {"type": "abort", "message": r.error})
+                        continue
+                    break
+                self._waiting.popleft()
+                r.blocks = shared + pool.allocate(need)
+                r.cached_tokens = n - compute
+                budget -= compute
+                if lead is None and self.prefix_sharing:
+                    pool.register(keys, r.blocks)
+                    twins[tuple(tokens)] = r
+                r._lead = lead  # type: ignore[attr-defined]
+                r._compute = compute  # type: ignore[attr-defined]
+                self._place(r)
+                admitted.append(r)
+        return admitted
+
+    def _place(self, r: Request) -> None:
+        r.slot = self._free_slots.pop()
+        self._bt[r.slot].zero_()
+        self._bt[r.slot, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
+        self._temp[r.slot] = r.params.temperature
+        self._top_k[r.slot] = r.params.top_k
+        self._top_p[r.slot] = r.params.top_p
+        if r.params.ignore_eos:  # as in SGLang, ignore_eos also disables stop_token_ids
+            r.stop_set = frozenset()
+        else:
+            r.stop_set = frozenset(self.runner.eos_token_ids) | frozenset(r.params.stop_token_ids)
+        r.limit = min(r.params.max_new_tokens, self.runner.max_context_len - len(r.input_ids))
+        self._running.append(r)
+
+    def _unplace(self, r: Request) -> None:
+        """Give back a request's slot and blocks (finished, aborted or retracted)."""
+        if r.slot >= 0:
+            self.runner.pool.release(r.blocks)
+            self._free_slots.append(r.slot)
+        r.slot, r.blocks = -1, []
+        r.issued = len(r.output_ids)
+
+    def _prefill(self, admitted: list[Request]) -> None:
+        leads = [r for r in admitted if r._lead is None]  # type: ignore[attr-defined]
+        seqs = []
+        for r in leads:
+            tokens = r.input_ids + r.output_ids
+            start = len(tokens) - r._compute  # type: ignore[attr-defined]
+            seqs.append((tokens[start:], start, r.blocks))
+        logits = self.runner.prefill(seqs)
+        self.prefill_tokens += sum(len(s[0]) for s in seqs)
+        row = {id(r): i for i, r in enumerate(leads)}
+        bs = self.runner.block_size
+        index = []
+        for r in admitted:
+            lead = r._lead  # type: ignore[attr-defined]
+            if lead is not None:
+                n = r.context_len
+                if n % bs:  # copy-on-write: the partial last block is the twin's own
+                    self.runner.copy_block(lead.blocks[n // bs], r.blocks[n // bs])
+            index.append(row[id(lead if lead is not None else r)])
+            self.cached_tokens += r.cached_tokens
+            del r._lead, r._compute  # type: ignore[attr-defined]
+        logits = logits[torch.tensor(index, device=logits.device)]
+        for r in admitted:
+            r.issued = len(r.output_ids)
+        self._pending = self._sample(admitted, logits)
+        self._drain()
+
+    # ---- decode ------------------------------------------------------------------------------
+
+    def _launch(self) -> _Step | None:
+        """Launch one decode step for every running request that may still produce a token."""
+        rows, positions, slots, need = self._decode_batch()
+        pool = self.runner.pool
+        if len(need) > pool.available:
+            self._drain()
+            while self._running and len(self._need_blocks()) > pool.available:
+                self._retract(self._running[-1])
+            rows, positions, slots, need = self._decode_batch()
+        for r in need:
+            b = pool.allocate(1)[0]
+            self._bt[r.slot, len(r.blocks)] = b
+            r.blocks.append(b)
+        if not rows:
+            return None
+        pending = self._pending
+        ids = None
+        if pending is not None:
+            prev = pending.rows
+            if len(prev) == len(rows) and all(map(operator.is_, prev, rows)):
+                ids = pending.tokens  # the common case: the same batch as the step in flight
+            else:
+                row_of = {id(r): i for i, r in enumerate(prev)}
+                idx = [row_of.get(id(r), -1) for r in rows]
+                if -1 not in idx:
+                    ids = pending.tokens[torch.tensor(idx).to(pending.tokens.device)]
+        if ids is None:
+            self._drain()
+            rows, positions, slots, _ = self._decode_batch()
+            if not rows:
+                return None
+            ids = torch.tensor([r.output_ids[-1] for r in rows], dtype=torch.long)
+            ids = ids.to(self.runner.device)
+        slots_t = torch.tensor(slots, dtype=torch.long)
+        logits = self.runner.decode(ids, torch.tensor(positions), self._bt[slots_t])
+        return self._sample(rows, logits, slots_t)
+
+    def _decode_batch(self):
+        """One pass over running: the rows to decode, their positions and slots, and the rows
+        whose position starts a new block."""
+        bs = self.runner.block_size
+        rows, positions, slots, need = [], [], [], []
+        for r in self._running:
+            if r.finish_reason is None and r.issued < r.limit:
+                p = len(r.input_ids) + r.issued - 1  # the position of the token fed
+                rows.append(r)
+                positions.append(p)
+                slots.append(r.slot)
+                if p // bs >= len(r.blocks):
+                    need.append(r)
+        return rows, positions, slots, need
+
+    def _need_blocks(self) -> list[Request]:
+        return self._decode_batch()[3]
+
+    def _retract(self, r: Request) -> None:
+        self.retractions += 1
+        log.warning(
+            "KV cache full: request %s retracted after %d tokens (re-queued, recomputed later; "
+            "%d retractions so far)", r.rid, len(r.output_ids), self.retractions,
+        )  # fmt: skip
+        self._running.remove(r)
+        self._unplace(r)
+        with self._cv:
+            self._waiting.appendleft(r)
+
+    def _sample(
+        self, rows: list[Request], logits: torch.Tensor, slots: torch.Tensor | None = None
+    ) -> _Step:
+        """Sample one token per row on the device; start copying them to the host."""
+        if slots is None:
+            slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
+        temperature, top_k, top_p = self._temp[slots], self._top_k[slots], self._top_p[slots]
+        ban_rows, ban_ids = [], []
+        extras = [(i, r) for i, r in enumerate(rows) if r.params.min_new_tokens or
+                  r.generator is not None or r.top_logprobs_num]  # fmt: skip
+        for i, r in extras:  # min_new_tokens: stop tokens cannot be drawn yet
+            if r.issued < r.params.min_new_tokens and r.stop_set:
+                ban_rows += [i] * len(r.stop_set)
+                ban_ids += list(r.stop_set)
+        if ban_rows:
+            # Out of place: the runner's logits are a graph's output or inference tensors.
+            logits = logits.index_put(
+                (torch.tensor(ban_rows, device=logits.device),
+                 torch.tensor(ban_ids, device=logits.device)),
+                torch.tensor(float("-inf"), device=logits.device),
+            )  # fmt: skip
+        row_gens = None
+        if any(r.generator is not None for _, r in extras):
+            row_gens = [r.generator for r in rows]
         tokens, logprobs = sample(logits, temperature, top_k, top_p, self._gen, row_gens)
-        tops = self._top_logprobs(reqs, logits, temperature)
+        tops = self._top_logprobs(extras, logits, temperature)
+        cuda = tokens.device.type == "cuda"
+        tok_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+        lp_host = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=cuda)
+        tok_host.copy_(tokens, non_blocking=cuda)
+        lp_host.copy_(logprobs, non_blocking=cuda)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        for r in rows:
+            r.issued += 1
+        return _Step(rows, tokens, tok_host, lp_host, tops, done, self.version)
+
+    def _drain(self) -> None:
+        """Read the step in flight (if any) into its requests: tokens, log-probs, versions, stops."""
+        step, self._pending = self._pending, None
+        if step is None:
+            return
+        if step.done is not None:
+            step.done.synchronize()
         for i, (r, tok, lp) in enumerate(
-            zip(reqs, tokens.tolist(), logprobs.tolist(), strict=True)
+            zip(step.rows, step.tokens_host.tolist(), step.logprobs_host.tolist(), strict=True)
         ):
+            if r.finish_reason is not None or r.slot < 0:
+                self.wasted_rows += 1
+                continue
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
-            r.output_versions.append(self.version)
+            r.output_versions.append(step.version)
             if r.top_logprobs_num:
-                r.output_top.append(tops[i])
+                r.output_top.append(step.tops[i])
             r.finish_reason = self._check_stop(r, tok)
             if r.on_token is not None:
                 r.on_token(r)
+        self._release_finished()
 
     @staticmethod
-    def _top_logprobs(reqs, logits: torch.Tensor, temperature: torch.Tensor) -> dict:
-        """The N best (logprob, token) of each row that asks, at its temperature (greedy: 1)."""
+    def _top_logprobs(rows, logits: torch.Tensor, temperature: torch.Tensor) -> dict:
+        """The N best (logprob, token) of each row (index, request) that asks, at its
+        temperature (greedy: 1)."""
         out = {}
-        for i, r in enumerate(reqs):
+        for i, r in rows:
             if r.top_logprobs_num:
                 t = float(temperature[i])
                 lp = torch.log_softmax(logits[i].float() / (t if t >= 1e-5 else 1.0), -1)
@@ -316,14 +568,9 @@ class Scheduler:
                 out[i] = list(zip(v.tolist(), idx.tolist(), strict=True))
         return out
 
-    def _stop_ids(self, r: Request) -> set[int]:
-        if r.params.ignore_eos:  # as in SGLang, ignore_eos also disables stop_token_ids
-            return set()
-        return set(self.runner.eos_token_ids) | set(r.params.stop_token_ids)
-
     def _check_stop(self, r: Request, tok: int) -> dict[str, Any] | None:
         n = len(r.output_ids)
-        if n >= r.params.min_new_tokens and tok in self._stop_ids(r):
+        if n >= r.params.min_new_tokens and tok in r.stop_set:
             return {"type": "stop", "matched": tok}
         if r.params.stop and n >= r.params.min_new_tokens:
             tail = self._decode_text(r.output_ids[-32:])
@@ -337,19 +584,13 @@ class Scheduler:
         return None
 
     def _release_finished(self) -> None:
-        """Drop finished requests from `running`, keeping slots 0..n-1 dense."""
-        i = 0
-        while i < len(self._running):
-            r = self._running[i]
-            if r.finish_reason is None:
-                i += 1
-                continue
-            last = len(self._running) - 1
-            if i != last:
-                moved = self._running[last]
-                self.runner.move_slot(last, i, moved.context_len - 1)
-                self._running[i] = moved
-            self._running.pop()
+        """Drop finished requests from `running`, freeing their slots and blocks."""
+        done = [r for r in self._running if r.finish_reason is not None]
+        if not done:
+            return
+        self._running = [r for r in self._running if r.finish_reason is None]
+        for r in done:
+            self._unplace(r)
             self._finish(r, r.finish_reason)
 
     def _finish(self, r: Request, reason: dict[str, Any]) -> None:

@@ -115,8 +115,21 @@ class EmbeddedEngine:
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # NCCL weight groups use the current device
+        num_blocks = None
+        if cfg.kv_cache_tokens is not None:
+            num_blocks = -(-cfg.kv_cache_tokens // cfg.block_size) + 1  # + the scratch block
         self.runner = ModelRunner(
-            path, self.device, _DTYPES[cfg.dtype], cfg.max_running_requests, cfg.max_context_len
+            path,
+            self.device,
+            _DTYPES[cfg.dtype],
+            cfg.max_running_requests,
+            cfg.max_context_len,
+            block_size=cfg.block_size,
+            num_blocks=num_blocks,
+            mem_fraction=cfg.mem_fraction,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            compile=cfg.compile,
+            decode_attention=cfg.decode_attention,
         )
         if cfg.cuda_graphs and self.device.type == "cuda":
             t0 = time.perf_counter()
@@ -137,6 +150,9 @@ class EmbeddedEngine:
             decode_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
             strict=cfg.strict_sglang,
             initial_version=cfg.initial_weight_version,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            prefix_sharing=cfg.prefix_sharing,
+            overlap=cfg.overlap_schedule,
         )
         self.groups: dict[str, WeightGroup] = {}
         self.ignored_fields = 0
@@ -402,7 +418,7 @@ class EmbeddedEngine:
             "finish_reason": fr_out,
             "prompt_tokens": len(r.input_ids),
             "completion_tokens": n_out,
-            "cached_tokens": 0,
+            "cached_tokens": r.cached_tokens,
             "weight_version": spans[-1]["version"],
             "weight_versions": spans,
             "e2e_latency": time.time() - r.created_at,
@@ -484,7 +500,9 @@ class EmbeddedEngine:
                 "strict_sglang": self.cfg.strict_sglang,
                 "weight_groups": sorted(self.groups),
                 "decode_steps": self.scheduler.steps,
-                "prefill_tokens": self.scheduler.prefill_tokens,
+                **self.scheduler.stats(),
+                "decode_attention": self.runner.decode_attention,
+                "memory": self.runner.memory_info(),
                 "ignored_fields": self.ignored_fields,
                 "started_at": self.started_at,
                 **self.scheduler.load(),

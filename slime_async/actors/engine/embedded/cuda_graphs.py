@@ -1,0 +1,78 @@
+"""CUDA graphs of the decode step, one per batch-size bucket, over the paged KV cache.
+
+Why: a decode step of a small model is a few hundred short kernels; a graph replays them in one
+launch. Each graph reads its inputs from static buffers (token ids, positions, block tables) and
+writes its logits to a static output; a batch of m requests runs the smallest bucket >= m, its
+rows m.. padded to position 0 of the scratch block 0 (they write and read only there, and their
+logits are dropped). The attention kernel reads each row's length from the device, so a graph
+serves any lengths; the weights are updated in place, so graphs stay valid across updates.
+Memory: one shared pool for all graphs (captured largest first, so smaller ones reuse it) and
+one logits buffer `[max bucket, V]` (fp32) that every graph writes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_slots: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8) if b < max_slots]
+    return sorted({*small, *range(16, max_slots, 16), max_slots})
+
+
+class DecodeGraphs:
+    """Captured decode steps of a ModelRunner, replayed by `run`."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.sizes = bucket_sizes(runner.max_slots)
+        dev, top, mb = runner.device, max(self.sizes), runner.max_blocks_per_seq
+        self.ids = torch.zeros((top,), dtype=torch.long, device=dev)
+        self.pos = torch.zeros((top,), dtype=torch.long, device=dev)
+        self.bt = torch.zeros((top, mb), dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        with torch.inference_mode():
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # warm-up: compile, autotune, cuBLAS handles
+                for b in reversed(self.sizes):
+                    runner.decode_step(self.ids[:b], self.pos[:b], self.bt[:b])
+            torch.cuda.current_stream(dev).wait_stream(side)
+            torch.cuda.synchronize(dev)
+            # One output buffer for every bucket: each graph's own logits ([b, V] fp32) would
+            # stay allocated with it (GBs over all buckets); the copy costs one small kernel.
+            self.logits = torch.empty((top, runner.vocab_size), dtype=torch.float32, device=dev)
+            pool = torch.cuda.graph_pool_handle()
+            for b in reversed(self.sizes):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = runner.decode_step(self.ids[:b], self.pos[:b], self.bt[:b])
+                    self.logits[:b].copy_(out)
+                    del out
+                self.graphs[b] = (graph, self.logits[:b])
+            torch.cuda.synchronize(dev)
+
+    def run(
+        self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Replay the bucket for m = len(ids) rows; None if no bucket is large enough."""
+        m = ids.shape[0]
+        size = next((b for b in self.sizes if b >= m), None)
+        if size is None:
+            return None
+        # Padding rows: position 0 of block 0 (scratch). Staged in pinned memory, copied without
+        # a host sync (the caching host allocator keeps the staging alive until the copy ran).
+        pos = torch.zeros((size,), dtype=torch.long)
+        pos[:m] = positions
+        bt = torch.zeros((size, block_tables.shape[1]), dtype=torch.int32)
+        bt[:m] = block_tables
+        self.pos[:size].copy_(pos.pin_memory(), non_blocking=True)
+        self.bt[:size].copy_(bt.pin_memory(), non_blocking=True)
+        self.ids[:m].copy_(ids)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:m]
