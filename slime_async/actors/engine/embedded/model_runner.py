@@ -14,7 +14,7 @@ embedding, lm_head) with its own attention over that cache:
   never sees the padding after it, so padding changes nothing, and each row's K/V is written into
   its slot.
 
-Families: llama, qwen2, qwen3 (the ones the learner converts). Memory is bounded by the cache:
+Families: those of `families.py` (the ones the learner converts). Memory is bounded by the cache:
 2 * layers * S * Hkv * L * D elements of `dtype`, allocated once at start.
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+from slime_async.actors.engine.embedded import families
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -53,11 +53,7 @@ class ModelRunner:
             self.model_path, dtype=dtype, local_files_only=True
         )
         cfg = model.config
-        if cfg.model_type not in FAMILIES:
-            raise ValueError(
-                f"{self.model_path}: model_type {cfg.model_type!r} is not served by the embedded "
-                f"engine (families: {', '.join(FAMILIES)})"
-            )
+        self.family = families.for_model(model)  # refuses a model type it does not serve
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError(f"{self.model_path}: sliding-window attention is not supported")
         self.model = model.to(self.device).eval().requires_grad_(False)
@@ -205,11 +201,10 @@ class ModelRunner:
             if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before RoPE
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = self.family.rotary(q, k, cos, sin)
             o = attend(li, q, k, v).transpose(1, 2).reshape(n, t, -1)
-            h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self.family.attn_out(layer, attn.o_proj(o))
+            h = h + self.family.mlp(layer, layer.post_attention_layernorm(h))
         return h
 
     def drop_cuda_graphs(self) -> None:
@@ -243,25 +238,30 @@ class ModelRunner:
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the model; every name and shape is checked before any copy."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        for name, t in named:
-            if name not in params:
+        targets = [families.param_view(params, name) for name, _ in named]
+        for (name, t), target in zip(named, targets, strict=True):
+            if target is None:
                 raise ValueError(f"unknown parameter {name!r} for this model")
-            if tuple(params[name].shape) != tuple(t.shape):
+            if tuple(target.shape) != tuple(t.shape):
                 raise ValueError(
-                    f"parameter {name!r}: shape {tuple(t.shape)} != model's {tuple(params[name].shape)}"
+                    f"parameter {name!r}: shape {tuple(t.shape)} != model's {tuple(target.shape)}"
                 )
-        for name, t in named:
-            params[name].copy_(t.to(device=self.device, dtype=params[name].dtype))
+        for (_, t), target in zip(named, targets, strict=True):
+            target.copy_(t.to(device=self.device, dtype=target.dtype))
 
     def load_from_disk(self, model_path: str | Path) -> None:
         """Load every safetensors tensor of an HF directory into the running model."""
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise ValueError(f"no *.safetensors files in {model_path}")
-        params = self.parameter_names()
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         named: list[tuple[str, torch.Tensor]] = []
         for f in files:
-            named += [(k, v) for k, v in load_file(str(f)).items() if k in params]
+            named += [
+                (k, v)
+                for k, v in load_file(str(f)).items()
+                if families.param_view(params, k) is not None
+            ]
         if not named:
             raise ValueError(f"{model_path} holds none of this model's parameters")
         self.load_weights(named)
