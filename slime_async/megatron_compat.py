@@ -14,6 +14,17 @@ megatron-core 0.16.1 (Python 3.11) and needed the same way on 0.19.x (Python 3.1
    and the calling script needs a `__main__` guard because the writer spawns.
 6. megatron-core >= 0.17 imports triton unconditionally from a MoE module: a stub module stands
    in where triton is absent (no triton kernel runs on the CPU path).
+7. The MoE all-to-all token dispatcher (expert parallelism) creates a `torch.cuda.Stream` and
+   moves its split sizes to the host on it (`torch.cuda.stream(...)`, `current_stream()`,
+   `record_event().synchronize()`): on the CPU these are no-op stand-ins (every op is
+   synchronous there). Its split sizes become host numpy arrays only when they were on a
+   CUDA device: on the CPU they would stay tensors, which `all_to_all_single` refuses, so
+   `patch_moe()` converts CPU tensors too, and installs these stand-ins (only for MoE models;
+   `torch.cuda.Stream` itself is left alone: later imports annotate with it). gloo's
+   all_to_all does the rest.
+8. megatron-core 0.16.1's MoE router names `te_general_gemm` without defining it when
+   Transformer Engine is absent (a NameError on the first forward, CPU or GPU; 0.19 defines it
+   as None): `patch_moe()` defines it, on any device.
 
 Megatron's DDP and DistributedOptimizer allocate on "cuda" and check `torch.cuda.FloatTensor`
 type strings, so on CPU the learner uses torch's AdamW with a data-parallel gradient all-reduce.
@@ -27,6 +38,7 @@ never at their top.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 import types
@@ -63,6 +75,33 @@ class _Anything:
 
     def __repr__(self) -> str:
         return f"<triton stub {self._name}>"
+
+
+class _CpuEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+class _CpuStream:
+    """Stands for a CUDA stream on the CPU, where every op is synchronous (7)."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _CpuEvent:
+        return event or _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_DEFAULT_STREAM = _CpuStream()
 
 
 _STUB_SUBMODULES = ("language", "runtime", "testing", "language.extra", "runtime.jit")
@@ -120,6 +159,34 @@ def apply() -> bool:
         _import_megatron_with_triton_stub()  # (6)
     _applied = True
     return True
+
+
+def patch_moe() -> None:
+    """What megatron's MoE layers need without Transformer Engine, on CPU and GPU alike (8)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    for name in ("te_general_gemm", "fused_topk_with_score_function"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+    if not cpu_mode() or getattr(token_dispatcher, "_slime_async_cpu", False):
+        return
+    # (7) The dispatcher's side stream, set before any dispatcher makes one: torch.cuda.Stream
+    # itself stays (replacing the class breaks annotations such as `torch.cuda.Stream | None`
+    # in modules imported later, transformers' among them).
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    if dispatcher.cuda_dtoh_stream is None:
+        dispatcher.cuda_dtoh_stream = _CpuStream()
+    torch.cuda.current_stream = lambda device=None: _DEFAULT_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    to_host = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu  # (7)
+    token_dispatcher._slime_async_cpu = True
 
 
 def device() -> torch.device:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import urllib.request
 from pathlib import Path
 
@@ -92,3 +93,24 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]
         for lg, t in zip(out.logits, tokens, strict=True)
     ]
     return tokens, logps
+
+
+def greedy_with_runner(runner, prompts, steps: int):
+    """Prefill `prompts` packed, then `steps` greedy decode steps, each prompt in its own blocks."""
+    bs = runner.block_size
+    tables = [runner.pool.allocate(math.ceil((len(p) + steps) / bs)) for p in prompts]
+    logits = runner.prefill([(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    lens = [len(p) for p in prompts]
+    bt = torch.zeros((len(prompts), runner.max_blocks_per_seq), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t)
+    toks, lps = [[] for _ in prompts], [[] for _ in prompts]
+    for _ in range(steps):
+        tok = logits.argmax(-1)
+        lp = torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0]
+        for i in range(len(prompts)):
+            toks[i].append(tok[i].item())
+            lps[i].append(lp[i].item())
+        logits = runner.decode(tok, torch.tensor(lens), bt)
+        lens = [n + 1 for n in lens]
+    return toks, lps

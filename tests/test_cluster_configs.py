@@ -65,3 +65,48 @@ def test_single_machine_plan_of_external_engines_uses_router(curve_toml, tmp_pat
     assert names == [["buffer"], ["generator0", "learner"]]  # external engines: none started
     gen_argv = stages[1][0].argv(False)
     assert any(a.startswith("engine.router_url=") for a in gen_argv)
+
+
+# ---- issue 20: GLM-4-9B and Qwen3-30B-A3B (expert parallelism, routing replay)
+
+GLM4 = REPO / "configs" / "cluster" / "glm4_9b.toml"
+QWEN3_MOE = REPO / "configs" / "cluster" / "qwen3_30b_a3b.toml"
+# What the configs' comments say each learner node runs, and the models' shapes (HF configs).
+FAMILY_LAYOUTS = {
+    GLM4: dict(ranks=8, heads=32, kv_heads=2, experts=0, model_type="glm4"),
+    QWEN3_MOE: dict(ranks=16, heads=32, kv_heads=4, experts=128, model_type="qwen3_moe"),
+}
+
+
+@pytest.mark.parametrize("path", list(FAMILY_LAYOUTS), ids=lambda p: p.stem)
+def test_family_cluster_configs_hold_together(path, curve_toml):
+    cfg = load_config([path, curve_toml])
+    shape = FAMILY_LAYOUTS[path]
+    check_bind(cfg.buffer)
+    assert generate_urls(cfg.engine) == [cfg.engine.router_url]
+    assert cfg.engine.router_url not in cfg.engine.urls
+    ln = cfg.learner
+    tp, ep = ln.tensor_parallel, ln.expert_parallel
+    assert shape["ranks"] % tp == 0 and shape["ranks"] % ep == 0
+    assert shape["heads"] % tp == 0 and shape["kv_heads"] % tp == 0
+    if shape["experts"]:
+        assert shape["experts"] % ep == 0 and ln.routing_replay
+    else:
+        assert ep == 1 and not ln.routing_replay  # dense: neither applies (refused at start-up)
+    assert str(path.stem).split("_")[0] in ln.model_path.lower().replace("-", "")
+
+
+def test_dense_model_refuses_expert_parallel_and_routing_replay(tmp_path):
+    """learner.expert_parallel > 1 or learner.routing_replay on a dense model is refused at
+    start-up, naming the key."""
+    from slime_async.models.megatron import ModelArch, UnsupportedModel
+    from slime_async.testing.models import tiny_config
+
+    arch = ModelArch.from_hf_config(tiny_config("glm4").to_dict())
+    with pytest.raises(UnsupportedModel, match=r"learner\.expert_parallel=2"):
+        arch.check_tensor_parallel(1, 2)
+    moe = ModelArch.from_hf_config(tiny_config("qwen3_moe", num_experts=6).to_dict())
+    with pytest.raises(
+        UnsupportedModel, match="num_experts=6 is not divisible by expert_parallel=4"
+    ):
+        moe.check_tensor_parallel(1, 4)

@@ -1,12 +1,11 @@
 """The paged-KV model runner and the scheduler reproduce HF transformers' greedy decoding."""
 
-import math
 import os
 import threading
 
 import pytest
 import torch
-from engine_util import hf_greedy
+from engine_util import greedy_with_runner, hf_greedy
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime_async.actors.engine.embedded import attention
@@ -32,27 +31,6 @@ def qwen3(tmp_path_factory):
     return d, AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
 
 
-def _greedy_with_runner(runner: ModelRunner, prompts, steps: int):
-    """Prefill `prompts` packed, then `steps` greedy decode steps, each prompt in its own blocks."""
-    bs = runner.block_size
-    tables = [runner.pool.allocate(math.ceil((len(p) + steps) / bs)) for p in prompts]
-    logits = runner.prefill([(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
-    lens = [len(p) for p in prompts]
-    bt = torch.zeros((len(prompts), runner.max_blocks_per_seq), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, : len(t)] = torch.tensor(t)
-    toks, lps = [[] for _ in prompts], [[] for _ in prompts]
-    for _ in range(steps):
-        tok = logits.argmax(-1)
-        lp = torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0]
-        for i in range(len(prompts)):
-            toks[i].append(tok[i].item())
-            lps[i].append(lp[i].item())
-        logits = runner.decode(tok, torch.tensor(lens), bt)
-        lens = [n + 1 for n in lens]
-    return toks, lps
-
-
 @pytest.mark.parametrize(
     "family,math_path", [("llama", "hf"), ("qwen2", "hf"), ("qwen3", "hf"), ("qwen3", "fused"),
                          ("qwen2", "fused")],
@@ -66,7 +44,7 @@ def test_packed_prefill_and_paged_decode_match_hf(tmp_path, family, math_path):
                          fused=math_path == "fused", compile=False)  # fmt: skip
     runner.pool.allocate(3)  # tables do not start at block 1
     hf = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
-    toks, lps = _greedy_with_runner(runner, PROMPTS, 12)
+    toks, lps = greedy_with_runner(runner, PROMPTS, 12)
     for i, p in enumerate(PROMPTS):
         ref_tokens, ref_logps = hf_greedy(hf, p, 12)
         assert toks[i] == ref_tokens, f"prompt {i}"

@@ -3,9 +3,13 @@
 The direction follows SRC: an HF directory (config.json + safetensors) becomes a learner
 checkpoint (model, fresh optimizer state, step 0, version 0) that `learner.load` resumes from;
 a torch_dist checkpoint (written at any TP size) becomes a complete HF directory (config,
-safetensors, tokenizer files). Runs alone, or under torchrun for a TP-sharded conversion:
+safetensors, tokenizer files). Runs alone, or under torchrun for a TP- or EP-sharded
+conversion (a mixture-of-experts model's experts split over `--expert-parallel` ranks):
 
     torchrun --nproc-per-node 2 -m slime_async convert ckpt/ hf_out/ --tensor-parallel 2
+    torchrun --nproc-per-node 2 -m slime_async convert Qwen3-30B-A3B/ ckpt/ --expert-parallel 2
+
+A checkpoint written at one TP/EP layout loads at any other (dist_checkpointing reshards).
 """
 
 from __future__ import annotations
@@ -24,6 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tensor-parallel", type=int, default=1, help="TP size of this conversion (torchrun ranks)"
     )
     p.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=1,
+        help="EP size of this conversion (MoE models; carved out of the torchrun ranks)",
+    )
+    p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -33,13 +43,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        return _convert(Path(args.src), Path(args.dst), args.tensor_parallel, args.dtype)
+        return _convert(
+            Path(args.src), Path(args.dst), args.tensor_parallel, args.dtype, args.expert_parallel
+        )
     except (ValueError, OSError) as e:  # bad input: a named error, no traceback
         print(f"slime-async convert: error: {e}", file=sys.stderr)
         return 2
 
 
-def _convert(src: Path, dst: Path, tensor_parallel: int, dtype: str) -> int:
+def _convert(
+    src: Path, dst: Path, tensor_parallel: int, dtype: str, expert_parallel: int = 1
+) -> int:
     if dst.exists():
         raise FileExistsError(f"{dst} exists already")
     # Here, not at the top: the CLI imports every command module to build its parser, and
@@ -59,7 +73,9 @@ def _convert(src: Path, dst: Path, tensor_parallel: int, dtype: str) -> int:
         )
 
     where = {"load": str(src)} if to_hf else {"model_path": str(src)}
-    cfg = LearnerConfig(tensor_parallel=tensor_parallel, dtype=dtype, **where)
+    cfg = LearnerConfig(
+        tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, dtype=dtype, **where
+    )
     learner = Learner(cfg, AlgoConfig())
     try:
         if to_hf:

@@ -59,3 +59,11 @@ class LearnerConfig(Section):
     """Address of the weight-update group's TCP store, hosted by learner rank 0, that every engine
     dials (SGLang's master_address). None: this node's routable address (never loopback unless
     nothing else exists); `slime-async run` with engines on loopback sets 127.0.0.1."""
+    expert_parallel: int = Field(1, ge=1)
+    """Expert-parallel size of a mixture-of-experts model: its experts are split over this many
+    ranks, carved out of the data-parallel ranks (world size must be divisible by it)."""
+    moe_aux_loss_coeff: float = Field(0.0, ge=0)
+    """Weight of megatron's auxiliary load-balancing loss on MoE routers (0: off)."""
+    routing_replay: bool = False
+    """MoE: the learner's forward takes the experts each token went through at generation
+    (`Trajectory.routed_experts`, which the engines return) instead of routing again."""

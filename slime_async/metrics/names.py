@@ -155,3 +155,12 @@ STALENESS_LEARNER_MAX = "staleness/learner_max"
 """The learner's own version before the step minus the oldest model-token version of the batch:
 staleness on the learner's clock, not the buffer's (with push_interval P up to max_staleness +
 P - 1; the end-to-end test checks it independently of the buffer's bookkeeping)."""
+MOE_ROUTING_DIFF = "moe/routing_diff_frac"
+"""learner.routing_replay: fraction of (token, MoE layer) pairs whose top-k experts under the
+learner's own router differ from the ones replayed from generation, over every forward pass of
+the step (pi_prox and each update; padding excluded)."""
+MOE_REPLAY_TOKENS = "moe/replayed_tokens"
+"""learner.routing_replay: (token, MoE layer) pairs replayed in the step, over every forward."""
+MOE_REPLAY_MISSING = "moe/replay_missing_trajectories"
+"""learner.routing_replay: trajectories of the step that carried no routed_experts (an engine
+that did not return them); they went through the learner's own routing."""

@@ -1,4 +1,4 @@
-"""Hugging Face <-> megatron-core weights for the dense Llama / Qwen2 / Qwen3 families, TP-aware.
+"""Hugging Face <-> megatron-core weights (Llama, Qwen2, Qwen3, GLM-4, Qwen3-MoE), TP- and EP-aware.
 
 Layouts (megatron-core local spec):
 - `linear_qkv` holds q, k and v interleaved per query group: for each of the `ng` kv heads,
@@ -8,6 +8,13 @@ Layouts (megatron-core local spec):
   slice of `cat(gate, up)`.
 - Column-parallel weights (embedding, qkv, fc1, output layer) shard dim 0; row-parallel
   (`linear_proj`, `linear_fc2`) dim 1; norms are replicated.
+- GLM-4 stores gate and up as one HF tensor (`mlp.gate_up_proj.weight` = cat(gate, up)) and has
+  `post_self_attn_layernorm` / `post_mlp_layernorm` (megatron: `post_layernorm` inside the
+  attention and MLP modules).
+- Qwen3-MoE: `mlp.gate.weight` is megatron's `mlp.router.weight`; expert e's
+  `mlp.experts.{e}.{gate,up,down}_proj.weight` (the checkpoint layout, which SGLang also loads)
+  is `mlp.experts.local_experts.{i}.linear_fc{1,2}.weight` on EP rank e // (E / ep), i = e mod
+  (E / ep). Experts are never TP-sharded (`expert_tensor_parallel_size = 1`).
 
 Conversions are reshapes and concatenations only, so HF -> Megatron -> HF is bit-exact.
 """
@@ -37,6 +44,7 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 
 
 class ConversionError(ValueError):
@@ -46,8 +54,14 @@ class ConversionError(ValueError):
 # ---------------------------------------------------------------- names and shard layout
 
 
-def hf_names(mname: str, arch: ModelArch) -> list[str]:
-    """The HF tensor names that make up Megatron parameter `mname` (in merge order)."""
+def is_expert(mname: str) -> bool:
+    """Whether megatron parameter `mname` belongs to one routed expert (sharded over EP)."""
+    return ".mlp.experts." in mname
+
+
+def hf_names(mname: str, arch: ModelArch, ep_rank: int = 0, ep_size: int = 1) -> list[str]:
+    """The HF tensor names that make up Megatron parameter `mname` (in merge order); expert
+    parameters of EP rank `ep_rank` of `ep_size` name their global expert."""
     fixed = {
         "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
         "output_layer.weight": ["lm_head.weight"],
@@ -59,6 +73,16 @@ def hf_names(mname: str, arch: ModelArch) -> list[str]:
     if not m:
         raise ConversionError(f"no HF name for megatron parameter {mname!r}")
     p = f"model.layers.{m.group(1)}."
+    e = _EXPERT.fullmatch(m.group(2))
+    if e:
+        g = ep_rank * (arch.num_experts // ep_size) + int(e.group(1))
+        x = f"{p}mlp.experts.{g}."
+        if e.group(2) == "linear_fc1":
+            return [x + "gate_proj.weight", x + "up_proj.weight"]
+        return [x + "down_proj.weight"]
+    fc1 = ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
+    if arch.family == "glm4":
+        fc1 = ["mlp.gate_up_proj.weight"]  # one HF tensor: cat(gate, up)
     per_layer = {
         "input_layernorm.weight": ["input_layernorm.weight"],
         "self_attention.linear_qkv.weight": [f"self_attn.{x}_proj.weight" for x in "qkv"],
@@ -67,8 +91,11 @@ def hf_names(mname: str, arch: ModelArch) -> list[str]:
         "self_attention.k_layernorm.weight": ["self_attn.k_norm.weight"],
         "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
         "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
-        "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+        "mlp.linear_fc1.weight": fc1,
         "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
+        "mlp.router.weight": ["mlp.gate.weight"],
+        "self_attention.post_layernorm.weight": ["post_self_attn_layernorm.weight"],
+        "mlp.post_layernorm.weight": ["post_mlp_layernorm.weight"],
     }
     if m.group(2) not in per_layer:
         raise ConversionError(f"no HF name for megatron parameter {mname!r}")
@@ -76,7 +103,9 @@ def hf_names(mname: str, arch: ModelArch) -> list[str]:
 
 
 def partition_dim(mname: str) -> int | None:
-    """The dim a TP rank's shard of `mname` is cut along (None: replicated)."""
+    """The dim a TP rank's shard of `mname` is cut along (None: replicated over TP)."""
+    if is_expert(mname):
+        return None
     if mname.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1
     if mname.endswith(
@@ -116,6 +145,10 @@ def hf_to_megatron_shard(
 ) -> torch.Tensor:
     """This TP rank's shard of Megatron parameter `mname` from its full HF tensors."""
     if mname.endswith("linear_fc1.weight"):
+        if len(hf) == 1:  # GLM-4: one HF tensor, cat(gate, up)
+            hf = list(hf[0].chunk(2, dim=0))
+        if is_expert(mname):
+            return torch.cat(hf, dim=0)
         gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in hf)
         return torch.cat([gate, up], dim=0)
     full = _qkv_merge(*hf, arch) if "linear_qkv" in mname else hf[0]
@@ -124,14 +157,17 @@ def hf_to_megatron_shard(
 
 
 def megatron_shards_to_hf(
-    mname: str, shards: list[torch.Tensor], arch: ModelArch
+    mname: str, shards: list[torch.Tensor], arch: ModelArch, ep_rank: int = 0, ep_size: int = 1
 ) -> list[tuple[str, torch.Tensor]]:
-    """HF (name, tensor) pairs from the TP shards (rank order) of Megatron parameter `mname`."""
-    names = hf_names(mname, arch)
+    """HF (name, tensor) pairs from the TP shards (rank order) of Megatron parameter `mname`
+    (an expert parameter: its one tensor, from EP rank `ep_rank` of `ep_size`)."""
+    names = hf_names(mname, arch, ep_rank, ep_size)
     if mname.endswith("linear_fc1.weight"):
         halves = [s.chunk(2, dim=0) for s in shards]
         gate = torch.cat([h[0] for h in halves], dim=0)
         up = torch.cat([h[1] for h in halves], dim=0)
+        if len(names) == 1:  # GLM-4's fused gate_up_proj
+            return [(names[0], torch.cat([gate, up], dim=0))]
         return list(zip(names, [gate, up], strict=True))
     dim = partition_dim(mname)
     full = shards[0] if dim is None or len(shards) == 1 else torch.cat(shards, dim=dim)
@@ -174,11 +210,13 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path, arch: ModelAr
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
     ckpt = HFCheckpoint(hf_dir)
     used: set[str] = set()
     with torch.no_grad():
         for mname, param in model.named_parameters():
-            names = hf_names(mname, arch)
+            names = hf_names(mname, arch, ep_rank, ep_size)
             shard = hf_to_megatron_shard(
                 mname, [ckpt.get(n) for n in names], arch, tp_rank, tp_size
             )
@@ -191,6 +229,8 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path, arch: ModelAr
             used.update(names)
     # Tied models may still store lm_head; rotary caches are recomputed.
     ignorable = {"lm_head.weight"} if arch.tie_word_embeddings else set()
+    if ep_size > 1:  # the other EP ranks' experts are theirs to load
+        ignorable |= {n for n in ckpt.names() if ".mlp.experts." in n}
     left = {n for n in ckpt.names() - used - ignorable if not n.endswith("rotary_emb.inv_freq")}
     if left:
         raise ConversionError(

@@ -53,8 +53,9 @@ _FIELDS = frozenset(
         "metadata",
     }
 )
-_OPTIONAL_FIELDS = frozenset({"temperature"})
+_OPTIONAL_FIELDS = frozenset({"temperature", "routed_experts"})
 """Fields a trajectory may leave out (older producers); absent means the run's default."""
+_ROUTED = np.dtype("<i4")
 
 
 class SchemaError(ValueError):
@@ -93,6 +94,10 @@ class Trajectory:
     temperature: float | None = None
     """Sampling temperature the engine used (and scaled its log-probs by); None: the run's
     `generator.sampling.temperature`. The learner computes its log-probs at this temperature."""
+    routed_experts: np.ndarray | None = None
+    """int32 [P + R - 1, moe_layers, k] (any shape with that many ids; travels flat): the experts
+    each token but the last went through at generation, per MoE layer (SGLang's
+    `return_routed_experts`). Only with routing replay on; None otherwise."""
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +126,10 @@ def encode_trajectory(t: Trajectory) -> bytes:
     }
     if t.temperature is not None:
         m["temperature"] = float(t.temperature)
+    if t.routed_experts is not None:
+        m["routed_experts"] = memoryview(
+            np.ascontiguousarray(t.routed_experts, dtype=_ROUTED).reshape(-1)
+        ).cast("B")
     for name, dtype in _ARRAYS.items():
         # A byte view, not tobytes(): msgpack copies it once into the message.
         m[name] = memoryview(np.ascontiguousarray(getattr(t, name), dtype=dtype)).cast("B")
@@ -175,7 +184,39 @@ def _trusted(m: dict[str, Any], copy: bool) -> Trajectory:
     """The trajectory of a map the buffer already validated (no checks: the consumer's path)."""
     arrays = {name: _array(m, name, copy) for name in _ARRAYS}
     scalars = {k: m[k] for k in _FIELDS.difference(_ARRAYS, ("schema",))}
-    return Trajectory(**scalars, **arrays, temperature=m.get("temperature"))
+    return Trajectory(
+        **scalars,
+        **arrays,
+        temperature=m.get("temperature"),
+        routed_experts=_routed(m, copy, validate=False),
+    )
+
+
+def _routed(m: dict[str, Any], copy: bool, validate: bool) -> np.ndarray | None:
+    """The flat int32 routed experts, or None when the trajectory carries none."""
+    raw = m.get("routed_experts")
+    if raw is None:
+        return None
+    if validate:
+        if not isinstance(raw, bytes | bytearray | memoryview):
+            raise SchemaError(
+                "routed_experts", f"expected raw little-endian bytes, got {type(raw).__name__}"
+            )
+        if len(raw) % 4:
+            raise SchemaError("routed_experts", f"{len(raw)} bytes is not a whole number of int32")
+        if _negative_int32(raw):
+            raise SchemaError("routed_experts", "negative expert id")
+        routed = len(m["prompt_ids"]) // 4 + len(m["response_ids"]) // 4 - 1
+        if routed <= 0 or (len(raw) // 4) % routed:
+            raise SchemaError(
+                "routed_experts",
+                f"{len(raw) // 4} ids is not a multiple of the {routed} routed tokens "
+                "(prompt + response - 1)",
+            )
+    arr = np.frombuffer(raw, dtype=_ROUTED)
+    if not _LITTLE_ENDIAN_HOST:
+        return arr.astype(_ROUTED.newbyteorder("="))
+    return arr.copy() if copy else arr
 
 
 def _negative_int32(raw: bytes) -> bool:
@@ -257,5 +298,6 @@ def decode_trajectory(
         enqueued_at=_finite("enqueued_at", m["enqueued_at"]),
         metadata=metadata,
         temperature=temperature,
+        routed_experts=_routed(m, copy, validate=True),
         **arrays,
     )

@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 
-Family = Literal["llama", "qwen2", "qwen3"]
+Family = Literal["llama", "qwen2", "qwen3", "glm4", "qwen3_moe"]
 
 # Qwen3-0.6B's shape with tied embeddings: about 0.5B parameters (0.15B of them the 151,936-token
 # embedding). The GPU benchmarks and the two-GPU run use it randomly initialised.
@@ -75,10 +75,21 @@ def tiny_config(
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = False,
     rope_theta: float = 10000.0,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
+    norm_topk_prob: bool = True,
+    mlp_only_layers: tuple[int, ...] = (),
+    decoder_sparse_step: int = 1,
+    partial_rotary_factor: float = 0.5,
 ):
-    """An HF config of `family` with the given shape (GQA when num_kv_heads < num_heads)."""
+    """An HF config of `family` with the given shape (GQA when num_kv_heads < num_heads).
 
-    model_type = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[family]
+    glm4: q/k/v biases, `partial_rotary_factor` of each head rotated (interleaved), the extra
+    norms. qwen3_moe: `num_experts` experts of width `moe_intermediate_size`, top
+    `num_experts_per_tok`, dense MLPs on `mlp_only_layers`."""
+
+    model_type = family
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -95,8 +106,19 @@ def tiny_config(
         eos_token_id=1,
         bos_token_id=2,
     )
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe", "glm4"):
         kwargs["head_dim"] = hidden_size // num_heads
+    if family == "qwen3_moe":
+        kwargs.update(
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=norm_topk_prob,
+            mlp_only_layers=list(mlp_only_layers),
+            decoder_sparse_step=decoder_sparse_step,
+        )
+    if family == "glm4":
+        kwargs["attention_bias"] = True
     cfg = AutoConfig.for_model(model_type, **kwargs)
     # transformers 5 keeps RoPE settings in rope_parameters; older versions in rope_theta.
     if getattr(cfg, "rope_parameters", None) is not None:
@@ -105,6 +127,8 @@ def tiny_config(
             "rope_theta": rope_theta,
             "rope_type": "default",
         }
+        if family == "glm4":
+            cfg.rope_parameters["partial_rotary_factor"] = partial_rotary_factor
     else:
         cfg.rope_theta = rope_theta
     return cfg
@@ -120,6 +144,23 @@ def make_tiny_model(out_dir: str | Path, family: Family = "qwen3", seed: int = 0
     cfg = tiny_config(family, **shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if family == "glm4":
+        # HF initialises norms to 1 and biases to 0: random ones, so a test notices a norm or
+        # bias that the conversion drops or misplaces.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("layernorm.weight") or name.endswith("bias"):
+                    p.copy_(
+                        1.0 + 0.1 * torch.randn_like(p)
+                        if name.endswith("weight")
+                        else 0.1 * torch.randn_like(p)
+                    )
+    if family == "qwen3_moe":
+        with torch.no_grad():  # HF initialises the router to zeros: every token would tie
+            for layer in model.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None:
+                    gate.weight.normal_(0.0, 0.5)
     model.save_pretrained(out, safe_serialization=True)
     save_tokenizer(tok, out)
     return out

@@ -14,12 +14,14 @@ any update, is 0).
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from slime_async.utils.retry import RetryPolicy, retry_async
 
@@ -65,6 +67,9 @@ class GenerateOutput:
     text: str = ""
     finish_message: str | None = None
     meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
+    routed_experts: np.ndarray | None = field(default=None, repr=False)
+    """Flat int32 experts of every token of prompt + output but the last, per MoE layer and
+    top-k slot (SGLang's `meta_info.routed_experts`, asked for by `return_routed_experts`)."""
 
 
 def parse_weight_version(value: object) -> int:
@@ -125,9 +130,17 @@ def parse_generate_response(body: dict[str, Any], url: str) -> GenerateOutput:
             text=body.get("text", ""),
             finish_message=fr.get("message"),
             meta_info=meta,
+            routed_experts=decode_routed_experts(meta.get("routed_experts")),
         )
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise EngineError(url, "POST /generate", f"malformed response: {e!r}") from None
+
+
+def decode_routed_experts(value: Any) -> np.ndarray | None:
+    """SGLang's `routed_experts`: base64 of little-endian int32 -> a flat int32 array."""
+    if value is None:
+        return None
+    return np.frombuffer(base64.b64decode(value), dtype="<i4").astype(np.int32)
 
 
 class EngineClient:
@@ -150,6 +163,8 @@ class EngineClient:
         self.connect_timeout_s = connect_timeout_s
         self.retries = 0
         """Calls sent again after a failure (each one logged with its reason)."""
+        self.return_routed_experts = False
+        """Ask /generate for the MoE experts of every token (routing replay)."""
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> EngineClient:
@@ -233,6 +248,8 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if self.return_routed_experts:
+            body["return_routed_experts"] = True
         out = await self.call("POST", "/generate", body, max_retries=max_retries)
         if not isinstance(out, dict):
             raise EngineError(

@@ -104,6 +104,9 @@ class Generation:
     temperature: float | None = None
     """Temperature the engine sampled at and scaled `logprobs` by (greedy, 0, is recorded as 1.0,
     as SGLang reports greedy log-probs at 1.0); None when unknown (a hand-made Generation)."""
+    routed_experts: np.ndarray | None = None
+    """Flat int32 MoE experts of every token of the request's whole stream but the last (the
+    engine's `routed_experts`, when asked for); None otherwise."""
 
 
 def logprob_temperature(temperature: float) -> float:
@@ -128,6 +131,9 @@ class Transcript:
         self.finish_reason: str = "stop"
         self.turns: int = 0
         self.engine_id: str = ""
+        self.routed_experts: np.ndarray | None = None
+        """The last model turn's routed experts (routing replay), covering `_routed_tokens` tokens."""
+        self._routed_tokens = 0
         self.reward: float | None = None
         self.reward_parts: dict[str, float] = {}
         self.reward_text: str | None = None
@@ -163,6 +169,10 @@ class Transcript:
         if out.temperature is not None and out.temperature not in self.temperatures:
             self.temperatures.append(float(out.temperature))
         self._last_model = list(out.token_ids)
+        if out.routed_experts is not None:
+            # SGLang's payload covers the whole stream up to this turn: it supersedes the last.
+            self.routed_experts = out.routed_experts
+            self._routed_tokens = len(self.prompt_ids) + len(self.response_ids) - 1
 
     @property
     def temperature(self) -> float | None:
@@ -244,7 +254,19 @@ class Transcript:
             created_at=time.time() if created_at is None else created_at,
             metadata=dict(self.metadata),
             temperature=self.temperature,
+            routed_experts=self._routed_for_trajectory(),
         )
+
+    def _routed_for_trajectory(self) -> np.ndarray | None:
+        """The recorded routing when it covers every token but the last (not when environment
+        tokens follow the last model turn: no engine routed them)."""
+        routed = getattr(self, "routed_experts", None)
+        if (
+            routed is None
+            or self._routed_tokens != len(self.prompt_ids) + len(self.response_ids) - 1
+        ):
+            return None
+        return routed
 
 
 def sampling_params(sampling: SamplingConfig | dict | None, base: SamplingConfig) -> dict:
@@ -369,6 +391,7 @@ class RolloutContext:
             out.logprobs += list(part.logprobs)
             out.versions += list(part.versions)
             out.engine_id = str(getattr(part, "engine_url", "") or out.engine_id)
+            out.routed_experts = getattr(part, "routed_experts", None)
             self.stats.tokens += n
             reason = _reason(part.finish_reason)
             if reason != "abort":

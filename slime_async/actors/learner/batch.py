@@ -51,6 +51,8 @@ class Row:
     """name -> [R] response-aligned values (behaviour logp, loss mask, versions, advantages)."""
     temperature: float = 1.0
     """The temperature its log-probs are computed at (the one the engine sampled it with)."""
+    routed: np.ndarray | None = None
+    """[P + R - 1, moe_layers * k] int32 experts chosen at generation (routing replay), or None."""
 
     @property
     def response_len(self) -> int:
@@ -79,6 +81,9 @@ class MicroBatch:
     """Indices into the step's row list, in batch order."""
     temperature: torch.Tensor | None = None
     """[B] float32 per-row temperature (each trajectory's own)."""
+    routed_experts: torch.Tensor | None = None
+    """[B, S, moe_layers * k] int64 experts chosen at generation (routing replay; 0 on padding),
+    None unless every row of the micro-batch carries them."""
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +126,13 @@ def collate(rows: list[Row], indices: list[int], device: torch.device) -> MicroB
         for k, v in r.per_token.items():
             per_token[k][j, :n] = v
     full = torch.from_numpy(ids).to(device)
+    routed = None
+    if all(r.routed is not None for r in picked):
+        width = picked[0].routed.shape[1]
+        arr = np.zeros((b, s, width), dtype=np.int64)
+        for j, r in enumerate(picked):
+            arr[j, : r.input_len] = r.routed
+        routed = torch.from_numpy(arr).to(device)
     return MicroBatch(
         input_ids=full[:, :-1].contiguous(),
         labels=full[:, 1:].contiguous(),
@@ -130,6 +142,7 @@ def collate(rows: list[Row], indices: list[int], device: torch.device) -> MicroB
         per_token={k: torch.from_numpy(v).to(device) for k, v in per_token.items()},
         rows=list(indices),
         temperature=torch.tensor([r.temperature for r in picked], dtype=torch.float32).to(device),
+        routed_experts=routed,
     )
 
 
@@ -229,5 +242,15 @@ def rows_from_groups(
                 "versions": np.asarray(t.versions, dtype=np.int64),
             }
             temp = temperature if t.temperature is None else float(t.temperature)
-            rows.append(Row(tokens, len(t.prompt_ids), per_token, temp))
+            routed = None
+            if t.routed_experts is not None:
+                n = len(tokens) - 1
+                flat = np.asarray(t.routed_experts, dtype=np.int32).reshape(-1)
+                if flat.size % n:
+                    raise ValueError(
+                        f"trajectory {t.id!r}: routed_experts has {flat.size} ids, not a multiple "
+                        f"of its {n} routed tokens (prompt + response - 1)"
+                    )
+                routed = flat.reshape(n, -1)
+            rows.append(Row(tokens, len(t.prompt_ids), per_token, temp, routed))
     return rows

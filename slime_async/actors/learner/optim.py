@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from slime_async.config.learner import LearnerConfig
-from slime_async.models.convert import partition_dim
+from slime_async.models.convert import is_expert, partition_dim
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
@@ -47,6 +47,23 @@ class MasterAdamW:
         # By name, not by megatron's `tensor_model_parallel` attribute: megatron leaves that
         # unset when it skips initialisation (weights loaded from HF or a checkpoint).
         self.tp_sharded = [partition_dim(n) is not None for n in self.names]
+        # MoE experts live on one expert-parallel rank each: their gradients are reduced over
+        # the expert-data-parallel group, their norm summed over the EP group.
+        self.expert = [is_expert(n) for n in self.names]
+        # Replicated weights that see only part of the work on each TP rank: the q/k norms
+        # (each rank has its own heads) and, under sequence parallelism, every norm and the
+        # router (each rank has its own sequence chunk). Their gradients are summed over TP.
+        self.tp_partial = [
+            not sharded
+            and not expert
+            and (
+                n.endswith(("q_layernorm.weight", "k_layernorm.weight"))
+                or bool(getattr(p, "sequence_parallel", False))
+            )
+            for n, p, sharded, expert in zip(
+                self.names, self.params, self.tp_sharded, self.expert, strict=True
+            )
+        ]
         self.masters = [
             p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)
             for p in self.params
@@ -78,39 +95,53 @@ class MasterAdamW:
         for m in self.masters:
             m.grad = None
 
-    def reduce_gradients(self, dp_group) -> None:
-        """SUM gradients over data-parallel ranks (losses are already divided by global counts)."""
-        if dist.get_world_size(dp_group) == 1:
-            return
-        for p in self.params:
+    def reduce_gradients(self, dp_group, tp_group=None, expert_dp_group=None) -> None:
+        """SUM gradients over data-parallel ranks (losses are already divided by global counts);
+        partial ones over TP first; experts' over the expert-data-parallel group."""
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        for p, partial in zip(self.params, self.tp_partial, strict=True):
+            if tp > 1 and partial:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=tp_group)
+        for p, expert in zip(self.params, self.expert, strict=True):
+            group = expert_dp_group if expert and expert_dp_group is not None else dp_group
+            if dist.get_world_size(group) == 1:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=dp_group)
+            dist.all_reduce(p.grad, group=group)
 
-    def grad_norm(self, tp_group) -> float:
-        """Global L2 norm: TP-sharded parameters summed over TP ranks, replicated ones once."""
+    def grad_norm(self, tp_group, ep_group=None) -> float:
+        """Global L2 norm: TP-sharded parameters summed over TP ranks, experts over EP ranks,
+        replicated ones once."""
         dev = self.params[0].device
         sharded = torch.zeros((), dtype=torch.float32, device=dev)
         replicated = torch.zeros((), dtype=torch.float32, device=dev)
-        for p, is_sharded in zip(self.params, self.tp_sharded, strict=True):
+        experts = torch.zeros((), dtype=torch.float32, device=dev)
+        for p, is_sharded, is_exp in zip(self.params, self.tp_sharded, self.expert, strict=True):
             if p.grad is None:
                 continue
             sq = p.grad.detach().float().pow(2).sum()
-            if is_sharded:
+            if is_exp:
+                experts += sq
+            elif is_sharded:
                 sharded += sq
             else:
                 replicated += sq
         if dist.get_world_size(tp_group) > 1:
             dist.all_reduce(sharded, group=tp_group)
-        return float((sharded + replicated).sqrt())
+        if ep_group is not None and dist.get_world_size(ep_group) > 1:
+            dist.all_reduce(experts, group=ep_group)
+        return float((sharded + replicated + experts).sqrt())
 
-    def step(self, lr: float, tp_group, norm: float | None = None) -> float:
+    def step(self, lr: float, tp_group, norm: float | None = None, ep_group=None) -> float:
         """Clip to cfg.clip_grad, step at `lr`, copy masters back; returns the pre-clip norm.
 
         `norm`: the gradient norm if the caller computed it already. A non-finite norm applies
         nothing (the caller counts it)."""
         if norm is None:
-            norm = self.grad_norm(tp_group)
+            norm = self.grad_norm(tp_group, ep_group)
         scale = 1.0
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
             scale = self.cfg.clip_grad / (norm + 1e-6)

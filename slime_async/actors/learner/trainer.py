@@ -55,7 +55,7 @@ from slime_async.algos import AdvantageInput, LossInput, build_algorithm
 from slime_async.algos.metrics import finalize_metrics, merge_metrics
 from slime_async.config.algo import AlgoConfig
 from slime_async.config.learner import LearnerConfig
-from slime_async.models import convert
+from slime_async.models import convert, routing
 from slime_async.models.megatron import ModelArch, build_gpt_model
 from slime_async.utils.procs import free_port
 
@@ -123,7 +123,9 @@ class Learner:
                 "learner: set learner.model_path (HF dir) or learner.load (checkpoint)"
             )
 
-        self._owns_dist, self._owns_mp = self._init_distributed(learner_cfg.tensor_parallel)
+        self._owns_dist, self._owns_mp = self._init_distributed(
+            learner_cfg.tensor_parallel, learner_cfg.expert_parallel
+        )
         try:
             self._build()
         except BaseException:
@@ -140,6 +142,12 @@ class Learner:
         self.dp_group = ps.get_data_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
+        self.ep_group = ps.get_expert_model_parallel_group()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.ep_size = ps.get_expert_model_parallel_world_size()
+        self.expert_dp_rank = ps.get_expert_data_parallel_rank()
+        self.expert_dp_group = ps.get_expert_data_parallel_group()
+        self._routing_counts = [0.0, 0.0]
         self.device = megatron_compat.device()
         self.dtype = getattr(torch, cfg.dtype)
         self.step = 0
@@ -169,7 +177,8 @@ class Learner:
         np.random.seed(cfg.seed)
         megatron_compat.seed_model_parallel(cfg.seed)
         on_cpu = megatron_compat.cpu_mode()
-        self.model = build_gpt_model(self.arch, self.dtype, init=False, on_cpu=on_cpu)
+        moe = {"moe_aux_loss_coeff": cfg.moe_aux_loss_coeff, "routing_replay": cfg.routing_replay}
+        self.model = build_gpt_model(self.arch, self.dtype, init=False, on_cpu=on_cpu, **moe)
         if cfg.load is None:
             convert.load_hf_into_model(self.model, cfg.model_path, self.arch)
         self.optimizer = MasterAdamW(self.model, cfg)
@@ -179,7 +188,9 @@ class Learner:
         if self.algo.needs_ref_logp:
             # The reference is the initial policy: model_path's weights when given, else the
             # checkpoint's, which is then a step-0 one (a converted model; checked above).
-            self.ref_model = build_gpt_model(self.arch, self.dtype, init=False, on_cpu=on_cpu)
+            self.ref_model = build_gpt_model(
+                self.arch, self.dtype, init=False, on_cpu=on_cpu, **moe
+            )
             if cfg.model_path is not None:
                 convert.load_hf_into_model(self.ref_model, cfg.model_path, self.arch)
             else:
@@ -190,7 +201,7 @@ class Learner:
     # ------------------------------------------------------------------ setup
 
     @staticmethod
-    def _init_distributed(tp: int) -> tuple[bool, bool]:
+    def _init_distributed(tp: int, ep: int = 1) -> tuple[bool, bool]:
         from megatron.core import parallel_state as ps
 
         megatron_compat.apply()
@@ -207,14 +218,28 @@ class Learner:
                 )
             owns_dist = True
         world = dist.get_world_size()
-        if world % tp:
+        if world % tp or world % ep:
             if owns_dist:
                 dist.destroy_process_group()
-            raise ValueError(f"world size {world} is not divisible by learner.tensor_parallel={tp}")
+            raise ValueError(
+                f"world size {world} is not divisible by learner.tensor_parallel={tp} "
+                f"and learner.expert_parallel={ep}"
+            )
         owns_mp = False
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+            # Experts are never TP-sharded (expert_tensor_parallel_size 1): EP ranks are carved
+            # out of the data-parallel ranks, so TP x EP fits in TP x DP processes.
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp,
+                expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=1,
+            )
             owns_mp = True
+        elif ps.get_expert_model_parallel_world_size() != ep:
+            raise ValueError(
+                f"model parallel already initialised with EP={ps.get_expert_model_parallel_world_size()}, "
+                f"learner.expert_parallel={ep}"
+            )
         elif ps.get_tensor_model_parallel_world_size() != tp:
             raise ValueError(
                 f"model parallel already initialised with TP={ps.get_tensor_model_parallel_world_size()}, "
@@ -239,8 +264,32 @@ class Learner:
         self, model, mb: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response log-probs [B, T] (and entropy [B, T]), each row at its own temperature."""
-        s = mb.input_ids.shape[1]
-        logits = model(mb.input_ids, mb.position_ids, megatron_compat.causal_mask(s, self.device))
+        ids, pos = mb.input_ids, mb.position_ids
+        s = ids.shape[1]
+        tp = dist.get_world_size(self.tp_group)
+        if self.arch.is_moe and tp > 1 and s % tp:
+            # Sequence parallelism (MoE at TP > 1) cuts the sequence into TP equal chunks:
+            # right padding, which a causal mask keeps away from every real token.
+            extra = tp - s % tp
+            ids = torch.nn.functional.pad(ids, (0, extra))
+            pos = torch.arange(s + extra, device=ids.device).expand(ids.shape[0], -1)
+            s += extra
+        replay = mb.routed_experts is not None and self.cfg.routing_replay
+        if replay:
+            routed = mb.routed_experts  # [B, S0, L * k]
+            b, s0, _ = routed.shape
+            routed = torch.nn.functional.pad(routed, (0, 0, 0, s - s0))
+            routed = routed.view(b, s, len(self.arch.moe_layers), self.arch.moe_topk)
+            # A row's last response prediction sits at its input length - 1.
+            lens = mb.resp_index.max(dim=1).values + 1
+            per_layer, valid = routing.replay_targets(routed, lens, self.tp_rank, tp)
+            routing.set_replay(model, per_layer, valid)
+        try:
+            logits = model(ids, pos, megatron_compat.causal_mask(s, self.device))
+        finally:
+            if replay:
+                routing.clear_replay(model)
+        logits = logits[:, : mb.input_ids.shape[1]]
         temp = mb.temperature if mb.temperature is not None else self.temperature
         logp, ent = vocab_parallel_logprobs(logits, mb.labels, temp, with_entropy)
         logp = gather_response(logp, mb)
@@ -352,8 +401,8 @@ class Learner:
             loss.backward()
             out["loss"] += float(loss.detach())
             out["raws"].append(raw)
-        self.optimizer.reduce_gradients(self.dp_group)
-        norm = self.optimizer.grad_norm(self.tp_group)
+        self.optimizer.reduce_gradients(self.dp_group, self.tp_group, self.expert_dp_group)
+        norm = self.optimizer.grad_norm(self.tp_group, self.ep_group)
         out["grad_norm"] = norm
         if not math.isfinite(norm):
             out["skipped"] = "non_finite"
@@ -570,9 +619,51 @@ class Learner:
             )
             return out.loss, {**out.metrics, **compare}
 
-        return self._run_step(
+        if self.cfg.routing_replay:
+            self._take_routing_counts()  # only this step's forward passes count
+            extra.update(self._check_routed(rows))
+        out = self._run_step(
             rows, loss_of, extra, self.algo_cfg.mini_batches, self.algo_cfg.ppo_epochs
         )
+        if self.cfg.routing_replay:
+            diff, total = self._take_routing_counts()
+            t = torch.tensor([diff, total], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)  # DP ranks: other rows; TP ranks: other sequence chunks
+            out[M.MOE_ROUTING_DIFF] = float(t[0] / t[1]) if t[1] > 0 else 0.0
+            out[M.MOE_REPLAY_TOKENS] = float(t[1])
+        return out
+
+    def _check_routed(self, rows: list[Row]) -> dict[str, float]:
+        """Routing replay: each row's recorded routing must fit the model; rows without one
+        (an engine that did not return it) route on their own, counted and logged."""
+        width = len(self.arch.moe_layers) * self.arch.moe_topk
+        missing = 0
+        for r in rows:
+            if r.routed is None:
+                missing += 1
+            elif r.routed.shape[1] != width or (
+                r.routed.size and r.routed.max() >= self.arch.num_experts
+            ):
+                raise ValueError(
+                    f"routed_experts of shape {r.routed.shape} (max id {int(r.routed.max())}) do "
+                    f"not fit {len(self.arch.moe_layers)} MoE layers x top-{self.arch.moe_topk} "
+                    f"of {self.arch.num_experts} experts"
+                )
+        t = torch.tensor([float(missing)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        if float(t) > 0 and self.is_rank0:
+            log.warning(
+                "routing replay: %d trajectories carry no routed_experts; they use the "
+                "learner's own routing", int(float(t)),
+            )  # fmt: skip
+        return {M.MOE_REPLAY_MISSING: float(t)}
+
+    def _take_routing_counts(self) -> tuple[float, float]:
+        """(token x layer pairs whose own routing differed, pairs replayed) on this rank since
+        the last call (the KL reference's are dropped)."""
+        if self.ref_model is not None:
+            routing.take_counts(self.ref_model)
+        return routing.take_counts(self.model)
 
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the data-parallel ranks (a copy): `AdvantageInput.all_reduce_sum`."""
@@ -681,7 +772,24 @@ class Learner:
             full_bytes = param.numel() * param.element_size()
             if convert.partition_dim(mname) is not None:
                 full_bytes *= tp
-            if self.dp_rank == 0:
+            if convert.is_expert(mname):
+                # Each EP rank holds its own experts: gather them from the EP group (the ranks
+                # of expert-data-parallel rank 0, rank 0 among them).
+                full_bytes *= self.ep_size
+                if self.expert_dp_rank == 0:
+                    local = param.detach()
+                    shards = [local]
+                    if self.ep_size > 1:
+                        shards = [torch.empty_like(local) for _ in range(self.ep_size)]
+                        dist.all_gather(shards, local.contiguous(), group=self.ep_group)
+                    if self.is_rank0:
+                        for r, t in enumerate(shards):
+                            bucket.extend(
+                                convert.megatron_shards_to_hf(
+                                    mname, [t], self.arch, r, self.ep_size
+                                )
+                            )
+            elif self.dp_rank == 0:
                 local = param.detach()
                 shards = (
                     self._gather_tp(local) if convert.partition_dim(mname) is not None else [local]

@@ -14,8 +14,8 @@ with attention over a paged KV cache (kv_cache.py: fixed-size blocks, a block ta
   position, block table) live in static buffers, the weights are updated in place, so one graph
   serves every step of its bucket across weight updates.
 
-Families: llama, qwen2, qwen3 (the ones the learner converts); `self.math` (layers.py) is the
-per-layer hook for others. Memory: the weights, the KV cache (sized once at start: on a GPU from
+Families: those of families.py (the ones the learner converts); `self.math` (layers.py, or a
+family's subclass there) is the per-layer hook. Memory: the weights, the KV cache (sized once at start: on a GPU from
 `mem_fraction` of its memory, on a CPU `max_slots * max_context_len` tokens unless given), and
 the activations of one prefill of at most `max_prefill_tokens` or one decode of `max_slots`.
 """
@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from slime_async.actors.engine.embedded import attention
+from slime_async.actors.engine.embedded import attention, families
 from slime_async.actors.engine.embedded.kv_cache import (
     BlockPool,
     blocks_for_memory,
@@ -39,8 +39,6 @@ from slime_async.actors.engine.embedded.kv_cache import (
 from slime_async.actors.engine.embedded.layers import FusedLayerMath, LayerMath, fusable
 
 log = logging.getLogger(__name__)
-
-FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 class ModelRunner:
@@ -68,11 +66,7 @@ class ModelRunner:
             self.model_path, dtype=dtype, local_files_only=True
         )
         cfg = model.config
-        if cfg.model_type not in FAMILIES:
-            raise ValueError(
-                f"{self.model_path}: model_type {cfg.model_type!r} is not served by the embedded "
-                f"engine (families: {', '.join(FAMILIES)})"
-            )
+        families.check(self.model_path, cfg.model_type)
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError(f"{self.model_path}: sliding-window attention is not supported")
         self.model = model.to(self.device).eval().requires_grad_(False)
@@ -92,7 +86,7 @@ class ModelRunner:
         self.math: LayerMath = (
             FusedLayerMath(self.model, self.head_dim, compile=compile and cuda)
             if fused
-            else LayerMath(self.model, self.head_dim)
+            else families.layer_math(self.model, self.head_dim)
         )
         # ---- the paged KV cache
         self.block_size = block_size
@@ -332,15 +326,17 @@ class ModelRunner:
         them); every name and shape is checked before any copy. Cached prefixes are forgotten
         (their KV came from the old weights)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        for name, t in named:
-            if name not in params:
+        # A checkpoint name may fill a slice of a fused parameter (Qwen3-MoE's experts).
+        targets = [families.param_view(params, name) for name, _ in named]
+        for (name, t), target in zip(named, targets, strict=True):
+            if target is None:
                 raise ValueError(f"unknown parameter {name!r} for this model")
-            if tuple(params[name].shape) != tuple(t.shape):
+            if tuple(target.shape) != tuple(t.shape):
                 raise ValueError(
-                    f"parameter {name!r}: shape {tuple(t.shape)} != model's {tuple(params[name].shape)}"
+                    f"parameter {name!r}: shape {tuple(t.shape)} != model's {tuple(target.shape)}"
                 )
-        for name, t in named:
-            params[name].copy_(t.to(device=self.device, dtype=params[name].dtype))
+        for (_, t), target in zip(named, targets, strict=True):
+            target.copy_(t.to(device=self.device, dtype=target.dtype))
         self.pool.clear_index()
 
     def load_from_disk(self, model_path: str | Path) -> None:
@@ -348,10 +344,11 @@ class ModelRunner:
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise ValueError(f"no *.safetensors files in {model_path}")
-        params = self.parameter_names()
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         named: list[tuple[str, torch.Tensor]] = []
         for f in files:
-            named += [(k, v) for k, v in load_file(str(f)).items() if k in params]
+            tensors = load_file(str(f)).items()
+            named += [(k, v) for k, v in tensors if families.param_view(params, k) is not None]
         if not named:
             raise ValueError(f"{model_path} holds none of this model's parameters")
         self.load_weights(named)

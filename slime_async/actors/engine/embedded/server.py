@@ -31,6 +31,7 @@ requests run stops the engine for good (SGLang's scheduler asserts and exits), a
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from slime_async.actors.engine.embedded import families
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
 from slime_async.actors.engine.embedded.sampling import GREEDY_TEMPERATURE, SamplingParams
 from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
@@ -61,6 +63,7 @@ _GENERATE_FIELDS = {
     "top_logprobs_num",
     "return_text_in_logprobs",
     "stream",
+    "return_routed_experts",
 }
 # SGLang fields that change nothing here (sglang-router fills several of them in every request).
 _INERT_FIELDS = {"model", "log_metrics", "no_logs", "background"}
@@ -157,6 +160,8 @@ class EmbeddedEngine:
         self.groups: dict[str, WeightGroup] = {}
         self.ignored_fields = 0
         """/generate requests that carried top-level fields SGLang ignores (each one logged)."""
+        self.routed_recomputed_after_update = 0
+        """return_routed_experts answers of requests that spanned a weight load (each logged)."""
         self.started_at = time.time()
 
     # ---- app ------------------------------------------------------------------------------
@@ -277,7 +282,10 @@ class EmbeddedEngine:
             # n > 1: SGLang answers n results per prompt, one after the other.
             jobs += [(prompt, base if n == 1 else f"{base}_{j}", params) for j in range(n)]
         batched = batched or len(jobs) > 1
-        opts = _Opts(want_logprob, start, top_n, with_text)
+        want_routed = bool(body.get("return_routed_experts", False))
+        if want_routed and not families.moe_gates(self.runner.model):
+            raise BadRequest("return_routed_experts: the model has no MoE layers")
+        opts = _Opts(want_logprob, start, top_n, with_text, want_routed)
         if body.get("stream"):
             return await self._stream(request, jobs, opts, batched)
         reqs = self._make_requests(jobs, top_n)
@@ -436,7 +444,26 @@ class EmbeddedEngine:
                 ]
             if opts.start >= 0 and not partial:
                 meta["input_token_logprobs"] = await self._prompt_logprobs(r, opts, tok_text)
+        if opts.want_routed and not partial:
+            meta["routed_experts"] = await self._routed_experts(r, ids, len(spans))
         return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    async def _routed_experts(self, r: Request, ids: list[int], versions: int) -> str:
+        """SGLang's `meta_info.routed_experts`: base64 of little-endian int32
+        `[prompt + completion - 1, moe_layers, k]` (every token but the last). Recomputed by one
+        forward pass at the end of the request, on the scheduler thread (so never across a
+        weight load): equal to the routing of generation unless the weights changed meanwhile."""
+        if versions > 1:
+            self.routed_recomputed_after_update += 1
+            log.warning(
+                "request %s spans %d weight versions: its routed experts are those of the newest",
+                r.rid, versions,
+            )  # fmt: skip
+        tokens = list(r.input_ids) + ids
+        routed = await self._on_scheduler(
+            lambda: families.routed_experts(self.runner.model, tokens)
+        )
+        return base64.b64encode(routed.astype("<i4").tobytes()).decode("ascii")
 
     async def _prompt_logprobs(self, r: Request, opts: _Opts, tok_text) -> list[list]:
         """SGLang's input_token_logprobs from logprob_start_len on: [logprob, id, text]; the
@@ -504,6 +531,7 @@ class EmbeddedEngine:
                 "decode_attention": self.runner.decode_attention,
                 "memory": self.runner.memory_info(),
                 "ignored_fields": self.ignored_fields,
+                "routed_recomputed_after_update": self.routed_recomputed_after_update,
                 "started_at": self.started_at,
                 **self.scheduler.load(),
             }
@@ -675,6 +703,7 @@ class _Opts:
     start: int
     top_n: int
     with_text: bool
+    want_routed: bool = False
 
 
 def _parallel_samples(sp: object) -> int:
