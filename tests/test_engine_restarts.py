@@ -203,9 +203,7 @@ def test_engine_sigkill_run_finishes_and_engine_rejoins(tiny):
     _assert_nothing_lost_nothing_twice(run_dir, steps)
 
 
-@pytest.mark.skip(
-    reason="known bug (issue 12, open): in the full suite the weight-group handshake with two engines behind the router sometimes waits 300 s for one engine; passes alone"
-)
+@pytest.mark.timeout(600)  # the run alone may take 420 s on a loaded 2-core machine (`_finish`)
 def test_engines_with_api_key_behind_the_real_router_train(tiny):
     """Found 6: with an API key the real router never registered the engines (its /health probe
     got 401); /health is exempt from the key, as in SGLang, so the run starts and trains."""

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from slime_async.actors.engine.client import EngineClient
 from slime_async.actors.engine.pool import EnginePool
-from slime_async.actors.engine.weight_push import WeightPusher
+from slime_async.actors.engine.weight_push import PushError, WeightPusher
 from slime_async.testing.models import make_tiny_model
 from slime_async.testing.router import Router
 
@@ -131,3 +131,62 @@ async def test_pool_fails_over_and_takes_a_returning_engine_back(models, logs):
     finally:
         for child in children:
             child.stop()
+
+
+def test_a_push_broken_by_a_dead_engine_leaves_the_other_engine_free(models, logs, engines, caplog):
+    """Issue 12 (the handshake that waited for one engine): an engine killed in the middle of a
+    push left the other one inside the broadcast, on the thread that also serves destroy and
+    init; the learner asked it to destroy the group before closing its own end, so that call
+    could only time out (30 s) and the rebuilt group waited for it. The learner now closes its
+    end first: the survivor leaves the broadcast at once and answers destroy and init."""
+    caplog.set_level("WARNING", logger="slime_async.actors.engine.weight_push")
+    (doomed, doomed_url), = start_engines(1, models[0], logs, "engine.max_context_len=256")  # fmt: skip
+    survivor = engines[0][1]
+    sd = list(AutoModelForCausalLM.from_pretrained(models[0], local_files_only=True)
+              .state_dict().items())  # fmt: skip
+    pusher = WeightPusher([survivor, doomed_url], master_addr="127.0.0.1", timeout_s=60)
+    try:
+        pusher.connect()
+
+        def buckets():
+            yield sd[:5]
+            doomed.kill()  # SIGKILL between two buckets: the survivor waits in the broadcast
+            yield sd[5:]
+
+        assert pusher.push(buckets(), "broken")["failed"] == 1.0
+        assert pusher.resync_needed()
+        again = pusher.push([sd], "after")
+        assert again["failed"] == 0.0 and again["engines"] == 1.0
+        stuck = [r.getMessage() for r in caplog.records if survivor in r.getMessage()
+                 and "destroy_weights_update_group" in r.getMessage()]  # fmt: skip
+        assert stuck == [], stuck  # its destroy call was answered, not timed out
+        info = asyncio.run(_server_info(survivor))
+        assert info["weight_groups"] == [pusher.group_name] and info["weight_version"] == "after"
+    finally:
+        pusher.close()
+        doomed.stop()
+
+
+async def _server_info(url: str) -> dict:
+    async with EngineClient(url) as c:
+        return await c.get_server_info()
+
+
+def test_a_handshake_that_cannot_complete_names_the_engine_and_why(models, logs):
+    """Issue 12: the wait for the weight group failed after 300 s naming every engine. Now the
+    failure names the engine whose init call had not returned and what it says of itself. Here
+    the learner counts one rank too many for it (tp_sizes=[2] for a 1-rank engine), so the
+    rendezvous can never complete (the engine waits in it longer than the learner: 30 s, 4 s)."""
+    (child, url), = start_engines(1, models[0], logs, "engine.max_context_len=256",
+                                  "engine.weight_sync_timeout_s=30")  # fmt: skip
+    pusher = WeightPusher([url], master_addr="127.0.0.1", timeout_s=4, tp_sizes=[2])
+    try:
+        with pytest.raises(PushError) as e:
+            pusher.connect()
+        msg = str(e.value)
+        assert e.value.url == url and e.value.step == "init_weights_update_group"
+        assert f"did not join: {url}: its init call is queued or blocked" in msg, msg
+    finally:
+        child.kill()  # its scheduler still waits in the rendezvous: no clean stop to wait for
+        pusher.close()
+        child.stop()

@@ -480,3 +480,61 @@ def test_a_group_pushed_again_after_delivery_is_a_duplicate():
         assert asyncio.run(put()) == "duplicate"
         stats = buf.state.stats()
         assert stats["groups_ready"] == 0 and stats["counts"]["delivered_groups"] == 1
+
+
+def test_batched_acks_settle_each_put_once_and_old_clients_get_one_ack_each(tmp_path):
+    """Puts that ask for it (`batch_ack`, what ProducerClient sends) are acknowledged together:
+    one `acks` message per turn and status names several puts, each exactly once, and only once
+    the turn's WAL records are synced; a put without the flag (an older client) still gets its
+    own `ack`; a resend inside a batch is named with status duplicate, not stored twice."""
+    with running(wal_dir=str(tmp_path / "wal"), wal_sync="fsync") as (buf, _cfg):
+        raw = Raw(buf.producer_endpoint)
+        try:
+            raw.ask(pack_header("hello", rid="h", producer="raw", session="raw-session"))
+            n = 24
+            frames = []
+            for seq in range(n):
+                blob = encode_trajectory(synthetic_group(f"g{seq}", 1)[0])
+                head = pack_header("put", seq=seq, producer="raw", session="raw-session",
+                                   lengths=[len(blob)], batch_ack=True)  # fmt: skip
+                frames.append([head, blob])
+            frames.append(frames[3])  # a resend of seq 3
+            for f in frames:  # sent before the first reply: the buffer drains them in few turns
+                raw.sock.send_multipart(f)
+            acked: dict[int, list[str]] = {}
+            messages = 0
+            while sum(map(len, acked.values())) < n + 1:
+                assert raw.sock.poll(5000), f"acks missing: got {acked}"
+                h = unpack_header(raw.sock.recv_multipart()[0])
+                assert h["op"] == "acks", h
+                messages += 1
+                for seq in h["seqs"]:
+                    acked.setdefault(seq, []).append(h["status"])
+            assert sorted(acked) == list(range(n))
+            assert all(s == ["ok"] for q, s in acked.items() if q != 3)
+            assert sorted(acked[3]) == ["duplicate", "ok"]
+            assert messages < n  # batched: fewer messages than puts
+            assert buf.stats()["trajectories_held"] == n
+            # A put without the flag: one ack of its own, as before.
+            assert raw.put(100, synthetic_group("solo", 1)) == {
+                "v": SCHEMA_VERSION, "op": "ack", "seq": 100, "status": "ok"}  # fmt: skip
+        finally:
+            raw.close()
+
+
+def test_producer_client_puts_are_acknowledged_in_batches_and_each_resolves():
+    """ProducerClient asks for batched acks; each of many concurrent puts still resolves with
+    its own status and every group is delivered once."""
+    with running() as (buf, cfg):
+
+        async def go():
+            async with ProducerClient(cfg, "p0") as p:
+                groups = [synthetic_group(f"g{i}", 2) for i in range(40)]
+                return await asyncio.gather(*(p.put_group(g) for g in groups))
+
+        statuses = asyncio.run(go())
+        assert statuses == ["ok"] * 40
+        with ConsumerClient(cfg, "learner") as c:
+            b = c.get_batch(num_groups=40, timeout_s=5)
+            assert sorted(g[0].group_id for g in b.groups) == sorted(f"g{i}" for i in range(40))
+        assert buf.stats()["counts"].get("duplicates", 0) == 0

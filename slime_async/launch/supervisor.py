@@ -48,7 +48,13 @@ from typing import Literal, TextIO
 from slime_async.launch.progress import ProgressDisplay
 from slime_async.launch.run_dir import READY_ENV, RunDir
 from slime_async.metrics import MetricsTail
-from slime_async.utils.procs import Child, kill_groups, python_module, wait_until
+from slime_async.utils.procs import (
+    WATCHDOG_CLEAN_STOP,
+    Child,
+    kill_groups,
+    python_module,
+    wait_until,
+)
 
 WATCHDOG_GRACE_S = 3.0
 """How long the watchdog gives leftovers between SIGTERM and SIGKILL."""
@@ -323,6 +329,8 @@ class Supervisor:
         os.close(read)
 
     def _stop_watchdog(self) -> None:
+        with contextlib.suppress(OSError):  # a clean stop: it exits without waiting for our lock
+            os.write(self._watch_pipe, WATCHDOG_CLEAN_STOP)
         os.close(self._watch_pipe)  # EOF: it finds no children recorded (or our lock) and exits
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._watchdog.wait(10)

@@ -29,6 +29,7 @@ from slime_async.config.buffer import BufferConfig
 from slime_async.queue import security
 from slime_async.queue.messages import (
     Ack,
+    Acks,
     AckStatus,
     Admit,
     BatchReply,
@@ -203,7 +204,9 @@ class ProducerClient:
     async def _send(self, frames: list[bytes]) -> None:
         assert self._sock is not None
         self._last_sent = time.monotonic()
-        await self._sock.send_multipart(frames)
+        # copy=False: ZeroMQ sends the payload from our bytes (kept in `_puts` for resends)
+        # instead of copying it first; pyzmq still copies frames below its copy_threshold.
+        await self._sock.send_multipart(frames, copy=False)
 
     async def put_group(self, trajs: list[Trajectory]) -> AckStatus:
         """Send trajectories (normally one whole group); return once the buffer stored them.
@@ -219,7 +222,8 @@ class ProducerClient:
         self._seq += 1
         blobs = [encode_trajectory(t) for t in trajs]
         lengths = [len(b) for b in blobs]
-        header = Put(seq=seq, producer=self.producer_id, session=self.session, lengths=lengths)
+        header = Put(seq=seq, producer=self.producer_id, session=self.session, lengths=lengths,
+                     batch_ack=True)  # fmt: skip
         frames = [header.encode(), b"".join(blobs)]  # one payload frame: cheaper than several
         size = sum(len(f) for f in frames)
         if size > self.cfg.max_message_bytes:  # far above it ZeroMQ would just drop the link
@@ -270,28 +274,35 @@ class ProducerClient:
                 reply = decode_reply(frames[0])
             except SchemaError:
                 continue
-            if not isinstance(reply, Ack) and reply.rid in self._calls:
+            if not isinstance(reply, Ack | Acks) and reply.rid in self._calls:
                 fut = self._calls[reply.rid][1]
                 if not fut.done():
                     fut.set_result(reply)
                 continue
-            if not isinstance(reply, Ack | Error) or reply.seq is None:
-                continue
-            put = self._puts.get(reply.seq)
-            if put is None or put.future.done():
-                continue  # the answer to a resend already answered
-            if isinstance(reply, Error):
-                put.future.set_exception(_refused(reply))
-            elif reply.status == AckStatus.BUSY:
-                put.busy_replies += 1
-                self.busy_replies += 1
-                if put.busy_replies == 1:  # once per put: a full buffer answers busy often
-                    log.info("buffer full: put %d waits and is sent again (busy)", reply.seq)
-                wait = _BUSY_RETRY.delay(put.busy_replies)
-                asyncio.get_running_loop().call_later(wait, self._resend_busy, reply.seq)
-                put.sent_at = float("inf")  # not lost, just waiting: keep the watchdog off it
-            else:
-                put.future.set_result(reply.status)
+            if isinstance(reply, Acks):  # several puts' acks at once: each as its own Ack
+                for seq in reply.seqs:
+                    self._answered(Ack(seq=seq, status=reply.status))
+            elif isinstance(reply, Ack | Error) and reply.seq is not None:
+                self._answered(reply)
+
+    def _answered(self, reply: Ack | Error) -> None:
+        """Settle the put that `reply` answers (a put's future resolves once: a resend's answer
+        after the first is ignored)."""
+        put = self._puts.get(reply.seq)
+        if put is None or put.future.done():
+            return  # the answer to a resend already answered
+        if isinstance(reply, Error):
+            put.future.set_exception(_refused(reply))
+        elif reply.status == AckStatus.BUSY:
+            put.busy_replies += 1
+            self.busy_replies += 1
+            if put.busy_replies == 1:  # once per put: a full buffer answers busy often
+                log.info("buffer full: put %d waits and is sent again (busy)", reply.seq)
+            wait = _BUSY_RETRY.delay(put.busy_replies)
+            asyncio.get_running_loop().call_later(wait, self._resend_busy, reply.seq)
+            put.sent_at = float("inf")  # not lost, just waiting: keep the watchdog off it
+        else:
+            put.future.set_result(reply.status)
 
     def _resend_busy(self, seq: int) -> None:
         put = self._puts.get(seq)
@@ -376,7 +387,7 @@ class ConsumerClient:
                     reply = decode_reply(frames[0].buffer)
                 except SchemaError:
                     continue
-                if not isinstance(reply, Ack) and reply.rid == rid:
+                if not isinstance(reply, Ack | Acks) and reply.rid == rid:
                     if isinstance(reply, Error):
                         raise _refused(reply)
                     return reply, frames[1:]

@@ -11,6 +11,7 @@ None is not sent; absent and nil read the same.
     producer socket
         Hello{producer}                               -> HelloReply{next_seq}
         Put{seq, producer}, trajectory, ...           -> Ack{seq, status}
+                                                         | Acks{seqs, status} (batch_ack: true)
         Admit{producer, want}                         -> Granted{n}
         Heartbeat{producer}                           -> Ok
     consumer socket
@@ -23,6 +24,15 @@ None is not sent; absent and nil read the same.
         a request refused                             -> Error{reason, error}
 
 A reply carries the `rid` of its request; an ack (or the error refusing a put) its `seq`.
+
+Batched acks: a put that sets `batch_ack` may be acknowledged by an `Acks` reply naming several
+puts of its producer that got the same status in one turn of the buffer; each seq in it means
+exactly what its own `Ack` would (sent only after the turn's WAL records are durable). Wire
+compatibility: fields are only ever added, optional, and ignored by a side that does not know
+them, so `SCHEMA_VERSION` stays 1 and a new client talks to an old buffer (which ignores
+`batch_ack` and sends one `Ack` per put) and an old client to a new buffer (which sends `Acks`
+only to puts that asked for them). A change that an old side would misread bumps
+`SCHEMA_VERSION`, which both ends check in every header.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ class Op(StrEnum):
     HELLO = "hello"
     PUT = "put"
     ACK = "ack"
+    ACKS = "acks"
     ADMIT = "admit"
     GRANTED = "granted"
     HEARTBEAT = "heartbeat"
@@ -280,11 +291,21 @@ class Put(Message):
     producer: str
     session: str
     """The session that said hello under `producer`; puts of any other session are refused."""
+    batch_ack: bool | None = None
+    """True: this put may be acknowledged in an `Acks` with other puts of its producer."""
 
 
 @_message(Op.ACK)
 class Ack(Message):
     seq: int
+    status: AckStatus
+
+
+@_message(Op.ACKS)
+class Acks(Message):
+    """Several puts' acks at once, all with one status (see "Batched acks" above)."""
+
+    seqs: list[int]
     status: AckStatus
 
 
@@ -435,13 +456,14 @@ class Error(Message):
 
 
 Request = Hello | Put | Admit | Heartbeat | Get | Commit | SetVersion | Ping | StatsRequest
-Reply = HelloReply | Ack | Granted | BatchReply | Empty | Committed | Ok | StatsReply | Error
+Reply = HelloReply | Ack | Acks | Granted | BatchReply | Empty | Committed | Ok | StatsReply | Error
 
 REQUESTS: dict[str, type[Request]] = {
     m.OP: m for m in (Hello, Put, Admit, Heartbeat, Get, Commit, SetVersion, Ping, StatsRequest)
 }
 REPLIES: dict[str, type[Reply]] = {
-    m.OP: m for m in (HelloReply, Ack, Granted, BatchReply, Empty, Committed, Ok, StatsReply, Error)
+    m.OP: m
+    for m in (HelloReply, Ack, Acks, Granted, BatchReply, Empty, Committed, Ok, StatsReply, Error)
 }
 
 

@@ -3,6 +3,7 @@
     generators (ProducerClient, DEALER) --connect--> [ROUTER  producer_endpoint]
         Hello{producer}                 -> HelloReply{next_seq}  (numbering survives restarts)
         Put{seq, producer}, traj, ...   -> Ack{seq, ok|duplicate|busy|stale} | Error{reason}
+                                           (batch_ack: one Acks{seqs, status} per turn and peer)
         Admit{producer, want}           -> Granted{n}            (Admission: staleness budget)
         Heartbeat{producer}             -> Ok                    (keeps admission grants alive)
                                                  |  BufferState: pending -> ready -> delivered
@@ -21,7 +22,9 @@ the field, counted by reason (stats `rejected`). An id belongs to one live sessi
 
 The buffer binds both endpoints; clients connect (and reconnect after a restart). The loop polls
 both sockets, drains what is queued, appends WAL records, makes them durable once for the whole
-turn (`wal_sync`), then sends the acks: an ack means the trajectory is stored (and logged). A `get`
+turn (`wal_sync`), then sends the acks: an ack means the trajectory is stored (and logged); the
+acks of one turn to one producer connection go out as one `Acks` message per status when its puts
+ask for it (`batch_ack`), which saves a message per put on both sides. A `get`
 that cannot be served yet is parked until enough groups are ready or its timeout passes.
 
 Memory is bounded by `capacity_trajectories` / `capacity_bytes` for stored groups (producers get
@@ -49,6 +52,7 @@ from slime_async.queue import security
 from slime_async.queue.groups import PutRejected
 from slime_async.queue.messages import (
     Ack,
+    Acks,
     Admit,
     BatchReply,
     Commit,
@@ -132,6 +136,7 @@ class Buffer:
         self.consumer_owners = Owners("consumer", cfg.max_consumers, cfg.producer_idle_s)
         self._version_session: str | None = None  # who announced the current version
         self._discarding: dict[zmq.Socket, bytes] = {}  # socket -> sender of an oversized message
+        self._acks: dict[tuple[bytes, str], list[int]] = {}  # this turn's batched acks
         self.producer_sock = self._bind(cfg.producer_endpoint)
         self.consumer_sock = self._bind(cfg.consumer_endpoint)
         self._monitors = {
@@ -215,6 +220,7 @@ class Buffer:
                     if sock in events:
                         self._drain(sock, out)
                 self._serve_parked(out)
+                self._batched_acks(out)
                 wal = self.state.wal
                 if wal is not None and self.cfg.wal_sync != "none":
                     wal.sync()
@@ -380,7 +386,7 @@ class Buffer:
     def _serve(self, msg: Request, ident: bytes, blobs: list[zmq.Frame]) -> list | None:
         match msg:
             case Put():
-                return self._put(msg, blobs)
+                return self._put(msg, ident, blobs)
             case Heartbeat():
                 self.state.heartbeat(msg.producer)
                 return [Ok(rid=msg.rid).encode()]
@@ -414,7 +420,7 @@ class Buffer:
             case Ping() | StatsRequest():
                 return [StatsReply(rid=msg.rid, stats=self.stats()).encode()]
 
-    def _put(self, msg: Put, blobs: list[zmq.Frame]) -> list[bytes]:
+    def _put(self, msg: Put, ident: bytes, blobs: list[zmq.Frame]) -> list[bytes] | None:
         if not blobs:
             error = Error(reason="bad_request", error="put: no trajectories", seq=msg.seq)
             return self._refuse(error)
@@ -427,7 +433,17 @@ class Buffer:
             if isinstance(e, SchemaError):
                 return self._refuse(Error(reason=_reason(e), error=f"trajectory {e}", seq=msg.seq))
             return self._refuse(Error(reason="group", error=str(e), seq=msg.seq))
+        if msg.batch_ack:  # answered with the turn's other acks to this peer (`_batched_acks`)
+            self._acks.setdefault((ident, status), []).append(msg.seq)
+            return None
         return [Ack(seq=msg.seq, status=status).encode()]
+
+    def _batched_acks(self, out: list) -> None:
+        """One `Acks` per producer connection and status for this turn's batch_ack puts; they go
+        out with the other replies, after the turn's WAL records are durable."""
+        for (ident, status), seqs in self._acks.items():
+            out.append((self.producer_sock, [ident, Acks(seqs=seqs, status=status).encode()]))
+        self._acks.clear()
 
     def _get(self, ident: bytes, msg: Get) -> list | None:
         reply = self._try_get(msg)

@@ -246,19 +246,40 @@ def tcp_ready(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+WATCHDOG_CLEAN_STOP = b"q"
+"""What a supervisor writes to its watchdog's pipe before closing it when it stops cleanly."""
+
+
 def watch_parent(fd: int, lock_path: str, children_path: str, grace_s: float) -> None:
     """A supervisor's watchdog (its own process, this module's `__main__`: light to start): wait
-    for EOF on pipe `fd` (the supervisor exited or died), then, unless someone holds `lock_path`
-    (the supervisor, stopping cleanly, or a new owner), stop the process groups recorded in
-    `children_path` ({role: [pid, start time]}) and record none."""
+    for EOF on pipe `fd`; if the supervisor said it stopped cleanly (`WATCHDOG_CLEAN_STOP`),
+    exit; else it died: unless a new owner holds `lock_path`, stop the process groups recorded
+    in `children_path` ({role: [pid, start time]}) and record none.
+
+    A dying process releases its files one by one: the pipe's EOF can arrive while its lock is
+    still held for a moment (seen under load, issue 16). So a lock still held by the dead
+    supervisor (its pid is in the file) is waited for, bounded; a lock held by anyone else (a
+    new owner) means there is nothing to do."""
+    parent = os.getppid()
+    clean = False
     with contextlib.suppress(OSError):
-        while os.read(fd, 1):
-            pass
-    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        while data := os.read(fd, 1):
+            clean = clean or data == WATCHDOG_CLEAN_STOP
+    if clean:
         return
+    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + 30.0
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = os.pread(lock, 200, 0).decode(errors="replace").strip()
+            if holder == str(parent) and time.monotonic() < deadline:
+                time.sleep(0.01)
+                continue
+            os.close(lock)
+            return
     os.ftruncate(lock, 0)
     os.pwrite(lock, f"watchdog {os.getpid()}\n".encode(), 0)
     try:

@@ -26,7 +26,12 @@ so an engine never reports a version it holds only part of.
 A failed call or a timeout names the engine and the step. A push that fails midway leaves the
 engines paused (their weights are mixed) and marks the group for a rebuild: `resync_needed()` is
 then true and the learner pushes again, which rebuilds the group with the live engines and
-continues them. Only SGLang's fields are used, so the same code pushes to real SGLang servers
+continues them. The rebuild closes the learner's end of the old group FIRST (dropping every
+reference, so the backend closes its connections): a member still waiting in that group's
+broadcast then fails at once and serves the destroy and init calls, which SGLang runs on the same
+scheduler thread; the other order left it blocked until its own weight-sync timeout (300 s) while
+the learner waited for it (issue 12). A handshake that does not complete names each engine that did
+not join and what it says of itself (GET /server_info). Only SGLang's fields are used, so the same code pushes to real SGLang servers
 (give it the engines' own URLs, not a router's). Each engine's ranks come from /server_info:
 tp_size * pp_size * (dp_size unless enable_dp_attention). Memory: one bucket at a time (the
 caller's iterator produces them); HTTP calls run on a private event-loop thread.
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import json
 import logging
 import socket
@@ -246,7 +252,9 @@ class WeightPusher:
 
     def _host_group(self, port: int, world: int, name: str, futs) -> WeightGroup:
         """Host rank 0 of the group while the engines join; an engine whose init call fails ends
-        the wait at once (named), and the wait is logged every 10 s (never silent)."""
+        the wait at once (named), and the wait is logged every 10 s (never silent). When the wait
+        fails, the message names each engine whose init call had not returned and why, as far
+        as the engine itself can tell (`_why_not_joined`)."""
         result: concurrent.futures.Future = concurrent.futures.Future()
 
         def host() -> None:
@@ -264,18 +272,58 @@ class WeightPusher:
                 return result.result(timeout=0.2)
             except concurrent.futures.TimeoutError:
                 pass
+            except Exception as e:  # the rendezvous here failed or timed out
+                waiting = [u for u, f in futs.items() if not f.done()]
+                why = "; ".join(f"{u}: {self._why_not_joined(u, name)}" for u in waiting)
+                raise PushError(",".join(waiting) or ",".join(futs), "init_weights_update_group",
+                                f"group {name} at {self.master_addr}:{port} not formed after "
+                                f"{time.monotonic() - t0:.0f}s ({e}); did not join: "
+                                f"{why or 'none (every engine answered)'}") from e  # fmt: skip
             for url, f in futs.items():
                 if f.done() and f.exception() is not None:
                     raise PushError(url, "init_weights_update_group",
                                     f"{f.exception()} (group store at {self.master_addr}:{port}; "
                                     "learner.weight_master_addr must be reachable from the "
-                                    "engine's node)")  # fmt: skip
+                                    "engine's node); did not join: "
+                                    f"{url}: {self._why_not_joined(url, name)}")  # fmt: skip
             now = time.monotonic()
             if now - last_log >= 10:
                 last_log = now
                 waiting = [u for u, f in futs.items() if not f.done()]
+                why = "; ".join(f"{u}: {self._why_not_joined(u, name)}" for u in waiting)
                 log.warning("weight-update group %s: waited %.0fs of %.0fs at %s:%d for %s",
-                            name, now - t0, self.timeout_s, self.master_addr, port, waiting)  # fmt: skip
+                            name, now - t0, self.timeout_s, self.master_addr, port, why)  # fmt: skip
+
+    def _why_not_joined(self, url: str, name: str) -> str:
+        """What an engine that has not answered its init call says of itself (GET /server_info
+        and /model_info, short timeouts): not answering at all, busy on its scheduler thread
+        (e.g. still in the collective of an earlier group: SGLang serves weight calls there one
+        at a time), or in the group already while its answer is on the way."""
+
+        async def one() -> str:
+            c = self.clients[url]
+            try:
+                info = await c.call("GET", "/server_info", timeout_s=self.probe_timeout_s,
+                                    max_retries=0)  # fmt: skip
+            except EngineError as e:
+                return f"does not answer GET /server_info ({e})"
+            if not isinstance(info, dict):
+                return "answers, but /server_info is not a map"
+            groups = info.get("weight_groups")
+            if isinstance(groups, list) and name in groups:
+                return "has joined (its answer is still on the way)"
+            busy = []
+            if groups:
+                busy.append(f"still holds groups {groups}")
+            if info.get("running"):
+                busy.append(f"{info['running']} requests running")
+            return ("its init call is queued or blocked on its scheduler thread"
+                    + (f" ({', '.join(busy)})" if busy else ""))  # fmt: skip
+
+        try:
+            return self._submit(one()).result(timeout=self.probe_timeout_s + 5)
+        except Exception as e:
+            return f"no answer to a status probe ({e or type(e).__name__})"
 
     def _ranks(self, urls: list[str]) -> list[int]:
         missing = [u for u in urls if u not in self.tp_sizes]
@@ -286,18 +334,26 @@ class WeightPusher:
         return [self.tp_sizes[u] for u in urls]
 
     def _destroy(self) -> None:
+        """Tear the group down here FIRST, then on the members. After a push that failed midway
+        a member may still sit in the broadcast on its scheduler thread, where it cannot serve
+        the destroy call (nor the next group's init: SGLang runs both on the same thread);
+        closing our end of the group ends that broadcast with an error at once. The other order
+        left the member busy until the destroy call's own timeout (issue 12)."""
         if self.group is None:
             return
+        group, self.group = self.group, None
+        try:
+            group.destroy()
+        except Exception as e:  # a group whose peer died may not tear down cleanly
+            log.warning("destroying weight-update group %s here: %s", self.group_name, e)
+        del group  # the last reference: the backend closes its connections
+        gc.collect()  # ... now, also when a reference cycle held it
         self._settle(
             "destroy_weights_update_group",
             self._each(self.members, "destroy_weights_update_group", self.group_name),
             30,
         )
-        try:
-            self.group.destroy()
-        except Exception as e:  # a group whose peer died may not tear down cleanly
-            log.warning("destroying weight-update group %s here: %s", self.group_name, e)
-        self.group, self.members = None, []
+        self.members = []
 
     def _previous_group_name(self) -> str | None:
         if self.state_path is None or not self.state_path.is_file():
@@ -461,10 +517,14 @@ class WeightPusher:
                 failed = {u: f for u, f in futs.items() if f.done() and f.exception() is not None}
                 if failed:  # an engine refused the bucket: it will not receive, stop here
                     self._wait("update_weights_from_distributed", failed)
+                failure = None
                 try:
                     self.group.broadcast(t)
                 except Exception as e:
-                    raise PushError(",".join(members), "broadcast", str(e)) from e
+                    failure = str(e)
+                if failure is not None:  # raised outside the handler: no chained traceback
+                    # holds the group, whose connections must close when it is destroyed
+                    raise PushError(",".join(members), "broadcast", failure)
                 stats["bytes"] += t.numel() * t.element_size()
             self._wait("update_weights_from_distributed", futs)
             stats["tensors"] += len(tensors)

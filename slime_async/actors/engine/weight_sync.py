@@ -11,6 +11,8 @@ The engine receives every tensor of an update by `broadcast(src=0)` in the order
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,6 +24,8 @@ from torch.distributed.distributed_c10d import (
     _new_process_group_helper,
     _world,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,6 +44,10 @@ class WeightGroup:
         dist.broadcast(tensor, src=0, group=self.pg)
 
     def destroy(self) -> None:
+        """Forget the group here. Its connections close only when the backend object is freed
+        (neither `abort()` nor `shutdown()` closes gloo's, measured with torch 2.13): the caller
+        drops every reference (`WeightPusher._destroy`), and a peer still waiting in one of its
+        collectives then fails at once instead of waiting out its timeout (issue 12)."""
         dist.destroy_process_group(self.pg)
 
 
@@ -61,13 +69,20 @@ def init_weight_group(
     if group_name in _world.pg_names.values():
         raise ValueError(f"a weight-update group named {group_name!r} already exists here")
     timeout = timedelta(seconds=timeout_s)
+    t0 = time.monotonic()
+    log.info("weight-update group %s: rank %d/%d joining the store at %s:%d", group_name, rank,
+             world_size, master_address, master_port)  # fmt: skip
     store = dist.TCPStore(
         master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout
     )
+    log.info("weight-update group %s: rank %d/%d store up after %.2fs", group_name, rank,
+             world_size, time.monotonic() - t0)  # fmt: skip
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
     )
+    log.info("weight-update group %s: rank %d/%d joined after %.2fs", group_name, rank,
+             world_size, time.monotonic() - t0)  # fmt: skip
     # Group-local ranks are the global ranks of this private group (used by broadcast's src).
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return WeightGroup(pg, group_name, rank, world_size, backend, torch.device(device))
