@@ -29,6 +29,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "actors/generator": BASE | {"actors/engine", "queue", "models"},
     "actors/learner": BASE | {"actors/engine", "queue", "models", "algos", "megatron_compat"},
     "launch": BASE | {"queue"},
+    "launch/ray": BASE | {"queue", "launch"},
     "api": BASE | {"actors/generator", "algos"},
     "actors": {"actors/generator"},  # the old import paths of the plug-in API
     "testing": BASE | {"launch", "queue", "models"},

@@ -1,4 +1,5 @@
-"""`slime-async run`: the whole job on one machine, every role a supervised child process."""
+"""`slime-async run`: the whole job, every role a supervised child process of this machine
+(`run.launcher = "local"`) or of a Ray actor on its node of a Ray cluster (`"ray"`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import argparse
 
 from slime_async.commands import add_config_arguments
 
-HELP = "start buffer, engines, generators and learner on this machine and supervise them"
+HELP = (
+    "start buffer, engines, generators and learner on this machine (or on a Ray cluster: "
+    "run.launcher=ray) and supervise them"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,10 +46,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"[slime-async] stopped processes the previous supervisor left: pids {left}",
                   flush=True)  # fmt: skip
         cfg = load_config([run_dir.config_json], overrides)
+        _check_launcher(cfg)
     else:
         if not files:
             raise ConfigError("name at least one CONFIG.toml (or use --resume RUN_DIR)")
         cfg = load_config(files, overrides)
+        _check_launcher(cfg)
         try:
             run_dir = RunDir.create(cfg.run.runs_dir, cfg.run.name, cfg.run.run_dir)
             run_dir.lock()
@@ -68,23 +74,36 @@ def main(args: argparse.Namespace) -> int:
         mode=cfg.run.progress,
         start_step=done[-1]["step"] if done else 0,
     )
-    supervisor = Supervisor(
-        run_dir,
-        plan_roles(cfg, run_dir),
-        resume=bool(args.resume),
-        restart_failed=cfg.run.restart_failed,
-        ready_timeout_s=cfg.run.ready_timeout_s,
-        stop_grace_s=cfg.run.stop_grace_s,
-        poll_interval_s=cfg.run.poll_interval_s,
-        progress=progress,
-    )
-    code = supervisor.run()
+    if cfg.run.launcher == "ray":
+        from slime_async.launch.ray.launcher import run_on_ray
+
+        code = run_on_ray(cfg, run_dir, resume=bool(args.resume), progress=progress)
+    else:
+        supervisor = Supervisor(
+            run_dir,
+            plan_roles(cfg, run_dir),
+            resume=bool(args.resume),
+            restart_failed=cfg.run.restart_failed,
+            ready_timeout_s=cfg.run.ready_timeout_s,
+            stop_grace_s=cfg.run.stop_grace_s,
+            poll_interval_s=cfg.run.poll_interval_s,
+            progress=progress,
+        )
+        code = supervisor.run()
     verdict = "completed" if code == 0 else "stopped"
     print(f"[slime-async] run {verdict} (exit {code}); logs in {run_dir.logs_dir}", flush=True)
     summary = summarize_run(read_metrics(metrics_path(run_dir.path, "learner")))
     if summary:
         print(f"[slime-async] {summary}", flush=True)
     return code
+
+
+def _check_launcher(cfg) -> None:
+    """Ray must be importable before anything starts when the run is to use it."""
+    if cfg.run.launcher == "ray":
+        from slime_async.launch.ray import import_ray
+
+        import_ray()
 
 
 def summarize_run(records: list[dict], window: int = 10) -> str:

@@ -27,6 +27,12 @@ kernel (PR_SET_PDEATHSIG), and a watchdog process, which waits on a pipe only th
 holds, stops what the roles started in their process groups (torchrun workers, engine helpers),
 unless a new owner already holds the lock. `run --resume` stops whatever is still left.
 
+Elsewhere than this machine: `spawn` replaces the local child process by another kind of child
+with the same few methods (`poll`, `alive`, `stop`, `tail`, `pid`, `log_path`): the Ray launcher
+(`slime_async/launch/ray/`) passes one that runs the role in a Ray actor on its node. Those
+children are not this machine's processes, so no watchdog or children.json is kept for them;
+Ray ends a dead driver's actors, and each actor's role dies with its actor.
+
 Memory: one Child per role and the unread tail of the metrics files it displays; nothing grows
 with the length of the run.
 """
@@ -76,6 +82,10 @@ class RoleSpec:
     """Exit code 0 means: the run is complete / the role is done (keep going) / a failure."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of the child."""
+    rank_envs: list[dict[str, str]] = field(default_factory=list)
+    """A torch.distributed role started one process per rank (the Ray launcher): each rank's
+    extra environment (RANK, WORLD_SIZE, MASTER_ADDR, ...). Empty: one process (torchrun, if
+    any, is in `argv`)."""
 
 
 def ready_file_exists(path: Path) -> bool:
@@ -115,6 +125,7 @@ class Supervisor:
         progress: ProgressDisplay | None = None,
         step_role: str = "learner",
         err: TextIO | None = None,
+        spawn: Callable[[RoleSpec, list[str], dict[str, str], Path], Child] | None = None,
     ):
         self.run_dir = run_dir
         self.stages = [list(s) for s in stages]
@@ -129,6 +140,8 @@ class Supervisor:
         self.progress = progress
         self.step_role = step_role
         self.err = err or sys.stderr
+        self.spawn = spawn
+        """Starts a role elsewhere: (spec, argv, env, log path) -> a child; None: here."""
         self.children: dict[str, Child] = {}  # insertion order = start order
         self.failure: str | None = None  # the report of the failure that stopped the run
         self._signal: int | None = None
@@ -225,9 +238,12 @@ class Supervisor:
         ready.unlink(missing_ok=True)  # a file left by an earlier process must not count
         argv = spec.argv(resume)
         env = {**spec.env, READY_ENV: str(ready)}
-        child = Child(
-            spec.name, argv, log_path=self.run_dir.log(spec.name), env=env, die_with_parent=True
-        )
+        if self.spawn is not None:
+            child = self.spawn(spec, argv, env, self.run_dir.log(spec.name))
+        else:
+            child = Child(
+                spec.name, argv, log_path=self.run_dir.log(spec.name), env=env, die_with_parent=True
+            )
         self.children[spec.name] = child
         self._record_children()
         self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} argv {spec.name}: {argv}\n")
@@ -307,10 +323,15 @@ class Supervisor:
     # ----- one owner -----------------------------------------------------------------------------
 
     def _record_children(self) -> None:
+        if self.spawn is not None:
+            return  # not this machine's processes: nothing a local successor could stop
         self.run_dir.write_children({n: (c.pid, c.started_at) for n, c in self.children.items()})
 
     def _start_watchdog(self) -> None:
         """A process that outlives us only to stop our children's groups if we die first."""
+        self._watchdog = None
+        if self.spawn is not None:
+            return
         read, self._watch_pipe = os.pipe()
         self._watchdog = subprocess.Popen(
             python_module(
@@ -329,6 +350,8 @@ class Supervisor:
         os.close(read)
 
     def _stop_watchdog(self) -> None:
+        if self._watchdog is None:
+            return
         with contextlib.suppress(OSError):  # a clean stop: it exits without waiting for our lock
             os.write(self._watch_pipe, WATCHDOG_CLEAN_STOP)
         os.close(self._watch_pipe)  # EOF: it finds no children recorded (or our lock) and exits

@@ -15,12 +15,20 @@ here (free now on 127.0.0.1); on --resume they are chosen afresh.
 | learner     | slime_async learner (torchrun if learner_procs > 1)  | ready file (announce_ready)      |
 
 engine.kind == "external" starts no engines and no router: generator and learner use engine.urls.
+
+On a Ray cluster (`slime_async/launch/ray/`) the same table is planned with `RoleAddresses`: each
+address is the node the role was placed on (buffer endpoints, engine URLs, the router, the
+learner's rank 0 for torch.distributed and the weight group), each port one found free there;
+engines may run `run.ray.engine_command` (e.g. SGLang) instead of the embedded engine, and the
+learner's ranks are started one process each with the torch.distributed environment set
+(`RoleSpec.rank_envs`) instead of under torchrun: the same `python -m slime_async learner`.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -32,6 +40,34 @@ from slime_async.queue.client import ConsumerClient
 from slime_async.utils.procs import free_port, python_module, tcp_ready
 
 LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class RoleAddresses:
+    """Where the roles listen when they run on other nodes (filled in by the Ray launcher from
+    the node each role was placed on; ports found free on that node)."""
+
+    buffer_host: str
+    """Node of the buffer: its producer and consumer endpoints bind there."""
+    buffer_ports: tuple[int, int]
+    """Producer and consumer ports."""
+    engines: list[tuple[str, int]]
+    """(node, port) of each engine, in order."""
+    router: tuple[str, int, int] | None
+    """(node, port, prometheus port) of the sglang-router; None without one."""
+    learner_master: tuple[str, int]
+    """(node of rank 0, port) of the learner's torch.distributed rendezvous (MASTER_ADDR/PORT)."""
+
+
+def engine_command_argv(template: list[str], **fields: object) -> list[str]:
+    """`run.ray.engine_command` with its {fields} filled in; an unknown field names itself."""
+    try:
+        return [part.format(**fields) for part in template]
+    except KeyError as e:
+        raise ConfigError(
+            f"run.ray.engine_command: unknown field {{{e.args[0]}}}; known: "
+            + ", ".join(f"{{{k}}}" for k in sorted(fields))
+        ) from None
 
 
 def _arg(key: str, value: object) -> str:
@@ -75,21 +111,30 @@ def _nonempty_dir(save_dir: Path) -> Path | None:
     return save_dir if save_dir.is_dir() and any(save_dir.iterdir()) else None
 
 
-def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
+def plan_roles(
+    cfg: SlimeConfig, run_dir: RunDir, where: RoleAddresses | None = None
+) -> list[list[RoleSpec]]:
     """The launch table for `cfg`, in start stages; the config file the children read is
-    `run_dir.config_json` (written by the caller, with run.run_dir set)."""
+    `run_dir.config_json` (written by the caller, with run.run_dir set). `where`: the roles'
+    nodes and ports on a cluster (Ray); None: this machine, free ports on loopback."""
     if cfg.run.run_dir is None or Path(cfg.run.run_dir).resolve() != run_dir.path:
         raise ConfigError(f"run.run_dir must be the run's directory {run_dir.path} before planning")
     config = str(run_dir.config_json)
     py = sys.executable
 
     # buffer -------------------------------------------------------------------------------
-    buf = cfg.buffer.model_copy(
-        update={
+    if where is None:
+        endpoints = {
             "producer_endpoint": _with_free_port(cfg.buffer.producer_endpoint),
             "consumer_endpoint": _with_free_port(cfg.buffer.consumer_endpoint),
         }
-    )
+    else:
+        host, (pport, cport) = where.buffer_host, where.buffer_ports
+        endpoints = {
+            "producer_endpoint": f"tcp://{host}:{pport}",
+            "consumer_endpoint": f"tcp://{host}:{cport}",
+        }
+    buf = cfg.buffer.model_copy(update=endpoints)
     buffer_args = [
         _arg("buffer.producer_endpoint", buf.producer_endpoint),
         _arg("buffer.consumer_endpoint", buf.consumer_endpoint),
@@ -111,23 +156,45 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
     eng = cfg.engine
     router_url: str | None = None
     if eng.kind == "embedded":
-        ports = [
-            free_port(eng.host) if eng.port == 0 else eng.port + i for i in range(eng.num_engines)
-        ]
-        engine_urls = [f"http://{eng.host}:{p}" for p in ports]
+        if where is None:
+            hosts = [eng.host] * eng.num_engines
+            ports = [
+                free_port(eng.host) if eng.port == 0 else eng.port + i
+                for i in range(eng.num_engines)
+            ]
+        else:
+            hosts = [h for h, _ in where.engines]
+            ports = [p for _, p in where.engines]
+        engine_urls = [f"http://{h}:{p}" for h, p in zip(hosts, ports, strict=True)]
         model_args = []
         if eng.model_path is None and cfg.learner.model_path is not None:
             model_args = [_arg("engine.model_path", cfg.learner.model_path)]
         for i, (port, url) in enumerate(zip(ports, engine_urls, strict=True)):
-            argv = python_module(
-                "slime_async",
-                "engine",
-                config,
-                _arg("engine.port", port),
-                *model_args,
-                # Each engine its own sampler stream (run.seed seeds the first).
-                _arg("engine.seed", eng.seed + i),
-            )
+            template = cfg.run.ray.engine_command if where is not None else []
+            if template:
+                argv = engine_command_argv(
+                    template,
+                    python=py,
+                    config=config,
+                    host=hosts[i],
+                    port=port,
+                    gpus=cfg.run.ray.gpus_per_engine,
+                    index=i,
+                    seed=eng.seed + i,
+                    model_path=eng.model_path or cfg.learner.model_path or "",
+                )
+            else:
+                host_args = [] if where is None else [_arg("engine.host", hosts[i])]
+                argv = python_module(
+                    "slime_async",
+                    "engine",
+                    config,
+                    _arg("engine.port", port),
+                    *host_args,
+                    *model_args,
+                    # Each engine its own sampler stream (run.seed seeds the first).
+                    _arg("engine.seed", eng.seed + i),
+                )
             devices = cfg.run.engine_cuda_devices
             first.append(
                 RoleSpec(
@@ -139,13 +206,18 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
                 )
             )
         if eng.num_engines > 1:
-            rport = free_port(LOOPBACK) if eng.router_port == 0 else eng.router_port
-            router_url = f"http://{LOOPBACK}:{rport}"
+            if where is None or where.router is None:
+                rhost = LOOPBACK
+                rport = free_port(LOOPBACK) if eng.router_port == 0 else eng.router_port
+                prom = free_port(LOOPBACK)
+            else:
+                rhost, rport, prom = where.router
+            router_url = f"http://{rhost}:{rport}"
             argv = router_argv(
                 engine_urls,
-                host=LOOPBACK,
+                host=rhost,
                 port=rport,
-                prometheus_port=free_port(LOOPBACK),
+                prometheus_port=prom,
                 policy=eng.router_policy,
                 api_key=eng.api_key,
             )
@@ -201,7 +273,10 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
         _arg("engine.urls", engine_urls),  # weights go to each engine, never through the router
         _arg("learner.save", str(save_dir)),
     ]
-    if cfg.learner.weight_master_addr is None and _loopback_only(engine_urls):
+    if cfg.learner.weight_master_addr is None and where is not None:
+        # The weight group's store is hosted by rank 0: its node, as the engines reach it.
+        learner_args.append(_arg("learner.weight_master_addr", where.learner_master[0]))
+    elif cfg.learner.weight_master_addr is None and _loopback_only(engine_urls):
         # Every engine is on this machine's loopback: so is the weight group's store (the
         # default, this node's routable address, is for engines on other nodes).
         learner_args.append(_arg("learner.weight_master_addr", LOOPBACK))
@@ -211,7 +286,7 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
         ckpt = _nonempty_dir(save_dir) if resume else None
         if ckpt is not None:
             args.append(_arg("learner.load", str(ckpt)))
-        if cfg.run.learner_procs > 1:
+        if cfg.run.learner_procs > 1 and where is None:
             launcher = [py, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", str(cfg.run.learner_procs), "-m", "slime_async"]  # fmt: skip
         else:
@@ -221,11 +296,28 @@ def plan_roles(cfg: SlimeConfig, run_dir: RunDir) -> list[list[RoleSpec]]:
     learner_env = {}
     if cfg.run.learner_cuda_devices is not None:
         learner_env["CUDA_VISIBLE_DEVICES"] = cfg.run.learner_cuda_devices
+    rank_envs: list[dict[str, str]] = []
+    if where is not None:  # one process per rank, as torchrun would set them up
+        master, master_port = where.learner_master
+        n = cfg.run.learner_procs
+        rank_envs = [
+            {
+                "MASTER_ADDR": master,
+                "MASTER_PORT": str(master_port),
+                "RANK": str(r),
+                "WORLD_SIZE": str(n),
+                # Each rank's bundle makes its one GPU the only visible one: device 0.
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+            }
+            for r in range(n)
+        ]
     last.append(
         RoleSpec(
             name="learner",
             argv=learner_argv,
             env=learner_env,
+            rank_envs=rank_envs,
             ready=ready_file_exists,
             ready_what="ready file",
             on_exit_0="ends_run",

@@ -1,0 +1,463 @@
+"""`run.launcher = "ray"`: the real pipeline on a simulated three-node Ray cluster.
+
+One `ray.cluster_utils.Cluster` for the module: a head (CPU roles), an "engine" node and a
+"learner" node, each its own raylet with fake GPUs and a custom resource that the placement rules
+name. Ray stays on loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0); the two worker nodes have the
+addresses 127.0.0.2 and 127.0.0.3, so an address a role got from its own node is told apart from
+the head's 127.0.0.1. Without Ray installed, only the tests that need no cluster run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from slime_async.config import load_config
+from slime_async.launch.ray.placement import (
+    HEAD_RESOURCE,
+    PlacementError,
+    bundle_of,
+    check_fits,
+    slots_of,
+)
+from slime_async.launch.run_dir import RunDir
+from slime_async.launch.table import RoleAddresses, plan_roles
+from slime_async.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+NAMESPACE = "slime_async_test"
+ENGINE_IP, LEARNER_IP = "127.0.0.2", "127.0.0.3"
+GROUPS_PER_STEP, GROUP_SIZE, MAX_STALENESS = 2, 4, 1
+
+
+# ----- no cluster needed ---------------------------------------------------------------------
+
+
+def _slots_cfg(*overrides: str):
+    return load_config([], ['run.launcher="ray"', *overrides])
+
+
+def test_placement_check_names_missing_resources():
+    cfg = _slots_cfg(
+        "engine.num_engines=3", 'run.ray.engine_nodes="engine"', 'run.ray.learner_nodes="gpu8"'
+    )
+    slots = slots_of(cfg)
+    assert [s.name for s in slots] == [
+        "buffer", "engine0", "engine1", "engine2", "router", "generator0", "learner.rank0",
+    ]  # fmt: skip
+    bundles = [bundle_of(s, cfg.run.ray) for s in slots]
+    assert bundles[1] == {"CPU": 1.0, "GPU": 1.0, "engine": 0.001}
+    assert bundles[0] == {"CPU": 1.0, HEAD_RESOURCE: 0.001}  # CPU roles on the head
+    head = {"Alive": True, "Resources": {"CPU": 8.0, HEAD_RESOURCE: 1.0}}
+    engine = {"Alive": True, "Resources": {"CPU": 4.0, "GPU": 2.0, "engine": 4.0}}
+    with pytest.raises(PlacementError) as e:
+        check_fits(slots, bundles, [head, engine])
+    msg = str(e.value)
+    assert "engine roles (engine0, engine1, engine2) need GPU 3" in msg
+    assert "missing GPU 1" in msg
+    assert "nodes with resource 'gpu8': there is none" in msg
+    learner = {"Alive": True, "Resources": {"CPU": 8.0, "GPU": 8.0, "gpu8": 1.0}}
+    big_engine = {"Alive": True, "Resources": {"CPU": 4.0, "GPU": 4.0, "engine": 4.0}}
+    check_fits(slots, bundles, [head, big_engine, learner])  # fits
+    with pytest.raises(PlacementError, match="missing GPU 4"):  # other work holds the GPUs
+        check_fits(slots, bundles, [head, big_engine, learner], {"CPU": 20.0, "GPU": 0.0})
+
+
+def test_table_takes_each_roles_node_address(tmp_path):
+    cfg = load_config(
+        [],
+        [
+            'run.launcher="ray"',
+            "engine.num_engines=2",
+            "run.learner_procs=2",
+            'run.ray.engine_command=["{python}", "-m", "sglang.launch_server", "--host", '
+            '"{host}", "--port", "{port}", "--tp-size", "{gpus}", "--model-path", "{model_path}"]',
+            'learner.model_path="/models/m"',
+        ],
+    )
+    run_dir = RunDir.create(tmp_path, "t", tmp_path / "run")
+    cfg.run.run_dir = str(run_dir.path)
+    cfg.write_json(run_dir.config_json)
+    where = RoleAddresses(
+        buffer_host="10.0.0.1",
+        buffer_ports=(5555, 5556),
+        engines=[("10.0.0.2", 30000), ("10.0.0.3", 30001)],
+        router=("10.0.0.1", 29000, 29001),
+        learner_master=("10.0.0.4", 29500),
+    )
+    roles = {s.name: s for stage in plan_roles(cfg, run_dir, where) for s in stage}
+    assert roles["engine1"].argv(False)[1:] == [
+        "-m", "sglang.launch_server", "--host", "10.0.0.3", "--port", "30001", "--tp-size", "1",
+        "--model-path", "/models/m",
+    ]  # fmt: skip
+    router = roles["router"].argv(False)
+    assert router[router.index("--host") + 1] == "10.0.0.1"
+    assert router[router.index("--worker-urls") + 1 : router.index("--policy")] == [
+        "http://10.0.0.2:30000",
+        "http://10.0.0.3:30001",
+    ]
+    learner = roles["learner"]
+    argv = learner.argv(False)
+    assert "torch.distributed.run" not in argv  # one process per rank, no torchrun
+    args = dict(a.split("=", 1) for a in argv if "=" in a)
+    assert json.loads(args["learner.weight_master_addr"]) == "10.0.0.4"
+    assert json.loads(args["buffer.consumer_endpoint"]) == "tcp://10.0.0.1:5556"
+    assert json.loads(args["engine.urls"]) == ["http://10.0.0.2:30000", "http://10.0.0.3:30001"]
+    assert [e["RANK"] for e in learner.rank_envs] == ["0", "1"]
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["WORLD_SIZE"]) for e in learner.rank_envs} == {
+        ("10.0.0.4", "29500", "2")
+    }
+    gen = dict(a.split("=", 1) for a in roles["generator0"].argv(False) if "=" in a)
+    assert json.loads(gen["engine.router_url"]) == "http://10.0.0.1:29000"
+
+
+def test_launcher_keys_checked_and_ray_stays_optional(tmp_path):
+    from slime_async.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"run\.ray\.engine_nodes set but run\.launcher = 'local'"
+    ):
+        load_config([], ['run.ray.engine_nodes="engine"'])
+    with pytest.raises(
+        ConfigError, match=r"run\.engine_cuda_devices set but run\.launcher = 'ray'"
+    ):
+        load_config([], ['run.launcher="ray"', 'run.engine_cuda_devices=["0"]'])
+    cfg, runs = tmp_path / "empty.toml", tmp_path / "runs"
+    cfg.write_text("")
+    # Importing the package and the local launcher never imports ray; without ray installed a
+    # Ray run stops at start-up naming the extra (ray hidden from this interpreter).
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import slime_async, slime_async.cli, slime_async.commands.run\n"
+        "import slime_async.launch.table, slime_async.launch.supervisor\n"
+        "import slime_async.launch.ray.launcher\n"
+        "assert sys.modules['ray'] is None\n"
+        "from slime_async.cli import main\n"
+        f"sys.exit(main(['run', '{cfg}', 'run.launcher=\"ray\"', 'run.runs_dir=\"{runs}\"']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'slime_async[ray]'" in proc.stderr
+    assert not runs.exists()  # refused before a run directory was made
+
+
+def test_gather_copies_a_nodes_files_into_the_heads_run_dir(tmp_path):
+    """A node without the head's file system: the actor's copy of the run directory is read
+    back by offsets and written into the head's (here two directories stand for two nodes)."""
+    from slime_async.launch.ray.actor import MARKER, RoleProcess, write_gathered
+
+    head, node = tmp_path / "head", tmp_path / "node"
+    (head / "logs").mkdir(parents=True)
+    (head / MARKER).write_text("token\n")
+    proc = RoleProcess("buffer", str(node), "token", '{"run": {}}', sys.executable)
+    assert not proc.shared and (node / "config.json").read_text() == '{"run": {}}'
+    script = (
+        "import pathlib, sys; p = pathlib.Path(sys.argv[1]);"
+        "(p / 'metrics/buffer.jsonl').write_text('{\"step\": 1}\\n');"
+        "(p / 'buffer_final.json').write_text('{}'); print('hello')"
+    )
+    proc.start(
+        [sys.executable, "-c", script, str(node)],
+        {},
+        "buffer",
+        ["metrics/buffer.jsonl", "ready/buffer", "buffer_final.json"],
+    )
+    deadline = time.monotonic() + 30
+    while proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    write_gathered(head, proc.gather())
+    assert (head / "logs" / "buffer.log").read_text() == "hello\n"
+    assert (head / "metrics" / "buffer.jsonl").read_text() == '{"step": 1}\n'
+    assert (head / "buffer_final.json").read_text() == "{}"
+    assert proc.gather() == {}  # nothing new
+    shared = RoleProcess("x", str(head), "token", "{}", sys.executable)
+    assert shared.shared and shared.gather() == {}
+
+
+# ----- on a simulated cluster ----------------------------------------------------------------
+
+
+def _start_cluster(cluster_cls):
+    """Head (CPU roles) + an engine node + a learner node. Ray waits 30 s at most for a raylet to
+    register (fixed in Ray); on a machine loaded far past its cores that can pass: one retry."""
+    for attempt in (1, 2):
+        c = cluster_cls()
+        try:
+            c.add_node(num_cpus=8, node_ip_address="127.0.0.1", include_dashboard=False)
+            nodes = {
+                "head": c.head_node.node_id,
+                "engine": c.add_node(
+                    num_cpus=4, num_gpus=2, node_ip_address=ENGINE_IP, resources={"engine": 4}
+                ).node_id,
+                "learner": c.add_node(
+                    num_cpus=4, num_gpus=2, node_ip_address=LEARNER_IP, resources={"learner": 4}
+                ).node_id,
+            }
+            c.wait_for_nodes()
+            return c, nodes
+        except Exception:
+            c.shutdown()
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    old = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.x (read at import)
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from examples.arithmetic.task import make_dataset
+    from slime_async.testing.models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("ray")
+    c, nodes = _start_cluster(Cluster)
+    try:
+        ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+        model = make_tiny_model(root / "model", "qwen3", seed=0)
+        data = make_dataset(root / "train.jsonl", 300, seed=0)
+        yield {"ray": ray, "address": c.address, "nodes": nodes, "root": root,
+               "model": model, "data": data}  # fmt: skip
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        if old is None:
+            os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+        else:
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = old
+
+
+def _config(cl: dict, name: str, steps: int, extra: str = "") -> Path:
+    root = cl["root"]
+    cfg = root / f"{name}.toml"
+    cfg.write_text(
+        f"""
+[run]
+name = "{name}"
+run_dir = "{root / name}"
+wandb = "disabled"
+progress = "plain"
+ready_timeout_s = 240
+stop_grace_s = 10
+launcher = "ray"
+
+[run.ray]
+address = "{cl["address"]}"
+namespace = "{NAMESPACE}"
+engine_nodes = "engine"
+learner_nodes = "learner"
+cpu_nodes = "head"
+cpus_per_role = 0.5
+sync_interval_s = 0.5
+{extra}
+
+[buffer]
+producer_endpoint = "tcp://127.0.0.1:0"
+consumer_endpoint = "tcp://127.0.0.1:0"
+max_staleness = {MAX_STALENESS}
+wal_dir = "wal"
+
+[engine]
+port = 0
+device = "cpu"
+torch_threads = 1
+max_running_requests = 16
+strict_sglang = true
+
+[generator]
+dataset = "{cl["data"]}"
+rollout = "single_turn"
+reward = "tests.test_e2e:char_sum_reward"
+group_size = {GROUP_SIZE}
+max_inflight = 16
+
+[generator.sampling]
+temperature = 1.0
+max_new_tokens = 12
+
+[learner]
+model_path = "{cl["model"]}"
+lr = 1e-4
+groups_per_step = {GROUPS_PER_STEP}
+num_steps = {steps}
+save_interval = 2
+push_interval = 1
+micro_batch_tokens = 2048
+"""
+    )
+    return cfg
+
+
+def _start(cfg: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "slime_async", "run", str(cfg), *overrides],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"run did not finish in {timeout}s:\n{out[-4000:]}") from None
+    return out
+
+
+def _wait_for(pred, timeout: float, what: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert proc.poll() is None, f"the run ended while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.1)  # polling the run's files: the readiness signal here
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics" / "learner.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _nothing_left(cl: dict, run_dir: Path) -> None:
+    """No actor or placement group of the run alive in the cluster, no process of it anywhere."""
+    from ray._private import state
+
+    prefix = run_dir.name + "/"
+    deadline = time.monotonic() + 30
+    while True:
+        actors = [a["Name"] for a in state.actors().values()
+                  if a["Name"].startswith(prefix) and a["State"] != "DEAD"]  # fmt: skip
+        groups = [g for g in cl["ray"].util.placement_group_table().values()
+                  if g["name"] == run_dir.name and g["state"] != "REMOVED"]  # fmt: skip
+        procs = []
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if str(run_dir / "config.json") in cmd:
+                procs.append(f"{p.pid}: {cmd[:120]}")
+        if not (actors or groups or procs):
+            return
+        assert time.monotonic() < deadline, f"left behind: {actors} {groups} {procs}"
+        time.sleep(0.2)
+
+
+def _accounting(run_dir: Path, steps: int) -> list[dict]:
+    learner = read_metrics(run_dir / "metrics" / "learner.jsonl")
+    assert learner[-1]["step"] == steps
+    final = json.loads((run_dir / "buffer_final.json").read_text())
+    assert final["counts"]["committed_trajectories"] == steps * GROUPS_PER_STEP * GROUP_SIZE
+    dropped = sum(final["dropped_trajectories"].values())
+    acknowledged = final["counts"]["trajectories_in"]
+    assert (
+        acknowledged
+        == final["counts"]["committed_trajectories"] + dropped + final["trajectories_held"]
+    ), final
+    return learner
+
+
+@pytest.mark.timeout(900)  # the first test to run also starts the cluster (fixture)
+def test_job_on_three_nodes_places_trains_and_loses_nothing(cluster):
+    steps = 3
+    run_dir = cluster["root"] / "three-nodes"
+    out = _finish(_start(_config(cluster, "three-nodes", steps), "run.learner_procs=2"))
+    assert "run completed (exit 0)" in out, out[-4000:]
+
+    # Each process on the node its rule names; the addresses are those nodes' own.
+    placed = json.loads((run_dir / "placement.json").read_text())
+    nodes = cluster["nodes"]
+    for name in ("buffer", "generator0"):
+        assert placed[name]["node_id"] == nodes["head"] and placed[name]["ip"] == "127.0.0.1"
+    assert placed["engine0"]["node_id"] == nodes["engine"]
+    assert placed["engine0"]["ip"] == ENGINE_IP
+    for rank in (0, 1):
+        assert placed[f"learner.rank{rank}"]["node_id"] == nodes["learner"]
+    # One fake GPU per bundle, a different one for each learner rank.
+    cuda = {placed[f"learner.rank{r}"]["cuda_visible_devices"] for r in (0, 1)}
+    assert len(cuda) == 2 and None not in cuda
+    sup = (run_dir / "logs" / "supervisor.log").read_text()
+    argv_line = next(line for line in sup.splitlines() if "argv learner:" in line)
+    assert f'learner.weight_master_addr="{LEARNER_IP}"' in argv_line
+    assert f"http://{ENGINE_IP}:" in argv_line
+    assert "engine0 is ready (GET http://127.0.0.2:" in sup
+    # Both ranks ran the learner (rank 1 logs to learner.rank1.log), under gloo over 127.0.0.3.
+    assert (run_dir / "logs" / "learner.rank1.log").is_file()
+
+    learner = _accounting(run_dir, steps)
+    assert all(r["push/seconds"] > 0 for r in learner if not r["learner/batch_skipped"])
+    assert learner[-1]["version"] >= steps - 1
+    assert all(r["staleness/max"] <= MAX_STALENESS for r in learner)
+    gen = read_metrics(run_dir / "metrics" / "generator0.jsonl")
+    assert max(r["step"] for r in gen) >= steps - 1
+    _nothing_left(cluster, run_dir)
+
+
+@pytest.mark.timeout(900)
+def test_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(cluster):
+    ray = cluster["ray"]
+    steps = 4
+    run_dir = cluster["root"] / "kill-engine"
+    proc = _start(_config(cluster, "kill-engine", steps))
+    try:
+        _wait_for(lambda: _steps_done(run_dir) >= 1, 240, "step 1", proc)
+        actor = ray.get_actor("kill-engine/engine0", namespace=NAMESPACE)
+        ray.kill(actor, no_restart=True)
+        out = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "run completed (exit 0)" in out, out[-4000:]
+    sup = (run_dir / "logs" / "supervisor.log").read_text()
+    assert "engine0 (pid" in sup and "was killed by SIGKILL" in sup, sup[-3000:]
+    assert "restarting engine0" in sup
+    assert sup.count("engine0 is ready") == 2
+    _accounting(run_dir, steps)
+    _nothing_left(cluster, run_dir)
+
+
+@pytest.mark.timeout(900)
+def test_sigint_to_the_driver_leaves_nothing_on_any_node(cluster):
+    run_dir = cluster["root"] / "sigint"
+    proc = _start(_config(cluster, "sigint", 50))
+    sup = run_dir / "logs" / "supervisor.log"
+
+    def all_started() -> bool:  # every role's process runs on its node (the learner last)
+        return sup.is_file() and "started learner" in sup.read_text()
+
+    try:
+        _wait_for(all_started, 240, "the learner to be started", proc)
+        os.kill(proc.pid, signal.SIGINT)
+        out = _finish(proc, timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out[-4000:]
+    assert "received SIGINT; stopping every role" in out
+    _nothing_left(cluster, run_dir)
+
+
+@pytest.mark.timeout(900)
+def test_unsatisfiable_placement_fails_at_once(cluster):
+    cfg = _config(cluster, "too-big", 2)
+    t0 = time.monotonic()
+    proc = _start(cfg, "engine.num_engines=3", 'run.ray.learner_nodes="gpu80"')
+    out = _finish(proc, timeout=120)
+    assert proc.returncode == 2, out[-3000:]
+    assert "engine roles (engine0, engine1, engine2) need GPU 3 on nodes with resource " in out
+    assert "'engine', which have GPU 2 in all: missing GPU 1" in out
+    assert "need nodes with resource 'gpu80': there is none" in out
+    assert time.monotonic() - t0 < 90  # no wait for resources that will never come
+    _nothing_left(cluster, cluster["root"] / "too-big")
