@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "plot": "slime_async.commands.plot",
     "convert": "slime_async.commands.convert",
     "inspect": "slime_async.commands.inspect",
+    "sweep": "slime_async.commands.sweep",
 }
 
 

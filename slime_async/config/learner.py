@@ -59,3 +59,7 @@ class LearnerConfig(Section):
     """Address of the weight-update group's TCP store, hosted by learner rank 0, that every engine
     dials (SGLang's master_address). None: this node's routable address (never loopback unless
     nothing else exists); `slime-async run` with engines on loopback sets 127.0.0.1."""
+    eval_interval: int = Field(0, ge=0)
+    """Evaluate the policy every this many versions on `eval.data` (pinned: every token of every
+    evaluation answer comes from that one version; the learner holds its next push until the
+    evaluation is done). Version 0 (the start) and the last version are evaluated too. 0: off."""
