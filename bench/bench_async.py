@@ -2,12 +2,19 @@
 
     python bench/bench_async.py                       # configs/quickstart.toml, 40 steps each
     python bench/bench_async.py --steps 20 configs/quickstart.toml learner.lr=1e-4
+    python bench/bench_async.py --steps 80 --eval-interval 10 --metric eval/accuracy_sampled
 
 Runs `slime-async run` twice, one after the other in this command: `run.mode = "sync"` (generate a
 batch, train, push, repeat: the on-policy baseline) and `run.mode = "async"` (generation never
 waits for training, bounded by `buffer.max_staleness`). Prints wall-clock time of the training
 span (learner ready -> last step), the speedup, generator idle % (no rollout in flight), learner
 idle % (waiting for a batch), tokens/s and the reward (mean of the first and of the last 10 steps).
+
+Equal work, not time per step (issue 15): both runs evaluate the policy every `--eval-interval`
+versions on the held-out set (pinned evaluation, `learner.eval_interval`), and the comparison is
+(a) the wall-clock each needs to first reach sync's final evaluation accuracy (the "time to
+accuracy" ratio, AReaL's 2.77x), and (b) trained tokens per second (the async run may train
+shorter responses than the sync one in the same number of steps). Both are printed as ratios.
 
 On the 2-core CPU machine each role runs with one torch thread, so the engine and the learner
 each own a core, as engines and trainers own their GPUs in a disaggregated cluster: a synchronous
@@ -29,7 +36,9 @@ from slime_async.metrics import names as m
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_mode(mode: str, configs: list[str], overrides: list[str], steps: int, out: Path) -> dict:
+def run_mode(
+    mode: str, configs: list[str], overrides: list[str], steps: int, out: Path, metric: str
+) -> dict:
     run_dir = out / mode
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = [
@@ -43,7 +52,7 @@ def run_mode(mode: str, configs: list[str], overrides: list[str], steps: int, ou
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"{mode} run failed with exit code {proc.returncode}")
     total = time.time() - t0
-    return summarize(run_dir, total)
+    return summarize(run_dir, total, metric)
 
 
 def _records(path: Path) -> list[dict]:
@@ -52,7 +61,7 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarize(run_dir: Path, total_s: float) -> dict:
+def summarize(run_dir: Path, total_s: float, metric: str = m.EVAL_ACC_SAMPLED) -> dict:
     learner = _records(run_dir / "metrics" / "learner.jsonl")
     gens = [_records(p) for p in sorted((run_dir / "metrics").glob("generator*.jsonl"))]
     ready = (run_dir / "ready" / "learner").stat().st_mtime
@@ -62,7 +71,10 @@ def summarize(run_dir: Path, total_s: float) -> dict:
     # Generator records inside the training span (after the learner's end they are all idle).
     gen_span = [r for g in gens for r in g if ready <= r["time"] <= end]
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    evals = [r for r in _records(run_dir / "metrics" / "eval.jsonl") if metric in r]
     return {
+        # (version, seconds since the learner was ready, accuracy) of each pinned evaluation
+        "eval_curve": [(r["step"], r["time"] - ready, r[metric]) for r in evals],
         "steps": len(learner),
         "wall_s": span,
         "total_s": total_s,
@@ -82,14 +94,19 @@ def main() -> int:
     ap.add_argument("config", nargs="*", default=[], help="TOML files and key=value overrides")
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per mode")
     ap.add_argument("--out", default="runs/bench_async", help="where the two runs go")
+    ap.add_argument(
+        "--eval-interval", type=int, default=10, help="pinned evaluation every N versions"
+    )
+    ap.add_argument("--metric", default=m.EVAL_ACC_SAMPLED, help="evaluation metric compared")
     args = ap.parse_args()
     configs = [c for c in args.config if "=" not in c] or ["configs/quickstart.toml"]
     overrides = [c for c in args.config if "=" in c]
+    overrides.append(f"learner.eval_interval={args.eval_interval}")
     out = (REPO / args.out).resolve()
     results = {}
     for mode in ("sync", "async"):
         print(f"running {mode} ({args.steps} steps) ...", flush=True)
-        results[mode] = run_mode(mode, configs, overrides, args.steps, out)
+        results[mode] = run_mode(mode, configs, overrides, args.steps, out, args.metric)
     s, a = results["sync"], results["async"]
     rows = [
         ("wall-clock s (learner ready -> last step)", "wall_s", "{:.1f}"),
@@ -114,8 +131,36 @@ def main() -> int:
             vals = [r[key] for r in (s, a)]
         print(f"{label:44s} {fmt.format(vals[0]):>12s} {fmt.format(vals[1]):>12s}")
     print(f"\nspeedup (sync wall / async wall): {s['wall_s'] / a['wall_s']:.2f}x")
+    tok_s = [r["train_tokens"] / r["wall_s"] for r in (s, a)]
+    print(f"trained tokens/s, async / sync: {tok_s[1] / tok_s[0]:.2f}x "
+          f"({tok_s[1]:.0f} / {tok_s[0]:.0f})")  # fmt: skip
+    results["time_to_accuracy"] = tta = time_to_accuracy(s, a)
+    for line in tta["lines"]:
+        print(line)
     (out / "summary.json").write_text(json.dumps(results, indent=2))
     return 0
+
+
+def _first_reach(curve: list, target: float) -> float | None:
+    return next((t for _v, t, acc in curve if acc >= target), None)
+
+
+def time_to_accuracy(s: dict, a: dict) -> dict:
+    """Seconds (since the learner was ready) until each run first reaches sync's final
+    evaluation accuracy, and their ratio."""
+    if not s["eval_curve"] or not a["eval_curve"]:
+        return {"lines": ["time to accuracy: no evaluation records (learner.eval_interval)"]}
+    target = s["eval_curve"][-1][2]
+    ts, ta = _first_reach(s["eval_curve"], target), _first_reach(a["eval_curve"], target)
+    curves = [", ".join(f"v{v} {100 * acc:.1f}% @{t:.0f}s" for v, t, acc in r["eval_curve"])
+              for r in (s, a)]  # fmt: skip
+    lines = [f"evaluation, sync:  {curves[0]}", f"evaluation, async: {curves[1]}"]
+    if ta is None:
+        lines.append(f"async never reached sync's final accuracy {100 * target:.1f}%")
+    else:
+        lines.append(f"time to sync's final accuracy {100 * target:.1f}%: sync {ts:.0f} s, async "
+                     f"{ta:.0f} s: {ts / max(ta, 1e-9):.2f}x")  # fmt: skip
+    return {"target": target, "sync_s": ts, "async_s": ta, "lines": lines}
 
 
 if __name__ == "__main__":

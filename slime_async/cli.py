@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "convert": "slime_async.commands.convert",
     "inspect": "slime_async.commands.inspect",
     "slurm": "slime_async.commands.slurm",
+    "sweep": "slime_async.commands.sweep",
 }
 
 

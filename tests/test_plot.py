@@ -74,3 +74,58 @@ def test_plot_without_metrics_is_a_clear_error(tmp_path):
     )
     assert out.returncode == 2
     assert "no metrics records" in out.stderr and str(tmp_path) in out.stderr
+
+
+def _write_lag_run(run_dir, lag, steps=6):
+    """A learner at a fixed lag with per-lag importance weights, and pinned evaluations."""
+    with MetricsLogger(run_dir, "learner", wandb_mode="disabled") as learner:
+        for step in range(1, steps + 1):
+            learner.log(
+                step,
+                {
+                    m.STALENESS_HIST: m.int_histogram([lag] * 8),
+                    f"{m.IW_MEAN}/lag_{lag}": 1.0 + 0.01 * lag,
+                    f"{m.IW_ESS}/lag_{lag}": 1.0 - 0.02 * lag,
+                    m.STEP_SECONDS: 1.0,
+                },
+            )
+    with MetricsLogger(run_dir, "eval", wandb_mode="disabled") as ev:
+        for v in range(0, steps + 1, 3):
+            ev.log(v, {m.EVAL_ACC_GREEDY: 0.5 + 0.05 * v, m.EVAL_ACC_SAMPLED: 0.3 + 0.05 * v})
+
+
+def test_plot_overlays_several_runs(tmp_path):
+    runs = [tmp_path / "lag0", tmp_path / "lag4"]
+    for rd, lag in zip(runs, (0, 4), strict=True):
+        _write_lag_run(rd, lag)
+    out = tmp_path / "overlay"
+    proc = subprocess.run(
+        [sys.executable, "-m", "slime_async", "plot", *map(str, runs), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(p.name for p in out.glob("*.png"))
+    assert names == ["eval_accuracy.png", "iw_by_lag.png", "staleness_hist.png"]
+    for name in names:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    # One run alone still gets its own figures, now with the evaluation in reward.png.
+    from slime_async.commands.plot import plot_run
+
+    assert [p.name for p in plot_run(runs[0], tmp_path / "one")] == ["reward.png", "staleness.png"]
+
+
+def test_plot_of_a_sweep_directory_takes_its_finished_runs(tmp_path):
+    from slime_async.commands.plot import find_runs
+
+    (tmp_path / "sweep.json").write_text("{}")
+    for point in ("fixed_lag-0", "fixed_lag-4"):
+        _write_lag_run(tmp_path / point / "seed0", int(point[-1]))
+        (tmp_path / point / "seed0" / "SWEEP_DONE").write_text("{}")
+    _write_lag_run(tmp_path / "fixed_lag-8" / "seed0", 8)  # unfinished: left out
+    assert [label for label, _ in find_runs([tmp_path])] == ["fixed_lag-0", "fixed_lag-4"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "slime_async", "plot", str(tmp_path)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(list((tmp_path / "plots").glob("*.png"))) == 3

@@ -46,6 +46,8 @@ DATASET = CACHE / "arithmetic" / "train.jsonl"
 """The quickstart's training prompts, written by `prepare` when missing."""
 MODEL = CACHE / "arithmetic-base"
 """The quickstart's warmed-up base model, built by `prepare` when missing."""
+EVAL = CACHE / "arithmetic" / "eval.jsonl"
+"""The quickstart's held-out problems (eval.data; another seed than the training prompts)."""
 SLIP_PROB = 0.3
 
 
@@ -120,12 +122,15 @@ def prepare(cfg: SlimeConfig) -> None:
 
     if not DATASET.exists():
         make_dataset(DATASET, 4000, seed=0, difficulty=quickstart_difficulty())
+    if not EVAL.exists():
+        make_dataset(EVAL, 200, seed=1, difficulty=quickstart_difficulty())
     if not (MODEL / DONE).exists():
         print(f"building the quickstart's base model in {MODEL} (cached for later runs)")
         build_base_model(MODEL)
     named = (
         ("generator.dataset", cfg.generator.dataset, DATASET),
         ("learner.model_path", cfg.learner.model_path, MODEL),
+        ("eval.data", cfg.eval.data, EVAL),
     )
     for key, value, own in named:
         if value and Path(value).resolve() != own and not Path(value).exists():

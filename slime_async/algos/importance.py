@@ -47,6 +47,8 @@ class ISWeights:
     """[B, T] detached importance weight; 0 where dropped or outside the mask."""
     dropped: torch.Tensor
     """[B, T] bool: tokens of the mask zeroed by the mask mode or the veto."""
+    truncated: torch.Tensor | None = None
+    """[B, T] bool: tokens of the mask whose weight the truncate mode clamped (None: other modes)."""
 
 
 def importance_weights(
@@ -82,7 +84,9 @@ def importance_weights(
     log_low = math.log(low) if low > 0 else -math.inf
     log_high = math.log(high) if high is not None else math.inf
     dropped = torch.zeros_like(mask)
+    truncated = None
     if mode == "truncate":
+        truncated = ((log_w < log_low) | (log_w > log_high)) & mask
         log_w = log_w.clamp(log_low, log_high)
     elif mode == "mask":
         dropped = (log_w < log_low) | (log_w > log_high)
@@ -92,7 +96,7 @@ def importance_weights(
         dropped = dropped | ((lr < math.log(veto)) & mask).any(-1, keepdim=True)
     dropped = dropped & mask
     weight = torch.where(dropped | ~mask, torch.zeros_like(log_w), torch.exp(log_w))
-    return ISWeights(weight=weight, dropped=dropped)
+    return ISWeights(weight=weight, dropped=dropped, truncated=truncated)
 
 
 def behavior_weights(
@@ -120,5 +124,7 @@ def behavior_weights(
     )
     stats.weight("is_weight", w.weight)
     stats.mean("is_dropped_frac", w.dropped)
+    if w.truncated is not None:
+        stats.mean("is_truncated_frac", w.truncated)
     stats.mean("behav_kl", torch.exp(log_ratio) - 1 - log_ratio)
     return w.weight

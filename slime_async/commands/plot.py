@@ -1,11 +1,19 @@
-"""`slime-async plot RUN_DIR`: PNG figures from a run's metrics JSONL files.
+"""`slime-async plot RUN_OR_SWEEP...`: PNG figures from runs' metrics JSONL files.
 
-Writes into RUN_DIR/plots (or --out):
-  reward.png      reward (and accuracy) against step and against wall time
+One run directory: writes into RUN_DIR/plots (or --out):
+  reward.png      reward, training accuracy and pinned evaluation accuracy against step and time
   staleness.png   staleness histogram over the whole run, and mean/max staleness against step
   throughput.png  generation and training tokens/s over wall time; generator idle %, learner wait %
   training.png    loss, grad norm, response length, importance weights, clip fraction, push time
 A figure whose metrics the run never logged is skipped with a note.
+
+Several runs, or a sweep directory (`slime-async sweep`; its finished runs, labelled by grid
+point): overlays them, into SWEEP_DIR/plots (or the first directory's, or --out):
+  eval_accuracy.png    evaluation accuracy (eval/accuracy_greedy, or --metric) against the
+                       evaluated version (= learner step) and against wall-clock since the
+                       learner was ready; one colour per point, one line per seed
+  staleness_hist.png   the lag of every trained trajectory, per point (share of trajectories)
+  iw_by_lag.png        importance weight pi_prox/mu (mean, and its ESS) by lag, per point
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from typing import Any
 
 from slime_async import metrics as m
 
-HELP = "draw PNGs (reward, staleness, throughput, training) from a run directory's metrics"
+HELP = "draw PNGs from a run's metrics, or overlay several runs or a sweep's"
 
 # training.png: one panel per entry, each with the keys of that entry the run logged.
 TRAINING_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -31,8 +39,18 @@ TRAINING_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics/*.jsonl)")
-    p.add_argument("--out", metavar="DIR", help="where to write the PNGs (default RUN_DIR/plots)")
+    p.add_argument(
+        "run_dir",
+        nargs="+",
+        metavar="RUN_OR_SWEEP",
+        help="run directories (hold metrics/*.jsonl) or sweep directories (hold sweep.json)",
+    )
+    p.add_argument("--out", metavar="DIR", help="where to write the PNGs (default <first>/plots)")
+    p.add_argument(
+        "--metric",
+        default=m.EVAL_ACC_GREEDY,
+        help=f"evaluation metric of the overlay (default {m.EVAL_ACC_GREEDY})",
+    )
 
 
 def _series(records: list[dict[str, Any]], key: str, t0: float) -> tuple[list, list, list]:
@@ -76,6 +94,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 
     # reward ------------------------------------------------------------------------------------
     curves = [(k, _series(learner, k, t0)) for k in (m.REWARD, m.ACCURACY)]
+    evals = by_role.get("eval", [])
+    curves += [(k, _series(evals, k, t0)) for k in (m.EVAL_ACC_GREEDY, m.EVAL_ACC_SAMPLED)]
     curves = [(k, s) for k, s in curves if s[0]]
     if curves:
         fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
@@ -177,10 +197,149 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 
 def main(args: argparse.Namespace) -> int:
     try:
-        written = plot_run(args.run_dir, args.out)
+        dirs = [Path(d) for d in args.run_dir]
+        if len(dirs) == 1 and not (dirs[0] / "sweep.json").exists():
+            written = plot_run(dirs[0], args.out)
+        else:
+            out = Path(args.out) if args.out else dirs[0] / "plots"
+            written = plot_runs(find_runs(dirs), out, args.metric)
     except FileNotFoundError as e:
         print(f"slime-async plot: error: {e}", file=sys.stderr)
         return 2
     for path in written:
         print(path)
     return 0
+
+
+# ----------------------------------------------------------------------------- several runs
+def find_runs(dirs: list[Path]) -> list[tuple[str, Path]]:
+    """(label, run directory) of each run dir, and of each finished run of each sweep dir."""
+    from slime_async.launch.sweep import DONE
+
+    runs: list[tuple[str, Path]] = []
+    for d in dirs:
+        if (d / "sweep.json").exists():
+            found = sorted(p.parent for p in d.glob(f"*/*/{DONE}"))
+            if not found:
+                raise FileNotFoundError(f"{d}: a sweep directory without finished runs")
+            runs += [(p.parent.name, p) for p in found]
+        elif (d / "metrics").is_dir():
+            runs.append((d.name, d))
+        else:
+            raise FileNotFoundError(
+                f"{d}: neither a run directory (metrics/) nor a sweep (sweep.json)"
+            )
+    return runs
+
+
+def _learner_t0(run_dir: Path, learner: list[dict[str, Any]]) -> float:
+    ready = run_dir / "ready" / "learner"
+    if ready.exists():
+        return ready.stat().st_mtime
+    return learner[0]["time"] - float(learner[0].get(m.STEP_SECONDS, 0.0)) if learner else 0.0
+
+
+def plot_runs(runs: list[tuple[str, Path]], out_dir: str | Path, metric: str) -> list[Path]:
+    """Overlay `runs` (label, run dir): evaluation accuracy, staleness, weights by lag."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = list(dict.fromkeys(label for label, _ in runs))
+    colour = {lab: plt.get_cmap("tab10")(i % 10) for i, lab in enumerate(labels)}
+    data = []
+    for label, rd in runs:
+        by_role = load_run_metrics(rd)
+        learner = by_role.get("learner", [])
+        data.append((label, rd, learner, by_role.get("eval", []), _learner_t0(rd, learner)))
+    if not any(learner for _, _, learner, _, _ in data):
+        raise FileNotFoundError(f"no learner metrics in {[str(rd) for _, rd in runs]}")
+    written: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=80)
+        plt.close(fig)
+        written.append(out / name)
+
+    # evaluation accuracy -------------------------------------------------------------------------
+    if any(any(metric in r for r in ev) for *_, ev, _ in data):
+        fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+        seen: set[str] = set()
+        for label, _rd, _learner, ev, t0 in data:
+            rows = [r for r in ev if isinstance(r.get(metric), (int, float))]
+            if not rows:
+                continue
+            kw = {"color": colour[label], "marker": ".", "alpha": 0.8}
+            if label not in seen:
+                kw["label"] = label
+                seen.add(label)
+            by_step.plot([r["step"] for r in rows], [100 * r[metric] for r in rows], **kw)
+            kw.pop("label", None)
+            by_time.plot([r["time"] - t0 for r in rows], [100 * r[metric] for r in rows], **kw)
+        by_step.set_xlabel("evaluated version (learner step)")
+        by_time.set_xlabel("wall-clock since the learner was ready (s)")
+        for ax in (by_step, by_time):
+            ax.set_ylabel(f"{metric} (%)")
+            ax.grid(alpha=0.3)
+        by_step.legend(fontsize=7)
+        save(fig, "eval_accuracy.png")
+    else:
+        print(f"plot: no '{metric}' records; eval_accuracy.png skipped", file=sys.stderr)
+
+    # staleness histograms per point -----------------------------------------------------------
+    hist: dict[str, dict[int, int]] = {}
+    for label, _rd, learner, _ev, _t0 in data:
+        hs = [r[m.STALENESS_HIST] for r in learner if isinstance(r.get(m.STALENESS_HIST), dict)]
+        total = m.merge_int_histograms([h for h in hs if "values" in h])
+        mine = hist.setdefault(label, {})
+        for v, c in zip(total["values"], total["counts"], strict=True):
+            mine[v] = mine.get(v, 0) + c
+    if any(hist.values()):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        width = 0.8 / max(len(hist), 1)
+        for i, (label, h) in enumerate(hist.items()):
+            n = sum(h.values()) or 1
+            xs = sorted(h)
+            ax.bar([x + i * width for x in xs], [h[x] / n for x in xs], width=width,
+                   color=colour[label], label=label)  # fmt: skip
+        ax.set_xlabel("staleness of trained trajectories (versions)")
+        ax.set_ylabel("share of trajectories")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        save(fig, "staleness_hist.png")
+    else:
+        print("plot: no staleness histograms; staleness_hist.png skipped", file=sys.stderr)
+
+    # importance weights by lag -----------------------------------------------------------------
+    by_lag: dict[str, dict[int, dict[str, list[float]]]] = {}
+    for label, _rd, learner, _ev, _t0 in data:
+        for r in learner:
+            for key, value in r.items():
+                for stat in (m.IW_MEAN, m.IW_ESS):
+                    prefix = f"{stat}/lag_"
+                    if key.startswith(prefix) and isinstance(value, (int, float)):
+                        lag = int(key[len(prefix) :])
+                        cell = by_lag.setdefault(label, {}).setdefault(lag, {})
+                        cell.setdefault(stat, []).append(float(value))
+    if by_lag:
+        fig, (w_ax, ess_ax) = plt.subplots(1, 2, figsize=(11, 4))
+        for label, lags in by_lag.items():
+            xs = sorted(lags)
+            for ax, stat in ((w_ax, m.IW_MEAN), (ess_ax, m.IW_ESS)):
+                pts = [(x, sum(v) / len(v)) for x in xs if (v := lags[x].get(stat))]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", color=colour[label], label=label)
+        w_ax.set_ylabel("importance weight pi_prox/mu, mean")
+        ess_ax.set_ylabel("normalised ESS")
+        for ax in (w_ax, ess_ax):
+            ax.set_xlabel("lag (versions)")
+            ax.grid(alpha=0.3)
+        w_ax.legend(fontsize=7)
+        save(fig, "iw_by_lag.png")
+    else:
+        print("plot: no per-lag importance weights; iw_by_lag.png skipped", file=sys.stderr)
+    return written

@@ -23,6 +23,7 @@ from slime_async.config.algo import AlgoConfig
 from slime_async.config.base import ConfigError, Section
 from slime_async.config.buffer import BufferConfig, CurveConfig
 from slime_async.config.engine import EngineConfig
+from slime_async.config.eval import EvalConfig
 from slime_async.config.generator import GeneratorConfig, SamplingConfig
 from slime_async.config.learner import LearnerConfig
 from slime_async.config.paths import (
@@ -41,6 +42,7 @@ __all__ = [
     "ConfigError",
     "CurveConfig",
     "EngineConfig",
+    "EvalConfig",
     "GeneratorConfig",
     "LearnerConfig",
     "RunConfig",
@@ -71,6 +73,8 @@ class SlimeConfig(Section):
     """The learner."""
     algo: AlgoConfig = AlgoConfig()
     """Advantages and the policy loss."""
+    eval: EvalConfig = EvalConfig()
+    """Pinned evaluation on a held-out set (learner.eval_interval)."""
 
     @model_validator(mode="after")
     def _derived(self) -> SlimeConfig:
@@ -136,12 +140,40 @@ def _check_across_sections(cfg: SlimeConfig) -> None:
             "are zero or undefined, so nothing would be trained; use advantage = 'reinforce' "
             "or 'reinforce_pp' for single samples"
         )
+    _check_staleness_research(cfg)
     trajectories = cfg.learner.groups_per_step * cfg.generator.group_size
     if cfg.algo.mini_batches > trajectories:
         raise ValueError(
             f"algo.mini_batches = {cfg.algo.mini_batches} exceeds the trajectories of one step "
             f"(learner.groups_per_step x generator.group_size = {trajectories}): some "
             "mini-batches would always be empty"
+        )
+
+
+def _check_staleness_research(cfg: SlimeConfig) -> None:
+    """Fixed lag and pinned evaluation (issue 15): refuse what could not deliver them."""
+    k = cfg.buffer.fixed_lag
+    if k is not None:
+        if cfg.learner.push_interval != 1:
+            raise ValueError(
+                f"buffer.fixed_lag = {k} needs learner.push_interval = 1 (got "
+                f"{cfg.learner.push_interval}): the lag counts pushed versions"
+            )
+        if cfg.buffer.max_staleness < k:
+            why = " (run.mode = 'sync' sets it to 0)" if cfg.run.mode == "sync" else ""
+            raise ValueError(
+                f"buffer.fixed_lag = {k} needs buffer.max_staleness >= {k} (got "
+                f"{cfg.buffer.max_staleness}{why}): every batch is trained {k} versions late"
+            )
+    if cfg.learner.eval_interval and not cfg.eval.data:
+        raise ValueError(
+            f"learner.eval_interval = {cfg.learner.eval_interval} needs eval.data (a held-out "
+            "JSONL file)"
+        )
+    if cfg.learner.eval_interval and not cfg.eval.greedy and not cfg.eval.samples:
+        raise ValueError(
+            "learner.eval_interval > 0 with eval.greedy = false and eval.samples = 0 evaluates "
+            "nothing"
         )
 
 

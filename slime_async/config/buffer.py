@@ -89,3 +89,16 @@ class BufferConfig(Section):
     peer_timeout_s: float = Field(30.0, gt=0)
     """ZeroMQ heartbeats: a client connection silent for this long is closed, so a vanished
     client's session (its producer or consumer id) is released."""
+    # ----- fixed lag (issue 15): clean staleness ablations
+    fixed_lag: int | None = Field(None, ge=0)
+    """Train every batch exactly this many versions after the policy that generated it (None:
+    off, the staleness bound alone). Admission grants groups_per_step groups per version (the
+    first version: (fixed_lag + 1) x groups_per_step, the batches of the first steps, whose lag
+    ramps 0, 1, ..., fixed_lag - 1 since no older policy exists), the buffer delivers at version
+    v only groups generated at v - fixed_lag, drops later ones ("fixed_lag_late") and groups whose
+    tokens span versions ("fixed_lag_spans_versions"), and the learner holds each push until the
+    groups of the version the engines serve have arrived, so no rollout crosses a weight update.
+    0 is synchronous on-policy RL. Needs learner.push_interval = 1 and max_staleness >= it."""
+    fixed_lag_timeout_s: float = Field(600.0, gt=0)
+    """With fixed_lag: longest the learner waits for the groups of the current version before
+    pushing the next one; past it the learner stops with an error naming the version."""

@@ -67,3 +67,7 @@ class LearnerConfig(Section):
     routing_replay: bool = False
     """MoE: the learner's forward takes the experts each token went through at generation
     (`Trajectory.routed_experts`, which the engines return) instead of routing again."""
+    eval_interval: int = Field(0, ge=0)
+    """Evaluate the policy every this many versions on `eval.data` (pinned: every token of every
+    evaluation answer comes from that one version; the learner holds its next push until the
+    evaluation is done). Version 0 (the start) and the last version are evaluated too. 0: off."""

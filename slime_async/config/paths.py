@@ -38,6 +38,7 @@ READ_PATHS = (
     ("learner", "model_path"),
     ("learner", "load"),
     ("run", "runs_dir"),
+    ("eval", "data"),
 )
 """Keys whose relative values resolve from the directory of the config file that sets them."""
 

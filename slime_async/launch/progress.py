@@ -4,6 +4,11 @@ On a TTY it is a `rich` progress bar redrawn in place; elsewhere (CI logs, `> fi
 one plain line per update, at most every `min_interval_s` seconds, and always the last step:
 
     step 12/100 (12%) | eta 3m05s | reward 0.531 | accuracy 0.400 | staleness 1.20 | gen 1.2k tok/s | train 3.4k tok/s
+
+With a pinned evaluation (learner.eval_interval) the last evaluated version and its greedy and
+sampled accuracy on the held-out set replace the training reward and accuracy:
+
+    step 60/250 (24%) | eta 1m31s | eval v 50 | greedy 0.890 | sampled 0.585 | staleness 1.69 | ...
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from slime_async import metrics as m
 
 # (record key, label, format) in display order.
 KEY_NUMBERS: tuple[tuple[str, str, str], ...] = (
+    (m.EVAL_VERSION, "eval v", "{:.0f}"),
+    (m.EVAL_ACC_GREEDY, "greedy", "{:.3f}"),
+    (m.EVAL_ACC_SAMPLED, "sampled", "{:.3f}"),
     (m.REWARD, "reward", "{:.3f}"),
     (m.ACCURACY, "accuracy", "{:.3f}"),
     (m.STALENESS_MEAN, "staleness", "{:.2f}"),
@@ -47,8 +55,12 @@ def _duration(s: float) -> str:
 def summary_text(numbers: Mapping[str, Any]) -> str:
     """`reward 0.531 | accuracy 0.400 | ...` for the key numbers present in `numbers`."""
     parts = []
+    # With a pinned evaluation (learner.eval_interval) its accuracies replace the training reward.
+    skip = (m.REWARD, m.ACCURACY) if m.EVAL_VERSION in numbers else ()
     for key, label, fmt in KEY_NUMBERS:
         v = numbers.get(key)
+        if key in skip:
+            continue
         if isinstance(v, (int, float)) and math.isfinite(v):
             parts.append(f"{label} {fmt.format(_si(v) if 'tok/s' in fmt else v)}")
     return " | ".join(parts)

@@ -164,3 +164,42 @@ MOE_REPLAY_TOKENS = "moe/replayed_tokens"
 MOE_REPLAY_MISSING = "moe/replay_missing_trajectories"
 """learner.routing_replay: trajectories of the step that carried no routed_experts (an engine
 that did not return them); they went through the learner's own routing."""
+
+# ----- staleness research (issue 15): fixed lag, pinned evaluation, sweeps ----------------------
+STALENESS_LEARNER_MIN = "staleness/learner_min"
+"""The learner's own version before the step minus the NEWEST model-token version of the batch:
+with staleness/learner_max, the range of lags actually trained (fixed lag k: both equal k)."""
+FIXED_LAG_WAIT_S = "fixed_lag/wait_s"
+"""buffer.fixed_lag: seconds the learner held its push until the groups of the version the
+engines serve had arrived (so no rollout crosses a weight update)."""
+BUFFER_DROPPED_ALL = "buffer/dropped_groups"
+"""Groups the buffer dropped so far, every reason (stale, fixed_lag_late, fixed_lag_spans_versions,
+incomplete_timeout, ...; buffer_final.json `dropped` has them by reason)."""
+IW_ESS = "is_weight_ess"
+"""Normalised effective sample size of the behaviour weights, (sum w)^2 / (n sum w^2), in (0, 1]."""
+IS_TRUNCATED_FRAC = "is_truncated_frac"
+"""Share of model tokens whose behaviour weight pi_prox/mu was cut at the bound (is_mode
+"truncate": clamped to is_low or is_high)."""
+EVAL_HOLD_S = "eval/hold_s"
+"""Seconds the learner held its push after this step until the pinned evaluation was done."""
+# metrics/eval.jsonl, written by generator 0, one record per evaluated version (`step` = version)
+EVAL_VERSION = "eval/version"
+"""The policy version every token of every evaluation answer came from."""
+EVAL_ACC_GREEDY = "eval/accuracy_greedy"
+"""Share of held-out records whose greedy answer (temperature 0) is correct."""
+EVAL_ACC_SAMPLED = "eval/accuracy_sampled"
+"""Share of sampled answers (eval.samples per record, eval.temperature) that are correct."""
+EVAL_PASS_AT_K = "eval/pass_at_k"
+"""Share of records with at least one correct sampled answer (k = eval.samples)."""
+EVAL_EXAMPLES = "eval/examples"
+"""Held-out records evaluated."""
+EVAL_RESPONSE_LEN = "eval/response_len"
+"""Mean answer length in tokens (greedy and sampled)."""
+EVAL_RERUNS = "eval/reruns"
+"""Answers generated again because they held a token of another version (total so far)."""
+EVAL_DISCARDED = "eval/discarded"
+"""Evaluations discarded (the engines served a newer version before they were done; so far)."""
+EVAL_SECONDS = "eval/seconds"
+"""Wall time of the evaluation."""
+EVAL_LEARNER_STEP = "eval/learner_step"
+"""The learner step whose weights were evaluated (version v = after step v without skips)."""

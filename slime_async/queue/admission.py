@@ -42,12 +42,16 @@ class Admission:
         self.groups_per_step = cfg.groups_per_step
         self._counts = counts  # the buffer's counters: "granted", "grants_expired"
         self._grants: dict[str, _Grants] = {}
+        self.fixed = FixedLag(cfg.fixed_lag) if cfg.fixed_lag is not None else None
+        """`buffer.fixed_lag`: grants per version, delivery of one version (None: off)."""
 
     # ---------------------------------------------------------------- staleness
     def set_version(self, version: int, groups_per_step: int) -> bool:
         """The learner announced a version; True when it is a new one."""
         new = version != self.version
         self.version, self.groups_per_step = version, groups_per_step
+        if self.fixed is not None:
+            self.fixed.on_version(version)
         return new
 
     def staleness(self, oldest: int) -> int:
@@ -79,9 +83,14 @@ class Admission:
         """How many of `want` new groups `producer` may start, `held` groups being in flight."""
         self.expire()
         self.heard_from(producer)
-        free = self.budget - held - self.outstanding
+        if self.fixed is not None:  # one batch per version, whatever is held
+            free = self.fixed.grantable(self.version, self.groups_per_step)
+        else:
+            free = self.budget - held - self.outstanding
         n = max(0, min(want, free))
         self._grants[producer].n += n
+        if self.fixed is not None:
+            self.fixed.granted[self.version] += n
         self._counts["granted"] += n
         return n
 
@@ -97,6 +106,7 @@ class Admission:
         g = self._grants.get(producer)
         if g is not None and g.n:
             self._counts["grants_expired"] += g.n
+            self._release(g.n)
             g.n = 0
 
     def forget(self, producer: str) -> None:
@@ -104,6 +114,7 @@ class Admission:
         g = self._grants.pop(producer, None)
         if g is not None and g.n:
             self._counts["grants_expired"] += g.n
+            self._release(g.n)
 
     def expire(self) -> None:
         """Release the grants of producers not heard from within `grant_timeout_s`."""
@@ -111,4 +122,96 @@ class Admission:
         for g in self._grants.values():
             if g.n and g.last_heard < horizon:
                 self._counts["grants_expired"] += g.n
+                self._release(g.n)
                 g.n = 0
+
+    def _release(self, n: int) -> None:
+        if self.fixed is not None:
+            self.fixed.release(self.version, n)
+
+
+# ------------------------------------------------------------------------------- fixed lag
+FIXED_LAG_LATE = "fixed_lag_late"
+"""Drop reason: a group generated before version - fixed_lag (it could only be trained later)."""
+FIXED_LAG_SPANS = "fixed_lag_spans_versions"
+"""Drop reason: a group whose model tokens come from more than one policy version."""
+
+
+class FixedLag:
+    """`buffer.fixed_lag = k`: the batch trained at version v holds exactly the groups generated
+    at version v - k.
+
+    - Admission grants `groups_per_step` groups per announced version, `(k + 1) x groups_per_step`
+      at the first one (the batches of the first k steps: their lag ramps 0..k-1, as no older
+      policy exists; from step k + 1 on it is exactly k). Generation never runs further ahead.
+    - Delivery at version v takes only ready groups whose tokens all come from `target(v)` =
+      max(v - k, first version).
+    - Groups older than the target can never be trained at lag k: dropped ("fixed_lag_late").
+      A group whose model tokens span versions (a weight update during its rollout) is dropped
+      at arrival ("fixed_lag_spans_versions"); the learner prevents both by holding each push
+      until the groups of the version the engines serve have arrived (`stats()["arrived"]`).
+    """
+
+    def __init__(self, k: int):
+        self.k = k
+        self.first: int | None = None
+        """The first version announced (the ramp's base)."""
+        self.granted: Counter[int] = Counter()
+        """Groups granted per version."""
+        self.arrived: Counter[int] = Counter()
+        """Complete groups that arrived per version (dropped ones not counted)."""
+        self._span: dict[str, tuple[int, int]] = {}  # group id -> (oldest, newest) model token
+        self._spanning: list[str] = []  # complete groups spanning versions, to be dropped
+
+    def on_version(self, version: int) -> None:
+        if self.first is None:
+            self.first = version
+
+    def target(self, version: int) -> int:
+        """The version whose groups are trained at `version`."""
+        return max(version - self.k, self.first if self.first is not None else 0)
+
+    def quota(self, version: int, groups_per_step: int) -> int:
+        """Groups to generate at `version`: one batch, k + 1 at the first version."""
+        first = version == (self.first if self.first is not None else 0)
+        return groups_per_step * (self.k + 1 if first else 1)
+
+    def grantable(self, version: int, groups_per_step: int) -> int:
+        return max(0, self.quota(version, groups_per_step) - self.granted[version])
+
+    def release(self, version: int, n: int) -> None:
+        """`n` grants at `version` were never used (expired, voided): grant them again."""
+        self.granted[version] = max(self.arrived[version], self.granted[version] - n)
+
+    def observe(self, group_id: str, oldest: int | None, newest: int | None) -> None:
+        """One trajectory of `group_id` arrived with these model-token versions."""
+        if oldest is None or newest is None:
+            return
+        lo, hi = self._span.get(group_id, (oldest, newest))
+        self._span[group_id] = (min(lo, oldest), max(hi, newest))
+
+    def completed(self, group_id: str, version: int) -> None:
+        """`group_id` is complete, its oldest model token at `version`: counted as arrived for
+        that version, or queued for a drop when its tokens span versions (`take_spanning`)."""
+        lo, hi = self._span.pop(group_id, (version, version))
+        if lo != hi:
+            self._spanning.append(group_id)
+        else:
+            self.arrived[version] += 1
+
+    def take_spanning(self) -> list[str]:
+        out, self._spanning = self._spanning, []
+        return out
+
+    def is_late(self, oldest: int, version: int) -> bool:
+        return oldest < self.target(version)
+
+    def stats(self, version: int, groups_per_step: int) -> dict[str, int]:
+        return {
+            "k": self.k,
+            "version": version,
+            "target": self.target(version),
+            "quota": self.quota(version, groups_per_step),
+            "granted": self.granted[version],
+            "arrived": self.arrived[version],
+        }

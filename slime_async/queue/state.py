@@ -22,7 +22,7 @@ from typing import Any
 from slime_async.config.buffer import BufferConfig
 from slime_async.metrics import names as m
 from slime_async.queue import wal as W
-from slime_async.queue.admission import NO_VERSION, Admission
+from slime_async.queue.admission import FIXED_LAG_LATE, FIXED_LAG_SPANS, NO_VERSION, Admission
 from slime_async.queue.groups import (
     Delivered,
     Group,
@@ -223,7 +223,9 @@ class BufferState:
                 self.admission.use(pid)
         self._log(W.PUT, {"p": pid, "s": seq}, blobs)
         self._apply_put(pid, seq, blobs, trajs)
-        return AckStatus.STALE if self.drop_stale([t.group_id for t in trajs]) else AckStatus.OK
+        late = self.drop_fixed_lag()  # buffer.fixed_lag (issue 15): spans versions, or too late
+        stale = self.drop_stale([t.group_id for t in trajs])
+        return AckStatus.STALE if stale or set(late) & {t.group_id for t in trajs} else AckStatus.OK
 
     def _apply_put(self, pid: str, seq: int, blobs: list, trajs: list[Trajectory]) -> None:
         st = self._ledger(pid)
@@ -249,6 +251,10 @@ class BufferState:
             oldest = t.oldest_version()
             if oldest is not None:
                 g.oldest = min(g.oldest, oldest)
+            if self.admission.fixed is not None:
+                model = t.versions[t.loss_mask.astype(bool)]
+                newest = int(model.max()) if model.size else None
+                self.admission.fixed.observe(t.group_id, oldest, newest)
             if self.wal is not None and segment not in g.segments:
                 g.segments.add(segment)
                 self.wal.retain(segment)
@@ -261,12 +267,15 @@ class BufferState:
                 self._arrivals += 1
                 g.arrival = self._arrivals
                 self.ready.add(g)
+                if self.admission.fixed is not None:
+                    self.admission.fixed.completed(g.group_id, g.oldest)
 
     # ---------------------------------------------------------------- staleness
     def set_version(self, version: int, groups_per_step: int) -> None:
         self._apply_version(version, groups_per_step)
         self._log(W.VERSION, {"version": version, "groups_per_step": groups_per_step})
         self.drop_stale()
+        self.drop_fixed_lag()
 
     def check_version(self, version: int, groups_per_step: int, rewind_ok: bool) -> None:
         """SchemaError naming the field of an announcement that cannot be right. `rewind_ok`: the
@@ -308,6 +317,29 @@ class BufferState:
             self._log(W.DROP, {"g": stale, "why": "stale"})
             self._apply_drop(stale, "stale")
         return stale
+
+    def drop_fixed_lag(self) -> list[str]:
+        """With buffer.fixed_lag: drop held groups that span versions or are older than the
+        version trained next (they could never be trained at exactly that lag); logged."""
+        fixed = self.admission.fixed
+        if fixed is None:
+            return []
+        out = []
+        spans = [gid for gid in fixed.take_spanning() if gid in self.ready or gid in self.pending]
+        late = [
+            g.group_id
+            for g in [*self.ready, *self.pending.values()]
+            if g.oldest != NO_VERSION and fixed.is_late(g.oldest, self.version)
+            and g.group_id not in spans
+        ]  # fmt: skip
+        for why, gids in ((FIXED_LAG_SPANS, spans), (FIXED_LAG_LATE, late)):
+            if gids:
+                log.warning("dropping %d group(s), e.g. %r (%s, buffer.fixed_lag = %d)",
+                            len(gids), gids[0], why, fixed.k)  # fmt: skip
+                self._log(W.DROP, {"g": gids, "why": why})
+                self._apply_drop(gids, why)
+                out += gids
+        return out
 
     def _apply_drop(self, group_ids: list[str], why: str) -> None:
         for gid in group_ids:
@@ -365,7 +397,13 @@ class BufferState:
                 return self._apply_deliver(b.batch_id, consumer, session, [], rid)
         if num_groups is None and num_tokens is None:
             num_groups = self.groups_per_step
-        chosen = self.ready.choose(num_groups, num_tokens)
+        if self.admission.fixed is not None:  # only the groups of version - fixed_lag
+            target = self.admission.fixed.target(self.version)
+            mine = sorted((g for g in self.ready if g.oldest == target), key=lambda g: g.arrival)
+            want = num_groups or self.groups_per_step
+            chosen = mine[:want] if len(mine) >= want else []
+        else:
+            chosen = self.ready.choose(num_groups, num_tokens)
         if not chosen:
             return None
         gids = [g.group_id for g in chosen]
@@ -454,6 +492,10 @@ class BufferState:
             "mean_reward": d["reward"] / n,
         }
 
+    def _fixed_lag_stats(self) -> dict[str, int] | None:
+        fixed = self.admission.fixed
+        return fixed.stats(self.version, self.groups_per_step) if fixed is not None else None
+
     def stats(self) -> dict[str, Any]:
         return {
             "version": self.version,
@@ -474,5 +516,6 @@ class BufferState:
             "rejected": dict(self.rejected),
             "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
             "dropped_stale": self._dropped_stale_stats(),
+            "fixed_lag": self._fixed_lag_stats(),
             "wal": self.wal.stats() if self.wal else None,
         }

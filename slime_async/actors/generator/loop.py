@@ -160,8 +160,11 @@ class Generator:
         dataset: PromptDataset | None = None,
         metrics: MetricsLogger | None = None,
         run_dir: str | Path | None = None,
+        evaluator: Any = None,
     ):
         self.cfg = cfg
+        self.evaluator = evaluator
+        """Pinned evaluation (evaluate.py): watches for the learner's requests beside the loop."""
         self.engine = engine
         self.sink: GroupSink | None = None
         self.tokenizer = tokenizer
@@ -228,6 +231,7 @@ class Generator:
         pending = self.cursor.pending()
         next_item: Item | None = self.stream.at(next(pending))
         logger = asyncio.create_task(self._log_periodically())
+        watch = asyncio.create_task(self.evaluator.watch(self._stop)) if self.evaluator else None
         log.info(
             "generator %s: %d prompts, resuming at item %d, %d groups of %d in flight at most",
             self.cfg.producer_id,
@@ -257,8 +261,17 @@ class Generator:
                 for k in [k for k, t in inflight.items() if t.done()]:
                     inflight.pop(k).result()  # errors are handled inside; re-raise the unexpected
         finally:
+            if watch is not None and next_item is None and not self._stop.is_set():
+                # The dataset is done; the learner may still ask for its last evaluation.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([watch, asyncio.ensure_future(self._stop.wait())],
+                                       return_when="FIRST_COMPLETED")  # fmt: skip
             await self._shutdown(inflight)
             logger.cancel()
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
             with contextlib.suppress(asyncio.CancelledError):
                 await logger
             self._log_metrics()

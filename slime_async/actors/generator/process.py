@@ -72,6 +72,15 @@ async def _run(cfg: SlimeConfig, gen_cfg, urls: list[str], tok_path: str) -> int
                 config=cfg.model_dump(mode="json"),
                 project=cfg.run.wandb_project,
             )
+            if cfg.learner.eval_interval and gen_cfg.shard_index == 0:  # generator 0 evaluates
+                from slime_async.actors.generator.evaluate import Evaluator
+
+                eval_metrics = MetricsLogger(cfg.run.run_dir, "eval", wandb_mode="disabled")
+                gen.evaluator = Evaluator(
+                    cfg.eval, gen_cfg.sampling, pool, tokenizer, gen.reward, cfg.run.run_dir,
+                    prompt_key=gen_cfg.prompt_key,
+                    apply_chat_template=gen_cfg.apply_chat_template, metrics=eval_metrics,
+                )  # fmt: skip
         async with ProducerClient(cfg.buffer, gen_cfg.producer_id) as producer:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):

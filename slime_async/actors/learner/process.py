@@ -48,6 +48,7 @@ from slime_async.config import SlimeConfig
 from slime_async.metrics import MetricsLogger, int_histogram
 from slime_async.queue.client import Batch, ConsumerClient
 from slime_async.queue.schema import decode_trajectory, encode_trajectory
+from slime_async.utils.eval_pin import read_result, request_path, write_json_atomic
 from slime_async.utils.readiness import announce_ready
 
 log = logging.getLogger("slime_async.learner")
@@ -126,6 +127,9 @@ class _Rank0:
         self.metrics: MetricsLogger | None = None
         self.first_record: dict[str, Any] = {}
         """Start-up facts logged with the first step's record."""
+        self.run_dir = run_dir
+        self.eval_pending: int | None = None
+        """The version whose pinned evaluation was requested and not yet waited for."""
         if run_dir is not None:
             self.metrics = MetricsLogger(
                 run_dir,
@@ -228,6 +232,7 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
             rank0.consumer.set_version(learner.version, lc.groups_per_step)
             if claimed:  # reported with the first step's record
                 rank0.first_record[M.VERSION_CLAIMED] = float(claimed)
+            _request_eval(cfg, rank0, learner, has_pusher, last=False)
         if dist.is_initialized():
             dist.barrier()
         if learner.is_rank0:
@@ -293,6 +298,7 @@ def _buffer_drop_metrics(stats: dict[str, Any]) -> dict[str, float]:
     """The buffer's stale drops so far (count, mean length and reward of their trajectories)."""
     d = stats.get("dropped_stale") or {}
     return {
+        M.BUFFER_DROPPED_ALL: float(sum((stats.get("dropped") or {}).values())),
         M.BUFFER_DROPPED_GROUPS: float(d.get("groups", 0)),
         M.BUFFER_DROPPED_LEN: float(d.get("mean_response_len", 0.0)),
         M.BUFFER_DROPPED_REWARD: float(d.get("mean_reward", 0.0)),
@@ -320,12 +326,20 @@ def _train(
             oldest = [o for g in given for t in g if (o := t.oldest_version()) is not None]
             if oldest:
                 info[M.STALENESS_LEARNER_MAX] = learner.version - min(oldest)
+                # The newest token too: fixed lag k means learner_min == learner_max == k.
+                newest = [int(t.versions[t.loss_mask.astype(bool)].max()) for g in given
+                          for t in g if t.loss_mask.any()]  # fmt: skip
+                info[M.STALENESS_LEARNER_MIN] = learner.version - max(newest)
         t_train = time.perf_counter()
         m = learner.train_step(groups)
         train_s = time.perf_counter() - t_train
         push_s = 0.0
-        due = learner.step % lc.push_interval == 0 or learner.step == lc.num_steps
+        last = learner.step == lc.num_steps
+        due = learner.step % lc.push_interval == 0 or last
+        holds: dict[str, float] = {}
         if has_pusher and due and learner.version != pushed:
+            if rank0 is not None:  # the other ranks wait in the export's collectives
+                holds = _hold_push(cfg, rank0, pushed, last)
             push_s = _push(learner, rank0)
             pushed = learner.version
         if has_pusher:  # a failed push, or an engine that restarted: the current weights again
@@ -338,6 +352,8 @@ def _train(
             # again. Without engines to lag behind, the learner's own version.
             rank0.consumer.set_version(pushed if has_pusher else learner.version,
                                        lc.groups_per_step)  # fmt: skip
+            if pushed == learner.version:
+                _request_eval(cfg, rank0, learner, has_pusher, last)
             if m.get(M.BATCH_SKIPPED):
                 # Nothing of this batch reached the weights: retire it now, or it would hold
                 # admission's budget until the next version (which it did not make).
@@ -347,6 +363,7 @@ def _train(
                 **info,
                 **_buffer_drop_metrics(rank0.consumer.stats()),
                 **rank0.first_record,
+                **holds,
                 **{k: v for k, v in m.items() if isinstance(v, int | float)},
                 M.VERSION: learner.version,
                 M.LEARNER_WAIT_S: waited,
@@ -380,4 +397,65 @@ def _train(
             # Commit what a checkpoint now holds; without mid-run checkpoints commit at once
             # (a crash would restart from scratch anyway).
             rank0.consumer.commit_through(batch.batch_id)
+    if rank0 is not None and rank0.eval_pending is not None:
+        _wait_eval(cfg, rank0)  # the last version's evaluation, before the run ends
     return 0
+
+
+def _request_eval(
+    cfg: SlimeConfig, rank0: _Rank0, learner: Learner, has_pusher: bool, last: bool
+) -> None:
+    """Ask generator 0 to evaluate the version the engines now hold, when it is due
+    (learner.eval_interval, and the last version): see slime_async/utils/eval_pin.py."""
+    n, v = cfg.learner.eval_interval, learner.version
+    if not n or not (v % n == 0 or last) or rank0.eval_pending == v:
+        return
+    if rank0.run_dir is None or not has_pusher:
+        log.warning("learner.eval_interval = %d: no evaluation without a run directory and "
+                    "engines to push to", n)  # fmt: skip
+        return
+    write_json_atomic(request_path(rank0.run_dir, v), {"version": v, "step": learner.step})
+    rank0.eval_pending = v
+    log.info("pinned evaluation of version %d requested (step %d)", v, learner.step)
+
+
+def _wait_eval(cfg: SlimeConfig, rank0: _Rank0) -> tuple[float, dict[str, Any]]:
+    """Block until the requested evaluation has its result; the seconds waited, the result."""
+    v, t0 = rank0.eval_pending, time.perf_counter()
+    limit = cfg.eval.hold_timeout_s
+    while (result := read_result(rank0.run_dir, v)) is None:
+        if time.perf_counter() - t0 > limit:
+            raise RuntimeError(
+                f"pinned evaluation of version {v}: no {request_path(rank0.run_dir, v).name} "
+                f"answer (eval/result_v{v}.json) within eval.hold_timeout_s = {limit}s; is "
+                "generator 0 running (it evaluates)?"
+            )
+        time.sleep(0.05)
+    rank0.eval_pending = None
+    log.info("pinned evaluation of version %d: %s", v, result.get("status"))
+    return time.perf_counter() - t0, result
+
+
+def _hold_push(cfg: SlimeConfig, rank0: _Rank0, serving: int, last: bool) -> dict[str, float]:
+    """Before the engines leave version `serving`: wait for its pinned evaluation, and with
+    buffer.fixed_lag for the groups generated at it (none of them may cross the update)."""
+    out: dict[str, float] = {}
+    if rank0.eval_pending is not None:
+        out[M.EVAL_HOLD_S], result = _wait_eval(cfg, rank0)
+        # The evaluated version's numbers ride on this step's record too (eval/version names it).
+        out.update({k: v for k, v in (result.get("metrics") or {}).items()
+                    if isinstance(v, int | float)})  # fmt: skip
+    if cfg.buffer.fixed_lag is not None and not last:
+        t0, limit = time.perf_counter(), cfg.buffer.fixed_lag_timeout_s
+        while True:
+            fl = rank0.consumer.stats().get("fixed_lag") or {}
+            if fl.get("version") != serving or fl.get("arrived", 0) >= fl.get("quota", 0):
+                break
+            if time.perf_counter() - t0 > limit:
+                raise RuntimeError(
+                    f"buffer.fixed_lag: {fl.get('arrived')} of the {fl.get('quota')} groups of "
+                    f"version {serving} arrived within buffer.fixed_lag_timeout_s = {limit}s"
+                )
+            time.sleep(0.02)
+        out[M.FIXED_LAG_WAIT_S] = time.perf_counter() - t0
+    return out

@@ -1,0 +1,80 @@
+"""`slime-async sweep CONFIG... [KEY=VALUE...] --grid key=v1,v2 [--grid ...] [--seeds N]`.
+
+Every point of the grid x every seed is one `slime-async run` in its own directory under
+`--out`, one after another on this machine (slime_async/launch/sweep.py); a finished point is
+skipped when the same command runs again. Then the summary table (summary.md, summary.json) and
+the overlaid plots (plots/) are written next to the runs. `--summary-only` redoes those alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from slime_async.commands import add_config_arguments
+
+HELP = "run a grid of configs x seeds one after another (resumable); table and plots"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a config key and its values (repeat for a product grid), e.g. buffer.fixed_lag=0,2,8",
+    )
+    p.add_argument("--seeds", type=int, default=1, help="seeds per point (run.seed = 0..N-1)")
+    p.add_argument("--seed-base", type=int, default=0, help="first run.seed (default 0)")
+    p.add_argument("--out", default="runs/sweep", help="the sweep directory (default runs/sweep)")
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=None,
+        metavar="X",
+        help="report wall-clock and trained tokens until the evaluation metric first reaches X",
+    )
+    p.add_argument(
+        "--metric",
+        default="eval/accuracy_greedy",
+        help="evaluation metric of the table (default eval/accuracy_greedy)",
+    )
+    p.add_argument("--summary-only", action="store_true", help="write table and plots, run nothing")
+
+
+def main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from slime_async.config import ConfigError, load_config, split_cli_args
+    from slime_async.launch.sweep import Sweep, parse_grid
+
+    files, overrides = split_cli_args(args.config)
+    if not files:
+        raise ConfigError("name at least one CONFIG.toml")
+    try:
+        grid = parse_grid(args.grid)
+        sweep = Sweep(
+            files, grid, args.seeds, Path(args.out), overrides, args.target_accuracy,
+            args.metric, args.seed_base,
+        )  # fmt: skip
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    # Every point's config must load before the first one runs (a typo fails now, not later).
+    for point in sweep.points():
+        load_config(files, [*overrides, *point.overrides])
+    if not args.summary_only:
+        try:
+            counts = sweep.run(log=lambda text: print(text, flush=True))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        print(f"[sweep] {counts}", flush=True)
+    else:
+        counts = {"failed": 0}
+    summary = sweep.summarize()
+    print((sweep.out / "summary.md").read_text(), flush=True)
+    if summary["runs"]:
+        from slime_async.commands.plot import find_runs, plot_runs
+
+        for path in plot_runs(find_runs([sweep.out]), sweep.out / "plots", args.metric):
+            print(path)
+    return 1 if counts["failed"] else 0

@@ -1,0 +1,32 @@
+"""`[eval]`: pinned evaluation of one policy version on a held-out set (learner.eval_interval)."""
+
+from pydantic import Field
+
+from slime_async.config.base import Section
+
+
+class EvalConfig(Section):
+    data: str | None = None
+    """Held-out JSONL file (the same fields as generator.dataset; rewards by generator.reward).
+    Relative paths resolve from the config file that sets it. Needed when learner.eval_interval > 0."""
+    max_examples: int = Field(0, ge=0)
+    """Evaluate on the first this many records of `data` (0: all of them)."""
+    greedy: bool = True
+    """Score one greedy answer (temperature 0) per record: `eval/accuracy_greedy`."""
+    samples: int = Field(4, ge=0)
+    """Answers sampled per record at `temperature` (`eval/accuracy_sampled`, the mean over all of
+    them, and `eval/pass_at_k`); 0: none."""
+    temperature: float | None = Field(None, gt=0)
+    """Temperature of the sampled answers (None: generator.sampling.temperature)."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Longest answer (None: generator.sampling.max_new_tokens)."""
+    concurrency: int = Field(64, ge=1)
+    """Evaluation requests in flight at once (they share the engines with the training rollouts)."""
+    max_reruns: int = Field(3, ge=0)
+    """An answer holding tokens of another policy version than the one evaluated (the weights
+    changed under it) is generated again, at most this many times per answer (counted in
+    `eval/reruns`); past that, or when the engines already serve a newer version, the whole
+    evaluation of that version is discarded (counted in `eval/discarded`, never reported)."""
+    hold_timeout_s: float = Field(600.0, gt=0)
+    """Longest the learner holds its next weight push while the evaluation of the version the
+    engines serve runs (the pin). Past it the learner stops with an error naming the version."""

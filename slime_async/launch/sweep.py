@@ -1,0 +1,343 @@
+"""`slime-async sweep`: every point of a grid x seeds, one run directory each, and a summary.
+
+    sweep_dir/
+      sweep.json                     the grid, seeds, base configs and overrides (checked on resume)
+      fixed_lag-2__loss-tis/seed0/   a complete `slime-async run` directory, + SWEEP_DONE at success
+      fixed_lag-2__loss-tis/seed0.out  the run's console output
+      summary.json, summary.md       one row per point (mean +- sd over seeds), one per run in json
+      plots/                         `slime-async plot` of all runs, overlaid by point
+
+Points run one after another on this machine, each as `python -m slime_async run CONFIG...
+KEY=VALUE...` (the same machinery as a single run; its supervisor owns the point's processes).
+Running points concurrently on a Ray cluster is left for when the Ray launcher is merged.
+Resumable: a point whose run directory holds `SWEEP_DONE` is not run again; an unfinished one
+(killed sweep) is moved aside to `<dir>.failed-<n>` and started afresh (counted, logged).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slime_async.metrics import names as M
+from slime_async.metrics import read_metrics
+
+DONE = "SWEEP_DONE"
+"""Written into a point's run directory when its run exited 0."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One grid point: its overrides in grid order."""
+
+    items: tuple[tuple[str, str], ...]
+
+    @property
+    def name(self) -> str:
+        """`fixed_lag-2__loss-tis`: the last part of each key and its value. Never an "=": a path
+        with one would read as a KEY=VALUE override on a command line."""
+        return "__".join(f"{_short(k)}-{_safe(v)}" for k, v in self.items) or "base"
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{k}={v}" for k, v in self.items]
+
+
+def _short(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
+
+
+def _safe(value: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", value)  # no "=", "/", spaces
+
+
+@dataclass
+class Sweep:
+    """A grid over config keys, crossed with seeds, run one point after another."""
+
+    configs: list[str]
+    grid: list[tuple[str, list[str]]]
+    seeds: int = 1
+    out: Path = Path("runs/sweep")
+    overrides: list[str] = field(default_factory=list)
+    target_accuracy: float | None = None
+    metric: str = M.EVAL_ACC_GREEDY
+    seed_base: int = 0
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out).absolute()
+        shorts = [_short(k) for k, _ in self.grid]
+        if len(set(shorts)) != len(shorts):
+            raise ValueError(f"--grid keys {shorts}: two end in the same name (run directories "
+                             "are named by it)")  # fmt: skip
+        if len({k for k, _ in self.grid}) != len(self.grid):
+            raise ValueError("--grid: a key is given twice")
+        if self.seeds < 1:
+            raise ValueError("--seeds must be >= 1")
+
+    def points(self) -> list[Point]:
+        keys = [k for k, _ in self.grid]
+        return [Point(tuple(zip(keys, vals, strict=True)))
+                for vals in itertools.product(*(v for _, v in self.grid))]  # fmt: skip
+
+    def run_dir(self, point: Point, seed: int) -> Path:
+        return self.out / point.name / f"seed{seed}"
+
+    def seed_values(self) -> list[int]:
+        return [self.seed_base + i for i in range(self.seeds)]
+
+    # ------------------------------------------------------------------------------- running
+    def describe(self) -> dict[str, Any]:
+        return {
+            "configs": [str(Path(c).absolute()) for c in self.configs],
+            "grid": [[k, v] for k, v in self.grid],
+            "overrides": self.overrides,
+            "seeds": self.seed_values(),
+        }
+
+    def check_resume(self) -> None:
+        """A sweep directory holds one sweep: refuse another grid or base config in it."""
+        meta = self.out / "sweep.json"
+        if meta.exists():
+            old = json.loads(meta.read_text())
+            new = self.describe()
+            for key in ("configs", "overrides"):
+                if old.get(key) != new[key]:
+                    raise ValueError(
+                        f"{self.out} holds a sweep with other {key} ({old.get(key)}); "
+                        "use another --out"
+                    )
+        self.out.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps(self.describe(), indent=2) + "\n")
+
+    def run(self, log: Any = print) -> dict[str, int]:
+        """Run every unfinished (point, seed); return counts: ran, skipped, failed, restarted."""
+        self.check_resume()
+        counts = {"ran": 0, "skipped": 0, "failed": 0, "restarted": 0}
+        # Seed-major: every point once before any point twice (a cut-short sweep still compares).
+        todo = [(p, s) for s in self.seed_values() for p in self.points()]
+        for n, (point, seed) in enumerate(todo, 1):
+            rd = self.run_dir(point, seed)
+            tag = f"[sweep {n}/{len(todo)}] {point.name} seed {seed}"
+            if (rd / DONE).exists():
+                counts["skipped"] += 1
+                log(f"{tag}: finished before, skipped ({rd / DONE})")
+                continue
+            if rd.exists():  # a killed sweep left it unfinished: keep it aside, start afresh
+                k = 1
+                while rd.with_name(f"{rd.name}.failed-{k}").exists():
+                    k += 1
+                rd.rename(rd.with_name(f"{rd.name}.failed-{k}"))
+                counts["restarted"] += 1
+                log(f"{tag}: unfinished run directory moved to {rd.name}.failed-{k}; rerunning")
+            code, seconds = self._run_one(point, seed, rd, tag, log)
+            if code == 0:
+                counts["ran"] += 1
+                info = {"point": point.name, "overrides": point.overrides, "seed": seed,
+                        "seconds": seconds}  # fmt: skip
+                (rd / DONE).write_text(json.dumps(info) + "\n")
+            else:
+                counts["failed"] += 1
+                log(f"{tag}: FAILED with exit code {code}; see {rd}.out (left unfinished)")
+        return counts
+
+    def _run_one(self, point: Point, seed: int, rd: Path, tag: str, log: Any) -> tuple[int, float]:
+        rd.parent.mkdir(parents=True, exist_ok=True)
+        argv = [
+            sys.executable, "-m", "slime_async", "run", *self.configs, *self.overrides,
+            *point.overrides, f"run.seed={seed}", f"run.run_dir={rd}", "run.progress=plain",
+        ]  # fmt: skip
+        log(f"{tag}: {' '.join(argv[3:])}")
+        t0 = time.perf_counter()
+        with open(rd.with_name(rd.name + ".out"), "w") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+            # SIGTERM to the sweep is passed on to the run's supervisor, which stops its roles
+            # (its own SIGTERM handling); Ctrl-C reaches the whole foreground group anyway.
+            previous = signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+            try:
+                code = proc.wait()
+            except BaseException:
+                proc.terminate()
+                proc.wait(timeout=120)
+                raise
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+            if code in (-signal.SIGTERM, 128 + signal.SIGTERM) or code < 0:
+                raise SystemExit(f"{tag}: stopped by a signal (exit {code}); the sweep stops")
+        seconds = time.perf_counter() - t0
+        log(f"{tag}: exit {code} after {seconds:.0f}s")
+        return code, seconds
+
+    # ------------------------------------------------------------------------------- summary
+    def summarize(self) -> dict[str, Any]:
+        """Per run and per point (mean +- sd over the finished seeds); written as JSON and MD."""
+        runs, rows = [], []
+        for point in self.points():
+            mine = []
+            for seed in self.seed_values():
+                rd = self.run_dir(point, seed)
+                if (rd / DONE).exists():
+                    r = run_summary(rd, self.metric, self.target_accuracy)
+                    r.update(point=point.name, seed=seed, run_dir=str(rd))
+                    mine.append(r)
+            runs += mine
+            rows.append(point_row(point, mine, len(self.seed_values())))
+        out = {
+            "metric": self.metric,
+            "target_accuracy": self.target_accuracy,
+            "points": rows,
+            "runs": runs,
+        }
+        (self.out / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
+        (self.out / "summary.md").write_text(markdown_table(out) + "\n")
+        return out
+
+
+# ----------------------------------------------------------------------------------- one run
+def _learner_start(rd: Path, learner: list[dict[str, Any]]) -> float:
+    ready = rd / "ready" / "learner"
+    if ready.exists():
+        return ready.stat().st_mtime
+    first = learner[0]
+    return first["time"] - float(first.get(M.STEP_SECONDS, 0.0))
+
+
+def run_summary(rd: str | Path, metric: str, target: float | None) -> dict[str, Any]:
+    """The numbers of one finished run (see `COLUMNS`)."""
+    rd = Path(rd)
+    learner = read_metrics(rd / "metrics" / "learner.jsonl")
+    evals = [r for r in read_metrics(rd / "metrics" / "eval.jsonl") if metric in r]
+    if not learner:
+        raise FileNotFoundError(f"{rd}: no learner metrics")
+    t0 = _learner_start(rd, learner)
+    span = max(learner[-1]["time"] - t0, 1e-9)
+    tokens = [float(r.get(M.TOKENS, 0.0)) for r in learner]
+    given = sum(float(r.get(M.GROUPS_GIVEN, 0.0)) for r in learner)
+    dropped = float(learner[-1].get(M.BUFFER_DROPPED_ALL, 0.0))
+    masked = sum(float(r.get(M.STALE_MASKED_GROUPS, 0.0)) for r in learner)
+    out: dict[str, Any] = {
+        "steps": len(learner),
+        "wall_s": span,
+        "trained_tokens": sum(tokens),
+        "tokens_per_s": sum(tokens) / span,
+        "dropped_share": dropped / max(given + dropped, 1.0),
+        "masked_share": masked / max(given, 1.0),
+        "iw_mean": _mean(learner, M.IW_MEAN),
+        "iw_truncated": _mean(learner, M.IS_TRUNCATED_FRAC),
+        "iw_ess": _mean(learner, M.IW_ESS),
+        "clip_frac": _mean(learner, M.CLIP_FRAC),
+        "lag_min": min((r.get(M.STALENESS_LEARNER_MIN, math.inf) for r in learner), default=None),
+        "lag_max": max((r.get(M.STALENESS_LEARNER_MAX, -1) for r in learner), default=None),
+        "train_accuracy_last10": _mean(learner[-10:], M.ACCURACY),
+        "eval_first": evals[0][metric] if evals else None,
+        "eval_final": evals[-1][metric] if evals else None,
+        "eval_final_version": evals[-1]["step"] if evals else None,
+        "eval_curve": [[r["step"], r["time"] - t0, r[metric]] for r in evals],
+    }
+    out["time_to_target_s"] = out["tokens_to_target"] = None
+    if target is not None:
+        hit = next((r for r in evals if r[metric] >= target), None)
+        if hit is not None:
+            out["time_to_target_s"] = max(hit["time"] - t0, 0.0)
+            # version v is the weights after step v (no skipped batches): its tokens so far
+            out["tokens_to_target"] = sum(
+                float(r.get(M.TOKENS, 0.0)) for r in learner if r["step"] <= hit["step"]
+            )
+    return out
+
+
+def _mean(records: list[dict[str, Any]], key: str) -> float | None:
+    xs = [float(r[key]) for r in records if isinstance(r.get(key), int | float)]
+    xs = [x for x in xs if math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+# ----------------------------------------------------------------------------------- one point
+def _stats(xs: list[Any]) -> tuple[float | None, float | None]:
+    xs = [float(x) for x in xs if x is not None]
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def point_row(point: Point, runs: list[dict[str, Any]], seeds: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"point": point.name, "overrides": point.overrides,
+                           "runs": len(runs), "seeds": seeds}  # fmt: skip
+    for key in ("eval_final", "eval_first", "time_to_target_s", "tokens_to_target",
+                "tokens_per_s", "dropped_share", "masked_share", "iw_mean", "iw_truncated",
+                "iw_ess", "clip_frac", "wall_s"):  # fmt: skip
+        row[key], row[key + "_sd"] = _stats([r.get(key) for r in runs])
+    row["reached_target"] = sum(r.get("time_to_target_s") is not None for r in runs)
+    row["lag_min"] = min((r["lag_min"] for r in runs if r.get("lag_min") is not None),
+                         default=None)  # fmt: skip
+    row["lag_max"] = max((r["lag_max"] for r in runs if r.get("lag_max") is not None),
+                         default=None)  # fmt: skip
+    return row
+
+
+def _fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, spec)
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    target = summary.get("target_accuracy")
+    metric = summary["metric"]
+    head = [
+        "point", "runs", f"final {metric} (%)", "first (%)",
+        f"time to {'' if target is None else f'{100 * target:.0f}% '}(s)", "tokens to target",
+        "trained tok/s", "dropped / masked groups", "IW mean", "IW truncated", "IW ESS",
+        "clip frac", "trained lag",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in summary["points"]:
+        reached = f" ({r['reached_target']}/{r['runs']})" if target is not None else ""
+        lag = "-" if r["lag_min"] is None else (
+            f"{r['lag_min']:.0f}" if r["lag_min"] == r["lag_max"]
+            else f"{r['lag_min']:.0f}-{r['lag_max']:.0f}"
+        )  # fmt: skip
+        cells = [
+            f"`{r['point']}`",
+            f"{r['runs']}/{r['seeds']}",
+            f"{_fmt(r['eval_final'], '.1f', 100)} ± {_fmt(r['eval_final_sd'], '.1f', 100)}",
+            _fmt(r["eval_first"], ".1f", 100),
+            _fmt(r["time_to_target_s"], ".0f") + reached,
+            _fmt(r["tokens_to_target"], ".3g"),
+            _fmt(r["tokens_per_s"], ".0f"),
+            f"{_fmt(r['dropped_share'], '.1%')} / {_fmt(r['masked_share'], '.1%')}",
+            _fmt(r["iw_mean"], ".3f"),
+            _fmt(r["iw_truncated"], ".2%"),
+            _fmt(r["iw_ess"], ".3f"),
+            _fmt(r["clip_frac"], ".2%"),
+            lag,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """`["buffer.fixed_lag=0,2", "algo.loss=tis,mis"]` -> [(key, [values...]), ...]."""
+    grid = []
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or "." not in key or not vals:
+            raise ValueError(f"--grid {spec!r}: expected section.key=v1,v2,...")
+        grid.append((key.strip(), vals))
+    return grid
+
+
+def clear_point(sweep: Sweep, point: Point) -> None:
+    """Forget a point's runs (tests, or to redo it on purpose)."""
+    for seed in sweep.seed_values():
+        shutil.rmtree(sweep.run_dir(point, seed), ignore_errors=True)

@@ -1,0 +1,131 @@
+"""One small real sweep shared by test_sweep.py, test_fixed_lag.py and test_eval.py.
+
+`slime-async sweep` over `buffer.fixed_lag = 0, 2` (one seed, a few steps, a tiny random model,
+pinned evaluation every 2 versions): two complete `slime-async run`s with the real buffer,
+embedded engine, generator and Megatron-core learner. Made once per test session (module-level
+cache), so the three test files pay for two runs, not six.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 600
+"""pytest-timeout of the tests that use the sweep (two runs: about a minute on an idle 2-core
+machine, several under load; the project's default is 300 s)."""
+STEPS = 4
+LAGS = (0, 2)
+EVAL_INTERVAL = 2
+_CACHE: dict[str, object] = {}
+
+
+def write_config(root: Path, model: Path, data: Path, evals: Path) -> Path:
+    cfg = root / "sweep-base.toml"
+    cfg.write_text(
+        f"""
+[run]
+name = "sweep-test"
+wandb = "disabled"
+progress = "plain"
+ready_timeout_s = 240
+
+[buffer]
+producer_endpoint = "tcp://127.0.0.1:0"
+consumer_endpoint = "tcp://127.0.0.1:0"
+max_staleness = 2
+
+[engine]
+port = 0
+device = "cpu"
+torch_threads = 1
+max_running_requests = 16
+
+[generator]
+dataset = "{data}"
+rollout = "single_turn"
+reward = "tests.test_e2e:char_sum_reward"
+group_size = 4
+max_inflight = 16
+
+[generator.sampling]
+temperature = 1.0
+max_new_tokens = 10
+
+[learner]
+model_path = "{model}"
+lr = 1e-4
+groups_per_step = 2
+num_steps = {STEPS}
+save_interval = 0
+push_interval = 1
+micro_batch_tokens = 2048
+eval_interval = {EVAL_INTERVAL}
+
+[eval]
+data = "{evals}"
+max_examples = 4
+samples = 1
+
+[algo]
+advantage = "grpo"
+loss = "decoupled_ppo"
+"""
+    )
+    return cfg
+
+
+def sweep_argv(cfg: Path, out: Path) -> list[str]:
+    grid = "buffer.fixed_lag=" + ",".join(map(str, LAGS))
+    return [sys.executable, "-m", "slime_async", "sweep", str(cfg), "--grid", grid,
+            "--seeds", "1", "--out", str(out), "--target-accuracy", "0.0"]  # fmt: skip
+
+
+def shared_sweep(tmp_path_factory) -> dict:
+    """{"out": sweep dir, "proc": the CompletedProcess, "cfg": base config, "argv": command}."""
+    if "out" not in _CACHE:
+        from examples.arithmetic.task import make_dataset
+        from slime_async.testing.models import make_tiny_model
+
+        root = tmp_path_factory.mktemp("staleness")
+        model = make_tiny_model(root / "model", "qwen3", seed=0)
+        data = make_dataset(root / "train.jsonl", 200, seed=0)
+        evals = make_dataset(root / "eval.jsonl", 20, seed=1)
+        cfg = write_config(root, model, data, evals)
+        out = root / "sweep"
+        argv = sweep_argv(cfg, out)
+        _CACHE.update(out=out, cfg=cfg, argv=argv)
+        try:
+            _CACHE["proc"] = run_group(argv, 540)
+        except BaseException as e:  # e.g. pytest-timeout: the next module must not run it again
+            _CACHE["proc"] = subprocess.CompletedProcess(argv, -1, "", f"not finished: {e!r}")
+            raise
+    return _CACHE
+
+
+def run_group(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """Run `argv` in its own process group; on timeout SIGTERM the group (the sweep and the
+    run's supervisor, which stops its roles), then SIGKILL: nothing is left behind."""
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except BaseException as e:  # our timeout, or the test's (pytest-timeout), or Ctrl-C
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
+        out, err = "", f"timed out after {timeout_s}s; process group stopped"
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def run_dir(out: Path, lag: int, seed: int = 0) -> Path:
+    return out / f"fixed_lag-{lag}" / f"seed{seed}"

@@ -1,0 +1,129 @@
+"""`buffer.fixed_lag = k` (issue 15): every batch trained exactly k versions after the policy that
+generated it, checked from what the learner trained, not from the buffer's own tags.
+
+The end-to-end check reads the learner's records of a real `slime-async run` (the shared sweep of
+tests/staleness_runs.py): `staleness/learner_min` and `staleness/learner_max` are the learner's
+own version before the step minus the newest and the oldest per-token version (the engines'
+weight_versions spans) of the trajectories it trained on. The unit tests drive `BufferState`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from slime_async.config import BufferConfig, ConfigError, load_config
+from slime_async.metrics import names as M
+from slime_async.metrics import read_metrics
+from slime_async.queue.admission import FIXED_LAG_LATE, FIXED_LAG_SPANS
+from slime_async.queue.messages import AckStatus
+from slime_async.queue.schema import encode_trajectory
+from slime_async.queue.state import BufferState
+from slime_async.testing.trajectories import synthetic_group
+from tests.staleness_runs import LAGS, STEPS, TIMEOUT_S, run_dir, shared_sweep
+
+G = 2  # groups per step
+
+pytestmark = pytest.mark.timeout(TIMEOUT_S)  # the shared sweep's runs, under load
+
+
+def _state(k: int) -> BufferState:
+    state = BufferState(BufferConfig(fixed_lag=k, max_staleness=max(k, 1)))
+    state.set_version(0, groups_per_step=G)
+    return state
+
+
+def _put(state: BufferState, seq: int, group) -> AckStatus:
+    return state.put("p", seq, [encode_trajectory(t) for t in group], list(group))
+
+
+def _delivered_versions(state: BufferState) -> set[int]:
+    b = state.get("learner", "s", f"r{state.next_batch}", G, None)
+    assert b is not None
+    state.commit("learner", b.batch_id)
+    return {g.oldest for g in b.groups}
+
+
+def test_admission_grants_one_batch_per_version_and_k_plus_1_at_the_start():
+    state = _state(2)
+    assert state.admit("p", 100) == 3 * G  # versions 1 and 2 train on version 0's groups too
+    assert state.admit("p", 100) == 0  # generation never runs further ahead
+    state.set_version(1, G)
+    assert state.admit("p", 100) == G
+    assert state.admit("p", 1) == 0
+    assert state.stats()["fixed_lag"] == {
+        "k": 2, "version": 1, "target": 0, "quota": G, "granted": G, "arrived": 0,
+    }  # fmt: skip
+
+
+def test_delivery_takes_only_the_groups_of_version_minus_k():
+    state = _state(2)
+    seq = 0
+    for v in range(5):  # at each version: the groups generated at it arrive, then a batch goes
+        state.admit("p", 100)
+        n = 3 * G if v == 0 else G
+        for i in range(n):
+            seq += 1
+            assert _put(state, seq, synthetic_group(f"v{v}-{i}", 2, version=v, seed=seq)) == (
+                AckStatus.OK
+            )
+        assert state.stats()["fixed_lag"]["arrived"] == n  # what the learner waits for
+        assert _delivered_versions(state) == {max(v - 2, 0)}
+        state.set_version(v + 1, G)
+    assert state.stats()["dropped"] == {}
+
+
+def test_late_and_version_spanning_groups_are_dropped_with_their_reason():
+    state = _state(1)
+    for i in range(2 * G):
+        _put(state, i + 1, synthetic_group(f"a{i}", 2, version=0, seed=i))
+    assert _delivered_versions(state) == {0}
+    # Version 2: the target is 1, so the remaining version-0 groups can never train at lag 1.
+    state.set_version(1, G)
+    state.set_version(2, G)
+    assert state.stats()["dropped"] == {FIXED_LAG_LATE: G}
+    # A group whose tokens span versions 1 and 2 (a weight update during its rollout).
+    group = synthetic_group("span", 2, version=1, seed=9)
+    group[1].versions = np.where(np.arange(group[1].versions.size) < 5, 1, 2).astype(np.int32)
+    assert _put(state, 10, group) is AckStatus.STALE  # the producer counts it as dropped
+    assert state.stats()["dropped"] == {FIXED_LAG_LATE: G, FIXED_LAG_SPANS: 1}
+    assert state.stats()["fixed_lag"]["arrived"] == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["buffer.fixed_lag=2", "buffer.max_staleness=1"], "buffer.max_staleness >= 2"),
+        (["buffer.fixed_lag=1", "learner.push_interval=2", "buffer.max_staleness=4"],
+         "learner.push_interval = 1"),
+        (["buffer.fixed_lag=1", "run.mode=sync"], "run.mode = 'sync'"),
+    ],
+)  # fmt: skip
+def test_impossible_fixed_lag_configs_are_refused_naming_the_keys(overrides, needle):
+    with pytest.raises(ConfigError, match=r"buffer\.fixed_lag") as e:
+        load_config([], overrides)
+    assert needle in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = shared_sweep(tmp_path_factory)
+    proc = out["proc"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out["out"]
+
+
+@pytest.mark.parametrize("k", LAGS)
+def test_the_learner_trained_every_batch_exactly_k_versions_late(sweep, k):
+    learner = read_metrics(run_dir(sweep, k) / "metrics" / "learner.jsonl")
+    assert [r["step"] for r in learner] == list(range(1, STEPS + 1))
+    lags = [(r[M.STALENESS_LEARNER_MIN], r[M.STALENESS_LEARNER_MAX]) for r in learner]
+    # The first k steps ramp 0, 1, ..., k-1 (there is no policy older than the first); then k.
+    assert lags == [(min(s, k), min(s, k)) for s in range(STEPS)]
+    assert all(r[M.BUFFER_DROPPED_ALL] == 0 for r in learner)
+    # Generation never ran ahead of the lag: the buffer granted one batch per version.
+    final = json.loads((run_dir(sweep, k) / "buffer_final.json").read_text())
+    assert final["fixed_lag"]["k"] == k
+    assert final["counts"]["granted"] <= (k + 1 + STEPS) * 2

@@ -1,0 +1,125 @@
+"""`slime-async sweep` (issue 15): a grid x seeds of real runs, resumable, with a summary table
+and overlaid plots; `slime-async plot` of several runs.
+
+The end-to-end part is the shared two-point, one-seed sweep of tests/staleness_runs.py
+(`buffer.fixed_lag = 0, 2`, a few steps each); the rest checks the table's arithmetic on
+synthetic metrics and the resume rules without starting runs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slime_async.launch.sweep import DONE, Point, Sweep, parse_grid, run_summary
+from slime_async.metrics import MetricsLogger
+from slime_async.metrics import names as M
+from tests.staleness_runs import LAGS, TIMEOUT_S, run_dir, run_group, shared_sweep
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+pytestmark = pytest.mark.timeout(TIMEOUT_S)  # the shared sweep's runs, under load
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = shared_sweep(tmp_path_factory)
+    proc = out["proc"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_a_two_point_sweep_writes_its_table_and_plots(sweep):
+    out = sweep["out"]
+    for k in LAGS:
+        assert (run_dir(out, k) / DONE).exists()
+        assert (run_dir(out, k) / "metrics" / "learner.jsonl").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert [p["point"] for p in summary["points"]] == [f"fixed_lag-{k}" for k in LAGS]
+    for row, k in zip(summary["points"], LAGS, strict=True):
+        assert row["runs"] == 1 and row["seeds"] == 1
+        assert row["eval_final"] is not None and row["eval_final_sd"] == 0.0
+        assert row["tokens_per_s"] > 0 and row["iw_mean"] > 0 and 0 < row["iw_ess"] <= 1.0001
+        assert row["dropped_share"] == 0.0
+        assert (row["lag_min"], row["lag_max"]) == (0, k)
+        assert row["reached_target"] == 1  # target 0.0: reached at the first evaluation
+        assert row["time_to_target_s"] >= 0 and row["tokens_to_target"] == 0  # at version 0
+    table = (out / "summary.md").read_text()
+    assert table.startswith("| point | runs | final eval/accuracy_greedy (%)")
+    assert "`fixed_lag-2`" in table and "| 0-2 |" in table
+    for name in ("eval_accuracy.png", "staleness_hist.png", "iw_by_lag.png"):
+        assert (out / "plots" / name).read_bytes()[:8] == PNG
+
+
+def test_a_resumed_sweep_skips_the_finished_points(sweep):
+    out = sweep["out"]
+    before = {k: (run_dir(out, k) / DONE).stat().st_mtime for k in LAGS}
+    proc = run_group(sweep["argv"], 300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("finished before, skipped") == len(LAGS)
+    assert "'ran': 0, 'skipped': 2" in proc.stdout
+    assert {k: (run_dir(out, k) / DONE).stat().st_mtime for k in LAGS} == before
+
+
+# ------------------------------------------------------------------------------ without runs
+def test_grid_points_and_their_directory_names():
+    grid = parse_grid(["buffer.fixed_lag=0,8", "algo.loss=ppo_clip,decoupled_ppo"])
+    s = Sweep(["a.toml"], grid, seeds=2)
+    names = [p.name for p in s.points()]
+    assert names == [
+        "fixed_lag-0__loss-ppo_clip", "fixed_lag-0__loss-decoupled_ppo",
+        "fixed_lag-8__loss-ppo_clip", "fixed_lag-8__loss-decoupled_ppo",
+    ]  # fmt: skip
+    assert all("=" not in n for n in names)  # "=" would read as an override on a command line
+    assert Point((("learner.lr", "1e-4"),)).overrides == ["learner.lr=1e-4"]
+    with pytest.raises(ValueError, match=r"section\.key=v1,v2"):
+        parse_grid(["fixed_lag"])
+    with pytest.raises(ValueError, match="same name"):
+        Sweep(["a.toml"], parse_grid(["buffer.seed=1", "learner.seed=2"]))
+
+
+def _fake_run(rd, accuracies, tokens=100.0, step_s=1.0):
+    with MetricsLogger(rd, "learner", wandb_mode="disabled") as log:
+        for step in range(1, 7):
+            log.log(step, {M.TOKENS: tokens, M.GROUPS_GIVEN: 4.0, M.STEP_SECONDS: step_s,
+                           M.IW_MEAN: 1.0, M.IW_ESS: 0.9, M.BUFFER_DROPPED_ALL: 1.0,
+                           M.STALENESS_LEARNER_MIN: 2, M.STALENESS_LEARNER_MAX: 2})  # fmt: skip
+    with MetricsLogger(rd, "eval", wandb_mode="disabled") as log:
+        for v, acc in zip((0, 3, 6), accuracies, strict=True):
+            log.log(v, {M.EVAL_ACC_GREEDY: acc})
+
+
+def test_run_summary_time_and_tokens_to_target(tmp_path):
+    _fake_run(tmp_path, [0.2, 0.65, 0.7])
+    r = run_summary(tmp_path, M.EVAL_ACC_GREEDY, 0.6)
+    assert r["eval_first"] == 0.2 and r["eval_final"] == 0.7 and r["eval_final_version"] == 6
+    assert r["tokens_to_target"] == 300.0  # reached at version 3: steps 1-3
+    assert r["time_to_target_s"] is not None and r["time_to_target_s"] >= 0
+    assert r["trained_tokens"] == 600.0
+    assert r["dropped_share"] == pytest.approx(1 / 25)
+    assert (r["lag_min"], r["lag_max"]) == (2, 2)
+    assert run_summary(tmp_path, M.EVAL_ACC_GREEDY, 0.9)["time_to_target_s"] is None
+
+
+def test_an_unfinished_point_is_moved_aside_and_run_again(tmp_path, monkeypatch):
+    s = Sweep(["a.toml"], parse_grid(["buffer.fixed_lag=0,2"]), out=tmp_path)
+    done, unfinished = s.points()
+    (s.run_dir(done, 0)).mkdir(parents=True)
+    (s.run_dir(done, 0) / DONE).write_text("{}")
+    s.run_dir(unfinished, 0).mkdir(parents=True)  # a killed sweep left it
+    ran = []
+
+    def fake(point, seed, rd, tag, log):
+        ran.append(point.name)
+        rd.mkdir(parents=True)
+        return 0, 1.0
+
+    monkeypatch.setattr(s, "_run_one", fake)
+    counts = s.run(log=lambda text: None)
+    assert counts == {"ran": 1, "skipped": 1, "failed": 0, "restarted": 1}
+    assert ran == ["fixed_lag-2"]
+    assert (tmp_path / "fixed_lag-2" / "seed0.failed-1").is_dir()
+    assert (s.run_dir(unfinished, 0) / DONE).exists()
+    with pytest.raises(ValueError, match="other configs"):
+        Sweep(["b.toml"], parse_grid(["buffer.fixed_lag=0"]), out=tmp_path).check_resume()
