@@ -98,7 +98,8 @@ class EngineConfig(Section):
                 "engine.decode_attention = 'triton' needs engine.block_size >= 16 "
                 f"(got {self.block_size})"
             )
-        if self.kv_cache_tokens is not None and "mem_fraction" in self.model_fields_set:
+        # Values, not fields_set: config.json (what every child reads) spells out every default.
+        if self.kv_cache_tokens is not None and self.mem_fraction != _default("mem_fraction"):
             raise ValueError(
                 "engine.kv_cache_tokens and engine.mem_fraction both size the KV cache: set one"
             )
@@ -115,10 +116,14 @@ class EngineConfig(Section):
                 used.append("engine.initial_weight_version")
             cache_keys = ("mem_fraction", "block_size", "kv_cache_tokens", "max_prefill_tokens",
                           "prefix_sharing", "decode_attention", "compile", "overlap_schedule")  # fmt: skip
-            used += [f"engine.{k}" for k in cache_keys if k in self.model_fields_set]
+            used += [f"engine.{k}" for k in cache_keys if getattr(self, k) != _default(k)]
             if used:
                 raise ValueError(
                     f"{', '.join(used)}: only the embedded engine reads it, and "
                     "engine.kind = 'external' (real SGLang servers fail as they fail)"
                 )
         return self
+
+
+def _default(key: str):
+    return EngineConfig.model_fields[key].default
