@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not gpu" -q
+	$(PY) -m pytest -m "not gpu" -q -n 2 --dist loadfile
 
 quickstart: $(STAMP)
 	$(VENV)/bin/slime-async run configs/quickstart.toml

@@ -151,3 +151,20 @@ def test_each_evaluation_ran_on_one_version_while_the_learner_held_its_push(swee
         done_at = (rd / "eval" / f"result_v{v}.json").stat().st_mtime
         assert done_at <= learner[v + 1]["time"], (v, done_at, learner[v + 1]["time"])
         assert learner[v + 1][M.EVAL_VERSION] == v  # the result rode on that step's record
+
+
+def test_the_run_summary_reports_evaluation_accuracy_first_to_last_version():
+    from slime_async.commands.run import summarize_eval
+    from slime_async.metrics import names as m
+
+    rows = [
+        {m.EVAL_VERSION: 0, m.EVAL_ACC_GREEDY: 0.85, m.EVAL_ACC_SAMPLED: 0.41},
+        {m.EVAL_VERSION: 50, m.EVAL_ACC_GREEDY: 0.9, m.EVAL_ACC_SAMPLED: 0.6},
+        {m.EVAL_VERSION: 250, m.EVAL_ACC_GREEDY: 0.95, m.EVAL_ACC_SAMPLED: 0.8},
+    ]
+    got = summarize_eval(rows)
+    assert got == (
+        "eval accuracy, version 0 -> 250: greedy 85.0 -> 95.0 (+10.0 points), "
+        "sampled 41.0 -> 80.0 (+39.0 points)"
+    )
+    assert summarize_eval(rows[:1]) == ""  # one evaluation: nothing to compare

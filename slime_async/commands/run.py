@@ -92,10 +92,34 @@ def main(args: argparse.Namespace) -> int:
         code = supervisor.run()
     verdict = "completed" if code == 0 else "stopped"
     print(f"[slime-async] run {verdict} (exit {code}); logs in {run_dir.logs_dir}", flush=True)
-    summary = summarize_run(read_metrics(metrics_path(run_dir.path, "learner")))
-    if summary:
+    summaries = (
+        summarize_eval(read_metrics(metrics_path(run_dir.path, "eval"))),
+        summarize_run(read_metrics(metrics_path(run_dir.path, "learner"))),
+    )
+    for summary in filter(None, summaries):
         print(f"[slime-async] {summary}", flush=True)
     return code
+
+
+def summarize_eval(records: list[dict]) -> str:
+    """Held-out accuracy at the first and the last evaluated version (pinned evaluation)."""
+    from slime_async.metrics import names as m
+
+    rows = [r for r in records if isinstance(r.get(m.EVAL_VERSION), int)]
+    if len(rows) < 2:
+        return ""
+    first, last = rows[0], rows[-1]
+    parts = []
+    for key, label in ((m.EVAL_ACC_GREEDY, "greedy"), (m.EVAL_ACC_SAMPLED, "sampled")):
+        if isinstance(first.get(key), int | float) and isinstance(last.get(key), int | float):
+            a, b = 100.0 * first[key], 100.0 * last[key]
+            parts.append(f"{label} {a:.1f} -> {b:.1f} ({b - a:+.1f} points)")
+    if not parts:
+        return ""
+    return (
+        f"eval accuracy, version {first[m.EVAL_VERSION]} -> {last[m.EVAL_VERSION]}: "
+        + ", ".join(parts)
+    )
 
 
 def _check_launcher(cfg) -> None:
