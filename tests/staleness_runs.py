@@ -8,6 +8,8 @@ cache), so the three test files pay for two runs, not six.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -44,6 +46,7 @@ port = 0
 device = "cpu"
 torch_threads = 1
 max_running_requests = 16
+strict_sglang = true  # fail where SGLang fails (flush while running, health while paused)
 
 [generator]
 dataset = "{data}"
@@ -86,24 +89,61 @@ def sweep_argv(cfg: Path, out: Path) -> list[str]:
 
 
 def shared_sweep(tmp_path_factory) -> dict:
-    """{"out": sweep dir, "proc": the CompletedProcess, "cfg": base config, "argv": command}."""
-    if "out" not in _CACHE:
-        from examples.arithmetic.task import make_dataset
-        from slime_async.testing.models import make_tiny_model
+    """{"out": sweep dir, "proc": the CompletedProcess, "cfg": base config, "argv": command}.
 
-        root = tmp_path_factory.mktemp("staleness")
-        model = make_tiny_model(root / "model", "qwen3", seed=0)
-        data = make_dataset(root / "train.jsonl", 200, seed=0)
-        evals = make_dataset(root / "eval.jsonl", 20, seed=1)
-        cfg = write_config(root, model, data, evals)
-        out = root / "sweep"
-        argv = sweep_argv(cfg, out)
-        _CACHE.update(out=out, cfg=cfg, argv=argv)
+    Run once per test session: under pytest-xdist the modules that use it may sit on different
+    workers (processes), so the first one runs it under a lock in the session's shared temp
+    directory and writes what it got; the others wait on the lock and read that."""
+    if "out" in _CACHE:
+        return _CACHE
+    run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_uid is None:  # one process: the module cache is enough
+        return _run_sweep(tmp_path_factory)
+    shared = tmp_path_factory.getbasetemp().parent  # the same for every worker of this session
+    record = shared / f"staleness-sweep-{run_uid}.json"
+    with open(shared / f"staleness-sweep-{run_uid}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if record.exists():
+            r = json.loads(record.read_text())
+            proc = subprocess.CompletedProcess(r["argv"], r["rc"], r["stdout"], r["stderr"])
+            _CACHE.update(out=Path(r["out"]), cfg=Path(r["cfg"]), argv=r["argv"], proc=proc)
+            return _CACHE
         try:
-            _CACHE["proc"] = run_group(argv, 540)
-        except BaseException as e:  # e.g. pytest-timeout: the next module must not run it again
-            _CACHE["proc"] = subprocess.CompletedProcess(argv, -1, "", f"not finished: {e!r}")
-            raise
+            _run_sweep(tmp_path_factory)
+        finally:
+            if "proc" in _CACHE:
+                proc = _CACHE["proc"]
+                record.write_text(json.dumps({
+                    "out": str(_CACHE["out"]), "cfg": str(_CACHE["cfg"]), "argv": _CACHE["argv"],
+                    "rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
+                }))  # fmt: skip
+    return _CACHE
+
+
+def finished_sweep(tmp_path_factory) -> Path:
+    """The shared sweep's directory, after checking that it finished."""
+    proc = shared_sweep(tmp_path_factory)["proc"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _CACHE["out"]
+
+
+def _run_sweep(tmp_path_factory) -> dict:
+    from examples.arithmetic.task import make_dataset
+    from slime_async.testing.models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("staleness")
+    model = make_tiny_model(root / "model", "qwen3", seed=0)
+    data = make_dataset(root / "train.jsonl", 200, seed=0)
+    evals = make_dataset(root / "eval.jsonl", 20, seed=1)
+    cfg = write_config(root, model, data, evals)
+    out = root / "sweep"
+    argv = sweep_argv(cfg, out)
+    _CACHE.update(out=out, cfg=cfg, argv=argv)
+    try:
+        _CACHE["proc"] = run_group(argv, 540)
+    except BaseException as e:  # e.g. pytest-timeout: the next module must not run it again
+        _CACHE["proc"] = subprocess.CompletedProcess(argv, -1, "", f"not finished: {e!r}")
+        raise
     return _CACHE
 
 

@@ -21,7 +21,7 @@ from slime_async.metrics import names as M
 from slime_async.metrics import read_metrics
 from slime_async.testing.models import char_tokenizer
 from slime_async.utils.eval_pin import read_result, request_path, write_json_atomic
-from tests.staleness_runs import EVAL_INTERVAL, LAGS, STEPS, TIMEOUT_S, run_dir, shared_sweep
+from tests.staleness_runs import EVAL_INTERVAL, LAGS, STEPS, TIMEOUT_S, finished_sweep, run_dir
 
 pytestmark = pytest.mark.timeout(TIMEOUT_S)  # the shared sweep's runs, under load
 
@@ -127,10 +127,7 @@ def test_eval_interval_without_data_is_refused():
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    out = shared_sweep(tmp_path_factory)
-    proc = out["proc"]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out["out"]
+    return finished_sweep(tmp_path_factory)
 
 
 @pytest.mark.parametrize("k", LAGS)

@@ -22,7 +22,7 @@ from slime_async.queue.messages import AckStatus
 from slime_async.queue.schema import encode_trajectory
 from slime_async.queue.state import BufferState
 from slime_async.testing.trajectories import synthetic_group
-from tests.staleness_runs import LAGS, STEPS, TIMEOUT_S, run_dir, shared_sweep
+from tests.staleness_runs import LAGS, STEPS, TIMEOUT_S, finished_sweep, run_dir
 
 G = 2  # groups per step
 
@@ -109,10 +109,7 @@ def test_impossible_fixed_lag_configs_are_refused_naming_the_keys(overrides, nee
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    out = shared_sweep(tmp_path_factory)
-    proc = out["proc"]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out["out"]
+    return finished_sweep(tmp_path_factory)
 
 
 @pytest.mark.parametrize("k", LAGS)

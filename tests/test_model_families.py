@@ -485,6 +485,7 @@ port = 0
 device = "cpu"
 torch_threads = 1
 max_running_requests = 8
+strict_sglang = true  # fail where SGLang fails (flush while running, health while paused)
 
 [generator]
 dataset = "{data}"

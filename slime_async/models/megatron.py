@@ -301,25 +301,20 @@ def _post_norm_classes(norm):
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
 
-    class PostNormSelfAttention(SelfAttention):
-        def __init__(self, config, *args, **kwargs):
-            super().__init__(config, *args, **kwargs)
-            self.post_layernorm = norm(config, config.hidden_size, config.layernorm_epsilon)
+    def post_normed(base):
+        class PostNorm(base):
+            def __init__(self, config, *args, **kwargs):
+                super().__init__(config, *args, **kwargs)
+                self.post_layernorm = norm(config, config.hidden_size, config.layernorm_epsilon)
 
-        def forward(self, *args, **kwargs):
-            out, bias = super().forward(*args, **kwargs)
-            return self.post_layernorm(out), bias
+            def forward(self, *args, **kwargs):
+                out, bias = super().forward(*args, **kwargs)
+                return self.post_layernorm(out), bias
 
-    class PostNormMLP(MLP):
-        def __init__(self, config, *args, **kwargs):
-            super().__init__(config, *args, **kwargs)
-            self.post_layernorm = norm(config, config.hidden_size, config.layernorm_epsilon)
+        PostNorm.__name__ = PostNorm.__qualname__ = f"PostNorm{base.__name__}"
+        return PostNorm
 
-        def forward(self, *args, **kwargs):
-            out, bias = super().forward(*args, **kwargs)
-            return self.post_layernorm(out), bias
-
-    return PostNormSelfAttention, PostNormMLP
+    return post_normed(SelfAttention), post_normed(MLP)
 
 
 def _block_spec(arch: ModelArch):
