@@ -164,19 +164,22 @@ def test_interrupted_run_resumes_without_loss_or_repeat(tiny_setup):
         f"run.run_dir={root / 'resume'}",
     ]
     run_dir = root / "resume"
-    first = subprocess.Popen(
-        [sys.executable, "-m", "slime_async", "run", str(cfg), *steps],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    console = root / "resume-first.out"
+    with console.open("wb") as out:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "slime_async", "run", str(cfg), *steps],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     metrics = run_dir / "metrics" / "learner.jsonl"
     try:
         deadline = time.monotonic() + 240
         checkpoint = run_dir / "checkpoints" / "step_3"  # renamed into place once complete
         while not (checkpoint.is_dir() and len(metrics.read_text().splitlines()) >= 4):
-            assert first.poll() is None and time.monotonic() < deadline, "first run ended early"
+            assert first.poll() is None, "first run ended early:\n" + console.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint at step 3 after 240 s"
             time.sleep(0.1)  # polling the run's files: the readiness signal here
         os.kill(first.pid, signal.SIGINT)
         assert first.wait(120) == 130

@@ -5,6 +5,7 @@ what they wait on is always a file or a port, never a sleep."""
 import io
 import os
 import signal
+import socket
 import sys
 import textwrap
 import threading
@@ -13,8 +14,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from slime_async.commands.run import summarize_restarts
 from slime_async.launch.run_dir import READY_ENV, RunDir, announce_ready
 from slime_async.launch.supervisor import RoleSpec, Supervisor, ready_file_exists
+from slime_async.metrics import read_metrics
 from slime_async.utils.procs import Child, free_port, group_alive, tcp_ready, wait_until
 
 STANDIN = textwrap.dedent(
@@ -156,6 +159,9 @@ def test_dead_role_is_reported_and_the_run_stops(env):
     assert "no restarts left" in report
     assert events(record)[-1] == ["stop", "learner"]
     assert sup.failure and "engine0" in sup.failure
+    (rec,) = read_metrics(run_dir.path / "metrics" / "supervisor.jsonl")
+    assert rec["supervisor/failures"] == 1 and rec["supervisor/restarts"] == 0
+    assert rec["supervisor/exit_code/engine0"] == 3
 
 
 def test_role_is_restarted_with_resume_then_run_completes(env):
@@ -187,6 +193,11 @@ def test_role_is_restarted_with_resume_then_run_completes(env):
     ]  # fmt: skip
     assert "engine0" in err.getvalue() and "exited with code 7" in err.getvalue()
     assert "restarting engine0 (0 restarts left" in run_dir.log("supervisor").read_text()
+    # Counted, not only logged: one failure, one restart of engine0, with its exit code.
+    (rec,) = read_metrics(run_dir.path / "metrics" / "supervisor.jsonl")
+    assert rec["supervisor/failures"] == 1 and rec["supervisor/restarts"] == 1
+    assert rec["supervisor/restarts/engine0"] == 1 and rec["supervisor/exit_code/engine0"] == 7
+    assert summarize_restarts([rec]).startswith("role failures: 1; restarted: engine0 1x")
 
 
 def test_a_generator_may_finish_but_a_server_may_not(env):
@@ -354,3 +365,18 @@ def test_quick_role_that_is_ready_then_exits_counts_as_started(env):
     sup = Supervisor(run_dir, [[learner]], stop_grace_s=5, poll_interval_s=0.05, err=io.StringIO())
     assert sup.run() == 0
     assert events(record) == [["start", "learner"], ["exit", "learner"]]
+
+
+def test_free_ports_avoid_the_kernels_ephemeral_range_and_never_repeat():
+    """A port promised to a child must not be one an outgoing connection can take first (the
+    kernel draws those from its ephemeral range): that race failed whole runs with "address
+    already in use". Ports handed out by one process are all different."""
+    from slime_async.utils.procs import _ephemeral_range
+
+    low, high = _ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(not low <= p <= high for p in ports), ports
+    for p in ports[:5]:  # free now
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

@@ -95,6 +95,7 @@ def main(args: argparse.Namespace) -> int:
     summaries = (
         summarize_eval(read_metrics(metrics_path(run_dir.path, "eval"))),
         summarize_run(read_metrics(metrics_path(run_dir.path, "learner"))),
+        summarize_restarts(read_metrics(metrics_path(run_dir.path, "supervisor"))),
     )
     for summary in filter(None, summaries):
         print(f"[slime-async] {summary}", flush=True)
@@ -119,6 +120,25 @@ def summarize_eval(records: list[dict]) -> str:
     return (
         f"eval accuracy, version {first[m.EVAL_VERSION]} -> {last[m.EVAL_VERSION]}: "
         + ", ".join(parts)
+    )
+
+
+def summarize_restarts(records: list[dict]) -> str:
+    """The roles that failed during the run and how often each was restarted."""
+    from slime_async.metrics import names as m
+
+    if not records:
+        return ""
+    last = records[-1]  # counts are cumulative (per supervisor; a resume starts again)
+    per_role = {
+        k.removeprefix(m.SUP_ROLE_RESTARTS): v
+        for k, v in last.items()
+        if k.startswith(m.SUP_ROLE_RESTARTS)
+    }
+    roles = ", ".join(f"{name} {n}x" for name, n in sorted(per_role.items())) or "none"
+    return (
+        f"role failures: {last[m.SUP_FAILURES]}; restarted: {roles} "
+        "(reasons in logs/supervisor.log, counts in metrics/supervisor.jsonl)"
     )
 
 

@@ -35,6 +35,7 @@ KEY_NUMBERS: tuple[tuple[str, str, str], ...] = (
     (m.STALENESS_MEAN, "staleness", "{:.2f}"),
     (m.GEN_TOKENS_PER_S, "gen", "{} tok/s"),
     (m.TRAIN_TOKENS_PER_S, "train", "{} tok/s"),
+    (m.SUP_RESTARTS, "restarts", "{:.0f}"),  # present only after a role failed
 )
 
 

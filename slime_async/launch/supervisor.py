@@ -53,7 +53,8 @@ from typing import Literal, TextIO
 
 from slime_async.launch.progress import ProgressDisplay
 from slime_async.launch.run_dir import READY_ENV, RunDir
-from slime_async.metrics import MetricsTail
+from slime_async.metrics import MetricsLogger, MetricsTail
+from slime_async.metrics import names as m
 from slime_async.utils.procs import (
     WATCHDOG_CLEAN_STOP,
     Child,
@@ -148,6 +149,8 @@ class Supervisor:
         self._tails: dict[str, MetricsTail] = {}
         self.run_dir.logs_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.run_dir.log("supervisor"), "a", encoding="utf-8")  # noqa: SIM115
+        self.failures = 0
+        self.restarts: dict[str, int] = {}  # per role, since this supervisor started
 
     # ----- the whole run ---------------------------------------------------------------------
 
@@ -281,7 +284,9 @@ class Supervisor:
         child.stop(self.stop_grace_s)  # its process group may still hold processes it started
         del self.children[spec.name]
         self._record_children()
-        if self.restarts_left[spec.name] <= 0:
+        restart = self.restarts_left[spec.name] > 0
+        self._count_failure(spec.name, code, restart)
+        if not restart:
             self._fail(report + "\nno restarts left for it; stopping the run")
         self.restarts_left[spec.name] -= 1
         self._report(report)
@@ -293,6 +298,20 @@ class Supervisor:
         self._spawn(spec, resume=True)
         self.children = {n: self.children[n] for n in order if n in self.children}
         self._wait_ready(spec)
+
+    def _count_failure(self, role: str, code: int, restart: bool) -> None:
+        """One record in metrics/supervisor.jsonl per failure: the totals and this role's."""
+        self.failures += 1
+        if restart:
+            self.restarts[role] = self.restarts.get(role, 0) + 1
+        record = {
+            m.SUP_FAILURES: self.failures,
+            m.SUP_RESTARTS: sum(self.restarts.values()),
+            **{m.SUP_ROLE_RESTARTS + name: n for name, n in self.restarts.items()},
+            m.SUP_ROLE_EXIT + role: code,
+        }
+        with MetricsLogger(self.run_dir.path, "supervisor", wandb_mode="disabled") as log:
+            log.log(self.failures, record)
 
     def _fail(self, report: str) -> None:
         self.failure = report

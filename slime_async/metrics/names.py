@@ -203,3 +203,15 @@ EVAL_SECONDS = "eval/seconds"
 """Wall time of the evaluation."""
 EVAL_LEARNER_STEP = "eval/learner_step"
 """The learner step whose weights were evaluated (version v = after step v without skips)."""
+
+# ----- supervisor records: metrics/supervisor.jsonl, one per role failure -----------------------
+SUP_FAILURES = "supervisor/failures"
+"""Role exits that were not the role finishing its work, all roles, since this supervisor
+started (each one restarted or stopping the run; the reason is in logs/supervisor.log)."""
+SUP_RESTARTS = "supervisor/restarts"
+"""Roles restarted by `run.restart_failed`, all roles, since this supervisor started."""
+SUP_ROLE_RESTARTS = "supervisor/restarts/"
+"""Prefix: `supervisor/restarts/<role>` counts the restarts of one role."""
+SUP_ROLE_EXIT = "supervisor/exit_code/"
+"""Prefix: `supervisor/exit_code/<role>`: the exit code of the failure this record is about
+(negative: killed by that signal)."""

@@ -15,6 +15,7 @@ import ctypes
 import fcntl
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,9 +26,42 @@ from pathlib import Path
 
 import psutil
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PICKED: set[int] = set()  # handed out by this process: never twice
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free now on `host` (the OS picks it)."""
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections and to binds on port 0."""
+    try:
+        low, high = (int(v) for v in _EPHEMERAL_RANGE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """A TCP port that is free now on `host`, for a process that binds it later.
+
+    Picked at random outside the kernel's ephemeral range: a port from that range (what binding
+    port 0 gives) can be taken by any outgoing connection on the machine before the child that
+    was promised it binds it ("address already in use"). Ports already handed out by this
+    process are not handed out again. Falls back to the OS's choice if nothing else is free.
+    """
+    low, high = _ephemeral_range()
+    candidates = [r for r in ((20000, low - 1), (high + 1, 65535)) if r[0] <= r[1]]
+    rng = random.SystemRandom()
+    for _ in range(attempts if candidates else 0):
+        start, end = rng.choice(candidates)
+        port = rng.randint(start, end)
+        if port in _PICKED:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _PICKED.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
