@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from slime_async.metrics import read_metrics
+from slime_async.testing.run_config import tiny_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_STALENESS = 1
@@ -35,56 +36,15 @@ def _versions_follow_updates(records: list[dict]) -> None:
 
 
 def _config(tmp_path: Path, model: Path, data: Path, mode: str) -> Path:
-    cfg = tmp_path / f"e2e-{mode}.toml"
-    cfg.write_text(
-        f"""
-[run]
-name = "e2e"
-mode = "{mode}"
-run_dir = "{tmp_path / f"run-{mode}"}"
-wandb = "disabled"
-progress = "plain"
-ready_timeout_s = 240
-
-[buffer]
-producer_endpoint = "tcp://127.0.0.1:0"
-consumer_endpoint = "tcp://127.0.0.1:0"
-max_staleness = {MAX_STALENESS}
-wal_dir = "wal"
-
-[engine]
-port = 0
-device = "cpu"
-torch_threads = 1
-max_running_requests = 16
-strict_sglang = true       # fail where SGLang fails (flush while running, health while paused)
-
-[generator]
-dataset = "{data}"
-rollout = "single_turn"
-reward = "tests.test_e2e:char_sum_reward"
-group_size = 4
-max_inflight = 16
-
-[generator.sampling]
-temperature = 1.0
-max_new_tokens = 12
-
-[learner]
-model_path = "{model}"
-lr = 1e-4
-groups_per_step = 2
-num_steps = {STEPS}
-save_interval = 2
-push_interval = 1
-micro_batch_tokens = 2048
-
-[algo]
-advantage = "grpo"
-loss = "decoupled_ppo"
-"""
+    return tiny_run_config(
+        tmp_path / f"e2e-{mode}.toml",
+        model=model,
+        data=data,
+        run_dir=tmp_path / f"run-{mode}",
+        run={"name": "e2e", "mode": mode},
+        buffer={"max_staleness": MAX_STALENESS},
+        learner={"num_steps": STEPS},
     )
-    return cfg
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from slime_async.metrics import read_metrics
+from slime_async.testing.run_config import tiny_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 GROUPS_PER_STEP = 2
@@ -36,58 +37,17 @@ def tiny(tmp_path_factory):
     )
 
 
-def _config(root: Path, model: Path, data: Path, name: str, steps: int, extra: str = "") -> Path:
-    cfg = root / f"{name}.toml"
-    cfg.write_text(
-        f"""
-[run]
-name = "{name}"
-run_dir = "{root / name}"
-wandb = "disabled"
-progress = "plain"
-ready_timeout_s = 240
-
-[buffer]
-producer_endpoint = "tcp://127.0.0.1:0"
-consumer_endpoint = "tcp://127.0.0.1:0"
-max_staleness = 2
-wal_dir = "wal"
-
-[engine]
-port = 0
-router_port = 0
-device = "cpu"
-torch_threads = 1
-max_running_requests = 16
-strict_sglang = true
-{extra}
-
-[generator]
-dataset = "{data}"
-rollout = "single_turn"
-reward = "tests.test_e2e:char_sum_reward"  # varies between random responses: every batch trains
-group_size = {GROUP_SIZE}
-max_inflight = 16
-
-[generator.sampling]
-temperature = 1.0
-max_new_tokens = 12
-
-[learner]
-model_path = "{model}"
-lr = 1e-4
-groups_per_step = {GROUPS_PER_STEP}
-num_steps = {steps}
-save_interval = 2
-push_interval = 1
-micro_batch_tokens = 2048
-
-[algo]
-advantage = "grpo"
-loss = "decoupled_ppo"
-"""
+def _config(root: Path, model: Path, data: Path, name: str, steps: int, **engine) -> Path:
+    return tiny_run_config(
+        root / f"{name}.toml",
+        model=model,
+        data=data,
+        run_dir=root / name,
+        buffer={"max_staleness": 2},
+        engine={"router_port": 0, **engine},
+        learner={"num_steps": steps, "groups_per_step": GROUPS_PER_STEP},
+        generator={"group_size": GROUP_SIZE},
     )
-    return cfg
 
 
 def _start(cfg: Path) -> subprocess.Popen:
@@ -209,8 +169,7 @@ def test_engines_with_api_key_behind_the_real_router_train(tiny):
     got 401); /health is exempt from the key, as in SGLang, so the run starts and trains."""
     root, model, data = tiny
     steps = 3
-    extra = 'num_engines = 2\napi_key = "sekrit"'
-    cfg = _config(root, model, data, "router-key", steps, extra)
+    cfg = _config(root, model, data, "router-key", steps, num_engines=2, api_key="sekrit")
     run_dir = root / "router-key"
     _finish(_start(cfg))
     sup = (run_dir / "logs" / "supervisor.log").read_text()

@@ -31,6 +31,7 @@ from slime_async.launch.ray.placement import (
 from slime_async.launch.run_dir import RunDir
 from slime_async.launch.table import RoleAddresses, plan_roles
 from slime_async.metrics import read_metrics
+from slime_async.testing.run_config import tiny_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "slime_async_test"
@@ -238,65 +239,28 @@ def cluster(tmp_path_factory):
             os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = old
 
 
-def _config(cl: dict, name: str, steps: int, extra: str = "") -> Path:
+def _config(cl: dict, name: str, steps: int) -> Path:
     root = cl["root"]
-    cfg = root / f"{name}.toml"
-    cfg.write_text(
-        f"""
-[run]
-name = "{name}"
-run_dir = "{root / name}"
-wandb = "disabled"
-progress = "plain"
-ready_timeout_s = 240
-stop_grace_s = 10
-launcher = "ray"
-
-[run.ray]
-address = "{cl["address"]}"
-namespace = "{NAMESPACE}"
-engine_nodes = "engine"
-learner_nodes = "learner"
-cpu_nodes = "head"
-cpus_per_role = 0.5
-sync_interval_s = 0.5
-{extra}
-
-[buffer]
-producer_endpoint = "tcp://127.0.0.1:0"
-consumer_endpoint = "tcp://127.0.0.1:0"
-max_staleness = {MAX_STALENESS}
-wal_dir = "wal"
-
-[engine]
-port = 0
-device = "cpu"
-torch_threads = 1
-max_running_requests = 16
-strict_sglang = true
-
-[generator]
-dataset = "{cl["data"]}"
-rollout = "single_turn"
-reward = "tests.test_e2e:char_sum_reward"
-group_size = {GROUP_SIZE}
-max_inflight = 16
-
-[generator.sampling]
-temperature = 1.0
-max_new_tokens = 12
-
-[learner]
-model_path = "{cl["model"]}"
-lr = 1e-4
-groups_per_step = {GROUPS_PER_STEP}
-num_steps = {steps}
-save_interval = 2
-push_interval = 1
-micro_batch_tokens = 2048
-"""
+    return tiny_run_config(
+        root / f"{name}.toml",
+        model=cl["model"],
+        data=cl["data"],
+        run_dir=root / name,
+        run={"stop_grace_s": 10, "launcher": "ray"},
+        run__ray={
+            "address": cl["address"],
+            "namespace": NAMESPACE,
+            "engine_nodes": "engine",
+            "learner_nodes": "learner",
+            "cpu_nodes": "head",
+            "cpus_per_role": 0.5,
+            "sync_interval_s": 0.5,
+        },
+        buffer={"max_staleness": MAX_STALENESS},
+        generator={"group_size": GROUP_SIZE},
+        learner={"num_steps": steps, "groups_per_step": GROUPS_PER_STEP},
+        algo={"advantage": None, "loss": None},  # the defaults
     )
-    return cfg
 
 
 def _start(cfg: Path, *overrides: str) -> subprocess.Popen:
