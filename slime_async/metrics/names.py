@@ -203,3 +203,6 @@ EVAL_SECONDS = "eval/seconds"
 """Wall time of the evaluation."""
 EVAL_LEARNER_STEP = "eval/learner_step"
 """The learner step whose weights were evaluated (version v = after step v without skips)."""
+IS_DROPPED_FRAC = "is_dropped_frac"
+"""Share of model tokens whose behaviour weight was set to 0 (is_mode "mask", the `mis` loss: the
+weight left [is_low, is_high]; and aipo's drops)."""
