@@ -4,7 +4,8 @@
     python bench/bench_async.py --steps 20 configs/quickstart.toml learner.lr=1e-4
     python bench/bench_async.py --steps 80 --eval-interval 10 --metric eval/accuracy_sampled
 
-Runs `slime-async run` twice, one after the other in this command: `run.mode = "sync"` (generate a
+Runs `slime-async run` twice, one after the other in this command (`--parallel`: both at once, on
+a machine with cores for both): `run.mode = "sync"` (generate a
 batch, train, push, repeat: the on-policy baseline) and `run.mode = "async"` (generation never
 waits for training, bounded by `buffer.max_staleness`). Prints wall-clock time of the training
 span (learner ready -> last step), the speedup, generator idle % (no rollout in flight), learner
@@ -28,6 +29,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,23 +38,34 @@ from slime_async.metrics import names as m
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_mode(
-    mode: str, configs: list[str], overrides: list[str], steps: int, out: Path, metric: str
-) -> dict:
+def start_mode(mode: str, configs: list[str], overrides: list[str], steps: int, out: Path):
+    """Start one `slime-async run` of `mode`; its console goes to <out>/<mode>.out."""
     run_dir = out / mode
     shutil.rmtree(run_dir, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
     argv = [
         sys.executable, "-m", "slime_async", "run", *configs,
         f"run.mode={mode}", f"run.run_dir={run_dir}", f"learner.num_steps={steps}",
         "run.progress=plain", "run.wandb=disabled", *overrides,
     ]  # fmt: skip
-    t0 = time.time()
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"{mode} run failed with exit code {proc.returncode}")
-    total = time.time() - t0
-    return summarize(run_dir, total, metric)
+    with open(out / f"{mode}.out", "w") as console:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=console, stderr=subprocess.STDOUT)
+    t0, ended = time.time(), []
+    # the end time as it happens (with --parallel the other run may be waited on first)
+    waiter = threading.Thread(target=lambda: (proc.wait(), ended.append(time.time())))
+    waiter.start()
+    return proc, t0, waiter, ended
+
+
+def finish_mode(mode: str, started, out: Path, metric: str) -> dict:
+    proc, t0, waiter, ended = started
+    waiter.join()
+    code = proc.returncode
+    total = ended[0] - t0
+    if code != 0:
+        sys.stderr.write((out / f"{mode}.out").read_text()[-4000:])
+        raise SystemExit(f"{mode} run failed with exit code {code}")
+    return summarize(out / mode, total, metric)
 
 
 def _records(path: Path) -> list[dict]:
@@ -98,15 +111,26 @@ def main() -> int:
         "--eval-interval", type=int, default=10, help="pinned evaluation every N versions"
     )
     ap.add_argument("--metric", default=m.EVAL_ACC_SAMPLED, help="evaluation metric compared")
+    ap.add_argument(
+        "--parallel",
+        action="store_true",
+        help="run both modes at once (a machine with cores for both; default: one after the other)",
+    )
     args = ap.parse_args()
     configs = [c for c in args.config if "=" not in c] or ["configs/quickstart.toml"]
     overrides = [c for c in args.config if "=" in c]
     overrides.append(f"learner.eval_interval={args.eval_interval}")
     out = (REPO / args.out).resolve()
     results = {}
+    started = {}
     for mode in ("sync", "async"):
         print(f"running {mode} ({args.steps} steps) ...", flush=True)
-        results[mode] = run_mode(mode, configs, overrides, args.steps, out, args.metric)
+        started[mode] = start_mode(mode, configs, overrides, args.steps, out)
+        if not args.parallel:
+            results[mode] = finish_mode(mode, started[mode], out, args.metric)
+    for mode in ("sync", "async"):
+        if mode not in results:
+            results[mode] = finish_mode(mode, started[mode], out, args.metric)
     s, a = results["sync"], results["async"]
     rows = [
         ("wall-clock s (learner ready -> last step)", "wall_s", "{:.1f}"),

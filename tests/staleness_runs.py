@@ -1,7 +1,8 @@
 """One small real sweep shared by test_sweep.py, test_fixed_lag.py and test_eval.py.
 
-`slime-async sweep` over `buffer.fixed_lag = 0, 2` (one seed, a few steps, a tiny random model,
-pinned evaluation every 2 versions): two complete `slime-async run`s with the real buffer,
+`slime-async sweep --jobs 2` over `buffer.fixed_lag = 0, 2` (one seed, a few steps, a tiny random
+model, pinned evaluation every 2 versions): two complete `slime-async run`s at once, each with its
+own real buffer,
 embedded engine, generator and Megatron-core learner. Made once per test session (module-level
 cache), so the three test files pay for two runs, not six.
 """
@@ -85,7 +86,8 @@ loss = "decoupled_ppo"
 def sweep_argv(cfg: Path, out: Path) -> list[str]:
     grid = "buffer.fixed_lag=" + ",".join(map(str, LAGS))
     return [sys.executable, "-m", "slime_async", "sweep", str(cfg), "--grid", grid,
-            "--seeds", "1", "--out", str(out), "--target-accuracy", "0.0"]  # fmt: skip
+            "--seeds", "1", "--out", str(out), "--target-accuracy", "0.0",
+            "--jobs", "2"]  # fmt: skip
 
 
 def shared_sweep(tmp_path_factory) -> dict:

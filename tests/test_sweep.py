@@ -2,13 +2,18 @@
 and overlaid plots; `slime-async plot` of several runs.
 
 The end-to-end part is the shared two-point, one-seed sweep of tests/staleness_runs.py
-(`buffer.fixed_lag = 0, 2`, a few steps each); the rest checks the table's arithmetic on
+(`buffer.fixed_lag = 0, 2`, a few steps each, `--jobs 2`: both runs at once); the rest checks the table's arithmetic on
 synthetic metrics and the resume rules without starting runs.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 
 import pytest
 
@@ -45,6 +50,9 @@ def test_a_two_point_sweep_writes_its_table_and_plots(sweep):
         assert (row["lag_min"], row["lag_max"]) == (0, k)
         assert row["reached_target"] == 1  # target 0.0: reached at the first evaluation
         assert row["time_to_target_s"] >= 0 and row["tokens_to_target"] == 0  # at version 0
+    # --jobs 2: the two runs (own supervisor, ports, run directory) overlapped in time
+    done = [json.loads((run_dir(out, k) / DONE).read_text()) for k in LAGS]
+    assert max(d["started"] for d in done) < min(d["finished"] for d in done)
     table = (out / "summary.md").read_text()
     assert table.startswith("| point | runs | final eval/accuracy_greedy (%)")
     assert "`fixed_lag-2`" in table and "| 0-2 |" in table
@@ -100,6 +108,16 @@ def test_run_summary_time_and_tokens_to_target(tmp_path):
     assert r["dropped_share"] == pytest.approx(1 / 25)
     assert (r["lag_min"], r["lag_max"]) == (2, 2)
     assert run_summary(tmp_path, M.EVAL_ACC_GREEDY, 0.9)["time_to_target_s"] is None
+    assert r["iw_truncated"] is None  # neither truncated nor masked weights logged
+
+
+def test_run_summary_counts_masked_weights_as_cut(tmp_path):
+    """mis zeroes the weights outside the bound (is_dropped_frac) instead of clamping them
+    (is_truncated_frac): the table's "IW cut at bound" shows either."""
+    with MetricsLogger(tmp_path, "learner", wandb_mode="disabled") as log:
+        for step, dropped in ((1, 0.02), (2, 0.04)):
+            log.log(step, {M.TOKENS: 10.0, M.IW_MEAN: 0.9, M.IS_DROPPED_FRAC: dropped})
+    assert run_summary(tmp_path, M.EVAL_ACC_GREEDY, None)["iw_truncated"] == pytest.approx(0.03)
 
 
 def test_an_unfinished_point_is_moved_aside_and_run_again(tmp_path, monkeypatch):
@@ -113,9 +131,9 @@ def test_an_unfinished_point_is_moved_aside_and_run_again(tmp_path, monkeypatch)
     def fake(point, seed, rd, tag, log):
         ran.append(point.name)
         rd.mkdir(parents=True)
-        return 0, 1.0
+        return subprocess.Popen([sys.executable, "-c", "pass"])
 
-    monkeypatch.setattr(s, "_run_one", fake)
+    monkeypatch.setattr(s, "_launch", fake)
     counts = s.run(log=lambda text: None)
     assert counts == {"ran": 1, "skipped": 1, "failed": 0, "restarted": 1}
     assert ran == ["fixed_lag-2"]
@@ -123,3 +141,65 @@ def test_an_unfinished_point_is_moved_aside_and_run_again(tmp_path, monkeypatch)
     assert (s.run_dir(unfinished, 0) / DONE).exists()
     with pytest.raises(ValueError, match="other configs"):
         Sweep(["b.toml"], parse_grid(["buffer.fixed_lag=0"]), out=tmp_path).check_resume()
+
+
+def test_jobs_run_points_at_once_and_the_summary_keeps_grid_order(tmp_path, monkeypatch):
+    """--jobs 3 over four points: three start at once, the fourth when one has ended; the first
+    point ends last (it waits for a file written once the sweep has seen the fourth end), and the
+    summary still lists the points in grid order."""
+    s = Sweep(["a.toml"], parse_grid(["buffer.fixed_lag=0,1,2,4"]), out=tmp_path, jobs=3)
+    release = tmp_path / "released"
+    wait = (f"import pathlib, time; t = time.time() + 120\n"
+            f"while not pathlib.Path({str(release)!r}).exists():\n"
+            f"    assert time.time() < t, 'the fourth point never ran'; time.sleep(0.05)")  # fmt: skip
+    code = {"fixed_lag-0": wait, "fixed_lag-1": "pass", "fixed_lag-2": "pass",
+            "fixed_lag-4": "pass"}  # fmt: skip
+    logged = []
+
+    def log(text):
+        logged.append(text)
+        if "fixed_lag-4 seed 0: exit" in text:
+            release.touch()
+
+    def fake(point, seed, rd, tag, log):
+        _fake_run(rd, [0.1, 0.5, 0.9])
+        return subprocess.Popen([sys.executable, "-c", code[point.name]])
+
+    monkeypatch.setattr(s, "_launch", fake)
+    assert s.run(log=log) == {"ran": 4, "skipped": 0, "failed": 0, "restarted": 0}
+    info = {p.name: json.loads((s.run_dir(p, 0) / DONE).read_text()) for p in s.points()}
+    first3 = [info[f"fixed_lag-{k}"] for k in (0, 1, 2)]
+    assert max(d["started"] for d in first3) <= min(d["finished"] for d in first3)
+    assert info["fixed_lag-4"]["started"] >= min(d["finished"] for d in first3)
+    ended = [line.split("]")[1].split()[0] for line in logged if ": exit 0 after" in line]
+    assert ended[-1] == "fixed_lag-0"  # not in grid order
+    summary = s.summarize()
+    names = [p.name for p in s.points()]
+    assert [r["point"] for r in summary["points"]] == names
+    assert [r["point"] for r in summary["runs"]] == names
+    assert [r["eval_final"] for r in summary["points"]] == [0.9] * 4
+    with pytest.raises(ValueError, match="--jobs"):
+        Sweep(["a.toml"], parse_grid(["buffer.fixed_lag=0"]), jobs=0)
+
+
+def test_sigterm_stops_every_running_point_and_the_sweep(tmp_path, monkeypatch):
+    """SIGTERM to a sweep with two points running: both are stopped (their supervisors would stop
+    their roles), the third is never started, nothing is marked finished, and the sweep exits
+    saying why; the same command resumes it."""
+    s = Sweep(["a.toml"], parse_grid(["buffer.fixed_lag=0,1,2"]), out=tmp_path, jobs=2)
+    procs = []
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def fake(point, seed, rd, tag, log):
+        rd.mkdir(parents=True)
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+        if len(procs) == 2:  # both running: SIGTERM this process (the sweep's handler takes it)
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        return procs[-1]
+
+    monkeypatch.setattr(s, "_launch", fake)
+    with pytest.raises(SystemExit, match="got SIGTERM"):
+        s.run(log=lambda text: None)
+    assert len(procs) == 2 and all(p.returncode == -signal.SIGTERM for p in procs)
+    assert not list(tmp_path.glob(f"*/*/{DONE}"))
+    assert signal.getsignal(signal.SIGTERM) == previous

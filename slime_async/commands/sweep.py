@@ -1,7 +1,8 @@
 """`slime-async sweep CONFIG... [KEY=VALUE...] --grid key=v1,v2 [--grid ...] [--seeds N]`.
 
 Every point of the grid x every seed is one `slime-async run` in its own directory under
-`--out`, one after another on this machine (slime_async/launch/sweep.py); a finished point is
+`--out`, on this machine, `--jobs N` at once (default 1: one after another;
+slime_async/launch/sweep.py); a finished point is
 skipped when the same command runs again. Then the summary table (summary.md, summary.json) and
 the overlaid plots (plots/) are written next to the runs. `--summary-only` redoes those alone.
 """
@@ -12,7 +13,7 @@ import argparse
 
 from slime_async.commands import add_config_arguments
 
-HELP = "run a grid of configs x seeds one after another (resumable); table and plots"
+HELP = "run a grid of configs x seeds, --jobs at once (resumable); table and plots"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="eval/accuracy_greedy",
         help="evaluation metric of the table (default eval/accuracy_greedy)",
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="points run at once on this machine, each its own run (default 1: one after another)",
+    )
     p.add_argument("--summary-only", action="store_true", help="write table and plots, run nothing")
 
 
@@ -55,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
         grid = parse_grid(args.grid)
         sweep = Sweep(
             files, grid, args.seeds, Path(args.out), overrides, args.target_accuracy,
-            args.metric, args.seed_base,
+            args.metric, args.seed_base, args.jobs,
         )  # fmt: skip
     except ValueError as e:
         raise ConfigError(str(e)) from None

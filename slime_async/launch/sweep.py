@@ -7,9 +7,11 @@
       summary.json, summary.md       one row per point (mean +- sd over seeds), one per run in json
       plots/                         `slime-async plot` of all runs, overlaid by point
 
-Points run one after another on this machine, each as `python -m slime_async run CONFIG...
-KEY=VALUE...` (the same machinery as a single run; its supervisor owns the point's processes).
-Running points concurrently on a Ray cluster is left for when the Ray launcher is merged.
+Points run on this machine, one after another or `jobs` at once (`--jobs N`), each as
+`python -m slime_async run CONFIG... KEY=VALUE...` (the same machinery as a single run: its own
+supervisor owns the point's processes, and its own free ports and run directory keep concurrent
+points apart). The summary reads the run directories in grid order, so it is the same whatever
+order the points finished in. Running points across a Ray cluster is not built.
 Resumable: a point whose run directory holds `SWEEP_DONE` is not run again; an unfinished one
 (killed sweep) is moved aside to `<dir>.failed-<n>` and started afresh (counted, logged).
 """
@@ -19,13 +21,16 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import queue
 import re
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +69,7 @@ def _safe(value: str) -> str:
 
 @dataclass
 class Sweep:
-    """A grid over config keys, crossed with seeds, run one point after another."""
+    """A grid over config keys, crossed with seeds, run `jobs` points at a time."""
 
     configs: list[str]
     grid: list[tuple[str, list[str]]]
@@ -74,6 +79,8 @@ class Sweep:
     target_accuracy: float | None = None
     metric: str = M.EVAL_ACC_GREEDY
     seed_base: int = 0
+    jobs: int = 1
+    """Points run at once on this machine, each its own `slime-async run`."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out).absolute()
@@ -85,6 +92,8 @@ class Sweep:
             raise ValueError("--grid: a key is given twice")
         if self.seeds < 1:
             raise ValueError("--seeds must be >= 1")
+        if self.jobs < 1:
+            raise ValueError("--jobs must be >= 1")
 
     def points(self) -> list[Point]:
         keys = [k for k, _ in self.grid]
@@ -122,11 +131,13 @@ class Sweep:
         meta.write_text(json.dumps(self.describe(), indent=2) + "\n")
 
     def run(self, log: Any = print) -> dict[str, int]:
-        """Run every unfinished (point, seed); return counts: ran, skipped, failed, restarted."""
+        """Run every unfinished (point, seed), up to `jobs` at once; return counts: ran, skipped,
+        failed, restarted."""
         self.check_resume()
         counts = {"ran": 0, "skipped": 0, "failed": 0, "restarted": 0}
         # Seed-major: every point once before any point twice (a cut-short sweep still compares).
         todo = [(p, s) for s in self.seed_values() for p in self.points()]
+        pending: list[tuple[str, Point, int, Path]] = []
         for n, (point, seed) in enumerate(todo, 1):
             rd = self.run_dir(point, seed)
             tag = f"[sweep {n}/{len(todo)}] {point.name} seed {seed}"
@@ -141,43 +152,90 @@ class Sweep:
                 rd.rename(rd.with_name(f"{rd.name}.failed-{k}"))
                 counts["restarted"] += 1
                 log(f"{tag}: unfinished run directory moved to {rd.name}.failed-{k}; rerunning")
-            code, seconds = self._run_one(point, seed, rd, tag, log)
+            pending.append((tag, point, seed, rd))
+        for (tag, point, seed, rd), code, t0, t1 in self._run_all(pending, log):
             if code == 0:
                 counts["ran"] += 1
                 info = {"point": point.name, "overrides": point.overrides, "seed": seed,
-                        "seconds": seconds}  # fmt: skip
+                        "seconds": t1 - t0, "started": t0, "finished": t1}  # fmt: skip
                 (rd / DONE).write_text(json.dumps(info) + "\n")
             else:
                 counts["failed"] += 1
                 log(f"{tag}: FAILED with exit code {code}; see {rd}.out (left unfinished)")
         return counts
 
-    def _run_one(self, point: Point, seed: int, rd: Path, tag: str, log: Any) -> tuple[int, float]:
+    def _run_all(self, pending: list[tuple[str, Point, int, Path]], log: Any) -> Iterator[Any]:
+        """Start the runs of `pending` in order, at most `jobs` at a time; yield each one as it
+        ends: (its entry, exit code, start and end time in epoch seconds).
+
+        One thread per running point only waits for its process and reports to the main thread,
+        which starts the next one. SIGTERM to the sweep is passed on to every running point's
+        supervisor (which stops its roles), and the sweep stops after they have ended; so does a
+        point killed by a signal (the others are stopped the same way)."""
+        done: queue.Queue[tuple[int, int]] = queue.Queue()
+        running: dict[int, tuple[subprocess.Popen, Any, float]] = {}
+        stopping: list[str] = []
+
+        def stop_all(reason: str) -> None:
+            if not stopping:
+                stopping.append(reason)
+            for proc, _, _ in running.values():
+                if proc.poll() is None:
+                    proc.terminate()
+
+        def on_sigterm(*_: Any) -> None:
+            stop_all("the sweep got SIGTERM")
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        waiting = list(enumerate(pending))
+        try:
+            while waiting or running:
+                while waiting and len(running) < self.jobs and not stopping:
+                    i, (tag, point, seed, rd) = waiting.pop(0)
+                    proc = self._launch(point, seed, rd, tag, log)
+                    running[i] = (proc, pending[i], time.time())
+                    threading.Thread(
+                        target=lambda i=i, p=proc: done.put((i, p.wait())),
+                        name=f"sweep-wait-{i}", daemon=True,
+                    ).start()  # fmt: skip
+                if not running:
+                    break  # stopping: nothing left to wait for
+                try:
+                    i, code = done.get(timeout=1.0)  # bounded, so a signal is handled promptly
+                except queue.Empty:
+                    continue
+                proc, entry, t0 = running.pop(i)
+                t1 = time.time()
+                tag = entry[0]
+                log(f"{tag}: exit {code} after {t1 - t0:.0f}s")
+                if code < 0 or code == 128 + signal.SIGTERM:
+                    stop_all(f"{tag} was stopped by a signal (exit {code})")
+                    continue
+                yield entry, code, t0, t1
+        except BaseException:
+            stop_all("the sweep was interrupted")
+            for proc, _, _ in running.values():
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    log(f"sweep: pid {proc.pid} still running after SIGTERM + 120 s; SIGKILL")
+                    proc.kill()
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        if stopping:
+            raise SystemExit(f"[sweep] {stopping[0]}; the sweep stops (rerun it to resume)")
+
+    def _launch(self, point: Point, seed: int, rd: Path, tag: str, log: Any) -> subprocess.Popen:
+        """Start one point's `slime-async run` (its own supervisor, ports and run directory)."""
         rd.parent.mkdir(parents=True, exist_ok=True)
         argv = [
             sys.executable, "-m", "slime_async", "run", *self.configs, *self.overrides,
             *point.overrides, f"run.seed={seed}", f"run.run_dir={rd}", "run.progress=plain",
         ]  # fmt: skip
         log(f"{tag}: {' '.join(argv[3:])}")
-        t0 = time.perf_counter()
         with open(rd.with_name(rd.name + ".out"), "w") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-            # SIGTERM to the sweep is passed on to the run's supervisor, which stops its roles
-            # (its own SIGTERM handling); Ctrl-C reaches the whole foreground group anyway.
-            previous = signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
-            try:
-                code = proc.wait()
-            except BaseException:
-                proc.terminate()
-                proc.wait(timeout=120)
-                raise
-            finally:
-                signal.signal(signal.SIGTERM, previous)
-            if code in (-signal.SIGTERM, 128 + signal.SIGTERM) or code < 0:
-                raise SystemExit(f"{tag}: stopped by a signal (exit {code}); the sweep stops")
-        seconds = time.perf_counter() - t0
-        log(f"{tag}: exit {code} after {seconds:.0f}s")
-        return code, seconds
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
 
     # ------------------------------------------------------------------------------- summary
     def summarize(self) -> dict[str, Any]:
@@ -234,7 +292,10 @@ def run_summary(rd: str | Path, metric: str, target: float | None) -> dict[str, 
         "dropped_share": dropped / max(given + dropped, 1.0),
         "masked_share": masked / max(given, 1.0),
         "iw_mean": _mean(learner, M.IW_MEAN),
-        "iw_truncated": _mean(learner, M.IS_TRUNCATED_FRAC),
+        # cut at the bound: clamped (truncate: tis, decoupled_ppo) or zeroed (mask: mis)
+        "iw_truncated": _first_of(
+            _mean(learner, M.IS_TRUNCATED_FRAC), _mean(learner, M.IS_DROPPED_FRAC)
+        ),
         "iw_ess": _mean(learner, M.IW_ESS),
         "clip_frac": _mean(learner, M.CLIP_FRAC),
         "lag_min": min((r.get(M.STALENESS_LEARNER_MIN, math.inf) for r in learner), default=None),
@@ -255,6 +316,10 @@ def run_summary(rd: str | Path, metric: str, target: float | None) -> dict[str, 
                 float(r.get(M.TOKENS, 0.0)) for r in learner if r["step"] <= hit["step"]
             )
     return out
+
+
+def _first_of(*xs: float | None) -> float | None:
+    return next((x for x in xs if x is not None), None)
 
 
 def _mean(records: list[dict[str, Any]], key: str) -> float | None:
@@ -296,7 +361,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
     head = [
         "point", "runs", f"final {metric} (%)", "first (%)",
         f"time to {'' if target is None else f'{100 * target:.0f}% '}(s)", "tokens to target",
-        "trained tok/s", "dropped / masked groups", "IW mean", "IW truncated", "IW ESS",
+        "trained tok/s", "dropped / masked groups", "IW mean", "IW cut at bound", "IW ESS",
         "clip frac", "trained lag",
     ]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]

@@ -215,3 +215,6 @@ SUP_ROLE_RESTARTS = "supervisor/restarts/"
 SUP_ROLE_EXIT = "supervisor/exit_code/"
 """Prefix: `supervisor/exit_code/<role>`: the exit code of the failure this record is about
 (negative: killed by that signal)."""
+IS_DROPPED_FRAC = "is_dropped_frac"
+"""Share of model tokens whose behaviour weight was set to 0 (is_mode "mask", the `mis` loss: the
+weight left [is_low, is_high]; and aipo's drops)."""
