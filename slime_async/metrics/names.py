@@ -203,6 +203,9 @@ EVAL_SECONDS = "eval/seconds"
 """Wall time of the evaluation."""
 EVAL_LEARNER_STEP = "eval/learner_step"
 """The learner step whose weights were evaluated (version v = after step v without skips)."""
+IS_DROPPED_FRAC = "is_dropped_frac"
+"""Share of model tokens whose behaviour weight was set to 0 (is_mode "mask", the `mis` loss: the
+weight left [is_low, is_high]; and aipo's drops)."""
 
 # ----- supervisor records: metrics/supervisor.jsonl, one per role failure -----------------------
 SUP_FAILURES = "supervisor/failures"
@@ -215,6 +218,3 @@ SUP_ROLE_RESTARTS = "supervisor/restarts/"
 SUP_ROLE_EXIT = "supervisor/exit_code/"
 """Prefix: `supervisor/exit_code/<role>`: the exit code of the failure this record is about
 (negative: killed by that signal)."""
-IS_DROPPED_FRAC = "is_dropped_frac"
-"""Share of model tokens whose behaviour weight was set to 0 (is_mode "mask", the `mis` loss: the
-weight left [is_low, is_high]; and aipo's drops)."""
