@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from slime_async.testing.run_config import tiny_run_config
+
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600
 """pytest-timeout of the tests that use the sweep (two runs: about a minute on an idle 2-core
@@ -28,59 +30,16 @@ _CACHE: dict[str, object] = {}
 
 
 def write_config(root: Path, model: Path, data: Path, evals: Path) -> Path:
-    cfg = root / "sweep-base.toml"
-    cfg.write_text(
-        f"""
-[run]
-name = "sweep-test"
-wandb = "disabled"
-progress = "plain"
-ready_timeout_s = 240
-
-[buffer]
-producer_endpoint = "tcp://127.0.0.1:0"
-consumer_endpoint = "tcp://127.0.0.1:0"
-max_staleness = 2
-
-[engine]
-port = 0
-device = "cpu"
-torch_threads = 1
-max_running_requests = 16
-strict_sglang = true  # fail where SGLang fails (flush while running, health while paused)
-
-[generator]
-dataset = "{data}"
-rollout = "single_turn"
-reward = "tests.test_e2e:char_sum_reward"
-group_size = 4
-max_inflight = 16
-
-[generator.sampling]
-temperature = 1.0
-max_new_tokens = 10
-
-[learner]
-model_path = "{model}"
-lr = 1e-4
-groups_per_step = 2
-num_steps = {STEPS}
-save_interval = 0
-push_interval = 1
-micro_batch_tokens = 2048
-eval_interval = {EVAL_INTERVAL}
-
-[eval]
-data = "{evals}"
-max_examples = 4
-samples = 1
-
-[algo]
-advantage = "grpo"
-loss = "decoupled_ppo"
-"""
+    return tiny_run_config(
+        root / "sweep-base.toml",
+        model=model,
+        data=data,
+        run={"name": "sweep-test"},
+        buffer={"max_staleness": 2, "wal_dir": None},
+        generator__sampling={"max_new_tokens": 10},
+        learner={"num_steps": STEPS, "save_interval": 0, "eval_interval": EVAL_INTERVAL},
+        eval={"data": str(evals), "max_examples": 4, "samples": 1},
     )
-    return cfg
 
 
 def sweep_argv(cfg: Path, out: Path) -> list[str]:

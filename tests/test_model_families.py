@@ -461,59 +461,24 @@ def test_tiny_moe_run_with_routing_replay_trains_and_pushes(tmp_path):
     from examples.arithmetic.task import make_dataset
     from slime_async.metrics import read_metrics
     from slime_async.testing.models import make_tiny_model
+    from slime_async.testing.run_config import tiny_run_config
 
     model = make_tiny_model(tmp_path / "moe", "qwen3_moe", seed=0, num_layers=2)
     data = make_dataset(tmp_path / "train.jsonl", 50, seed=0)
-    cfg = tmp_path / "moe.toml"
-    cfg.write_text(
-        f"""
-[run]
-name = "moe"
-mode = "sync"
-run_dir = "{tmp_path / "run"}"
-wandb = "disabled"
-progress = "plain"
-ready_timeout_s = 240
-
-[buffer]
-producer_endpoint = "tcp://127.0.0.1:0"
-consumer_endpoint = "tcp://127.0.0.1:0"
-max_staleness = 0
-
-[engine]
-port = 0
-device = "cpu"
-torch_threads = 1
-max_running_requests = 8
-strict_sglang = true  # fail where SGLang fails (flush while running, health while paused)
-
-[generator]
-dataset = "{data}"
-rollout = "single_turn"
-reward = "tests.test_e2e:char_sum_reward"
-group_size = 4
-max_inflight = 8
-
-[generator.sampling]
-temperature = 1.0
-max_new_tokens = 8
-
-[learner]
-model_path = "{model}"
-lr = 1e-3
-groups_per_step = 2
-num_steps = 2
-push_interval = 1
-micro_batch_tokens = 2048
-routing_replay = true
-moe_aux_loss_coeff = 0.01
-
-[algo]
-advantage = "grpo"
-loss = "decoupled_ppo"
-mini_batches = 1
-"""
-    )
+    cfg = tiny_run_config(
+        tmp_path / "moe.toml",
+        model=model,
+        data=data,
+        run_dir=tmp_path / "run",
+        run={"name": "moe", "mode": "sync"},
+        buffer={"max_staleness": 0, "wal_dir": None},
+        engine={"max_running_requests": 8},
+        generator={"max_inflight": 8},
+        generator__sampling={"max_new_tokens": 8},
+        learner={"lr": 1e-3, "num_steps": 2, "save_interval": None, "routing_replay": True,
+                 "moe_aux_loss_coeff": 0.01},
+        algo={"mini_batches": 1},
+    )  # fmt: skip
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
         [sys.executable, "-m", "slime_async", "run", str(cfg)],

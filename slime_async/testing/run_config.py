@@ -5,7 +5,8 @@ file: every role on loopback with OS-chosen ports, one strict (SGLang-like) embe
 thread, a single-turn rollout with a reward that varies between random responses (so every
 batch has a gradient), GRPO with decoupled PPO. Each keyword names a section (`run`, `buffer`,
 `engine`, `generator`, `generator.sampling`, `learner`, `algo`, `eval`, `run.ray`, ...) whose keys
-replace or extend the defaults below; `None` as a value removes the key.
+replace or extend the defaults below; `None` as a value removes the key. Without `run_dir` the
+run's directory is left to whoever starts it (`slime-async sweep` names one per point).
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ VARYING_REWARD = "tests.test_e2e:char_sum_reward"
 """A reward that differs between random responses: groups of equal rewards have no gradient."""
 
 
-def _defaults(model: Path, data: Path, run_dir: Path) -> dict[str, dict[str, Any]]:
+def _defaults(model: Path, data: Path, run_dir: Path | None) -> dict[str, dict[str, Any]]:
+    where = {"name": run_dir.name, "run_dir": str(run_dir)} if run_dir else {"name": "tiny"}
     return {
         "run": {
-            "name": run_dir.name,
-            "run_dir": str(run_dir),
+            **where,
             "wandb": "disabled",
             "progress": "plain",
             "ready_timeout_s": 240,
@@ -79,11 +80,11 @@ def tiny_run_config(
     *,
     model: str | Path,
     data: str | Path,
-    run_dir: str | Path,
+    run_dir: str | Path | None = None,
     **sections: Mapping[str, Any] | None,
 ) -> Path:
     """Write the run's TOML to `path` and return it; see the module docstring."""
-    config = _defaults(Path(model), Path(data), Path(run_dir))
+    config = _defaults(Path(model), Path(data), Path(run_dir) if run_dir else None)
     for name, keys in sections.items():
         section = config.setdefault(name.replace("__", "."), {})
         for key, value in (keys or {}).items():
