@@ -1,6 +1,6 @@
 """The Megatron-core learner on a GPU: train-step tokens/s next to an HF baseline, bf16 log-prob agreement.
 
-    python bench/bench_learner.py [--hidden 1024 --layers 28 ...] [--json out.json]
+    python bench/bench_learner.py [--hidden 1024 --layers 28 ...] [--full] [--json out.json]
 
 Builds a random-init Qwen3-shaped model (default about 0.5B parameters: hidden 1024, 28 layers,
 16 heads, 8 kv heads, intermediate 3072, vocab 151936, tied embeddings), saves it as an HF
@@ -15,12 +15,20 @@ directory and loads it into the learner (bf16 parameters, fp32 master weights an
   model in bf16 and in fp32 (same bf16 weights), mean and max absolute difference; the HF
   bf16 vs fp32 difference shows bf16's own noise.
 
+With `--full`, also (each printed beside its baseline): the learner with its options before
+issue 17 (megatron's unfused attention over padded rows, MasterAdamW), a plain megatron-core
+forward/backward + optimizer step on the same tokens (GPTModel's own cross-entropy), activation
+recomputation (selective, full), and an RL-shaped batch (4 groups x 8, 128-token prompts,
+log-normal response lengths cut to 64..1,024) packed against padded, in real tokens/s. Peak
+memory is the CUDA allocator's peak of each part alone.
+
 Needs a CUDA GPU (on CPU use a tiny shape: --hidden 64 --layers 2 --vocab 128 ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -120,6 +128,110 @@ def hf_train_steps(model, group: TrainGroup, args, n: int) -> float:
     return float(np.mean(times))
 
 
+def make_rl_groups(args, rng: np.random.Generator) -> list[TrainGroup]:
+    """`--rl-groups` groups of `--rl-group-size` trajectories, one shared `--rl-prompt`-token
+    prompt each, response lengths log-normal (median `--rl-median`, sigma 0.7) cut to [64, 1024]."""
+    groups = []
+    for g in range(args.rl_groups):
+        prompt = rng.integers(10, args.vocab, size=args.rl_prompt).astype(np.int32)
+        trajs = []
+        for k in range(args.rl_group_size):
+            r = int(np.clip(rng.lognormal(np.log(args.rl_median), 0.7), 64, 1024))
+            trajs.append(
+                Trajectory(
+                    id=f"rl{g}-{k}",
+                    group_id=f"rl{g}",
+                    group_size=args.rl_group_size,
+                    prompt_ids=prompt,
+                    response_ids=rng.integers(10, args.vocab, size=r).astype(np.int32),
+                    logprobs=np.full(r, -float(np.log(args.vocab)), dtype=np.float32),
+                    loss_mask=np.ones(r, dtype=np.uint8),
+                    versions=np.zeros(r, dtype=np.int32),
+                    reward=float(rng.random()),
+                )
+            )
+        groups.append(TrainGroup(tuple(trajs)))
+    return groups
+
+
+def real_tokens(groups: list[TrainGroup]) -> int:
+    return sum(len(t.prompt_ids) + len(t.response_ids) - 1 for g in groups for t in g)
+
+
+class Results(dict):
+    """The figures, each printed (flushed) the moment it is set: a run stopped by a timeout
+    still shows everything it measured."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if isinstance(value, float):
+            print(f"[bench_learner] {key} = {value:,.3f}", flush=True)
+
+
+def free_cuda() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gb() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def time_learner(learner, groups, args, steps=None) -> tuple[float, list[float]]:
+    """Seconds per train_step on `groups` (after --warmup steps) and every step's loss."""
+    times, losses = [], []
+    for i in range(args.warmup + (steps or args.steps)):
+        sync()
+        t0 = time.perf_counter()
+        m = learner.train_step(groups)
+        sync()
+        losses.append(m["loss"])
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return float(np.mean(times)), losses
+
+
+def time_plain_megatron(learner, group: TrainGroup, args) -> float:
+    """Seconds per step of a plain megatron-core step on the same tokens: GPTModel's own
+    vocab-parallel cross-entropy (labels given), mean, backward, the learner's optimizer."""
+    tokens = torch.tensor(
+        np.stack([np.concatenate([t.prompt_ids, t.response_ids]) for t in group]),
+        device=learner.device,
+    ).long()
+    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    mask = None
+    if learner.attention == "local":
+        from slime_async.megatron_compat import causal_mask
+
+        mask = causal_mask(ids.shape[1], ids.device)
+    opt = learner.optimizer
+    times = []
+    for i in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        if hasattr(opt, "begin"):
+            opt.begin(1)
+        loss = learner.train_model(ids, pos, mask, labels=labels).float().mean()
+        loss.backward()
+        opt.reduce_gradients(learner.dp_group, learner.tp_group, learner.expert_dp_group)
+        norm = opt.grad_norm(learner.tp_group, learner.ep_group)
+        opt.step(1e-6, learner.tp_group, norm=norm)
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return float(np.mean(times))
+
+
+# The learner's options before issue 17 (megatron's unfused attention over padded rows,
+# MasterAdamW), measured in the same run as the baseline of the new defaults.
+OLD = dict(attention="local", pack_sequences=False, optimizer="master_adamw")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -132,33 +244,53 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--full", action="store_true",
+                    help="also: the old options, recomputation, the RL-length batch packed vs "
+                    "padded, and a plain megatron-core step")  # fmt: skip
+    ap.add_argument("--rl-groups", type=int, default=4)
+    ap.add_argument("--rl-group-size", type=int, default=8)
+    ap.add_argument("--rl-prompt", type=int, default=128)
+    ap.add_argument("--rl-median", type=float, default=300.0)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
-    results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    results: dict = Results(
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    )
     rng = np.random.default_rng(0)
     group = make_group(args, rng)
+    tokens_per_step = args.batch * args.seq
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp) / "model", args)
-        cfg = LearnerConfig(
+        base = dict(
             model_path=str(model_dir),
             dtype="bfloat16" if torch.cuda.is_available() else "float32",
             lr=1e-6,
             micro_batch_tokens=args.batch * args.seq,
         )
-        learner = Learner(cfg, AlgoConfig(loss="ppo_clip", advantage="grpo"))
+        # One PPO update per step, as the HF baseline does (the default of 4 mini-batches would
+        # add 3 optimizer steps and a pi_prox forward pass to the learner's side).
+        algo = AlgoConfig(loss="ppo_clip", advantage="grpo", mini_batches=1)
+        free_cuda()
+        learner = Learner(LearnerConfig(**base), algo)
+        results["options"] = {
+            "attention": learner.attention,
+            "packed": learner.pack,
+            "optimizer": learner.optimizer_kind,
+        }
         results["params"] = sum(p.numel() for p in learner.model.parameters())
         seqs = [np.concatenate([t.prompt_ids, t.response_ids]).tolist() for t in group]
 
         # Agreement first, on the starting weights shared with the HF model.
         ours = torch.stack([lp for lp, _ in learner.compute_logprobs(seqs)])  # [B, L-1]
         dev = learner.device
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(dev)
+        hf_dir = model_dir
         tokens = torch.tensor(seqs, device=dev)
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(dev)
         with torch.no_grad():
             hf_bf16 = hf_logprobs(hf.eval(), tokens).cpu()
             hf_fp32 = hf_logprobs(hf.float(), tokens).cpu()
-        hf.to(torch.bfloat16)
+        del hf
         for name, ref in (("learner_vs_hf_bf16", hf_bf16), ("learner_vs_hf_fp32", hf_fp32)):
             d = (ours - ref).abs()
             results[name] = {"mean_abs": d.mean().item(), "max_abs": d.max().item()}
@@ -166,40 +298,112 @@ def main() -> None:
         results["hf_bf16_vs_hf_fp32"] = {"mean_abs": d.mean().item(), "max_abs": d.max().item()}
         results["mean_logp"] = ours.mean().item()
 
-        times, losses = [], []
-        for i in range(args.warmup + args.steps):
-            sync()
-            t0 = time.perf_counter()
-            m = learner.train_step([group])
-            sync()
-            losses.append(m["loss"])
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
-        tokens_per_step = args.batch * args.seq
-        results["learner_tokens_per_s"] = tokens_per_step / float(np.mean(times))
+        free_cuda()
+        sec, losses = time_learner(learner, [group], args)
+        results["learner_tokens_per_s"] = tokens_per_step / sec
         results["learner_losses"] = losses
         results["version"] = learner.version
-        if torch.cuda.is_available():
-            results["learner_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        # The baseline runs while the learner's process group still exists (its optimizer
-        # computes the grad norm through torch.distributed).
+        results["learner_peak_mem_gb"] = peak_gb()
+        # The HF baseline runs while the learner's process group exists (its optimizer computes
+        # the grad norm through torch.distributed); its peak is counted above what is held.
+        free_cuda()
+        held = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(dev)
         results["hf_tokens_per_s"] = tokens_per_step / hf_train_steps(hf, group, args, args.steps)
-        learner.close()
+        results["hf_peak_mem_gb"] = peak_gb() - held / 2**30 if torch.cuda.is_available() else None
+        del hf
+        if args.full:
+            free_cuda()
+            results["plain_megatron_tokens_per_s"] = tokens_per_step / time_plain_megatron(
+                learner, group, args
+            )
+            results["plain_megatron_peak_mem_gb"] = peak_gb()
+            results["ratio_learner_over_plain_megatron"] = (
+                results["learner_tokens_per_s"] / results["plain_megatron_tokens_per_s"]
+            )
+            rl = make_rl_groups(args, np.random.default_rng(1))
+            rl_tokens = real_tokens(rl)
+            results["rl_batch"] = {
+                "trajectories": sum(len(g) for g in rl),
+                "tokens": rl_tokens,
+                "padded_tokens_if_one_row_each": sum(len(g) for g in rl)
+                * max(len(t.prompt_ids) + len(t.response_ids) - 1 for g in rl for t in g),
+            }
+            learner.close()
+            del learner
+            for name, extra in (
+                ("rl_packed", dict(pack_sequences=True)),
+                ("rl_padded", dict(pack_sequences=False)),
+            ):
+                free_cuda()
+                lr_ = Learner(LearnerConfig(**{**base, "micro_batch_tokens": 8192, **extra}), algo)
+                sec, _ = time_learner(lr_, rl, args)
+                results[f"{name}_tokens_per_s"] = rl_tokens / sec
+                results[f"{name}_peak_mem_gb"] = peak_gb()
+                lr_.close()
+                del lr_
+            variants = [("old_options", OLD)]
+            if torch.cuda.is_available():  # megatron's recomputation needs CUDA's RNG
+                variants = [
+                    ("recompute_selective", dict(recompute="selective")),
+                    ("recompute_full", dict(recompute="full")),
+                    *variants,
+                ]
+            for name, extra in variants:
+                free_cuda()
+                lr_ = Learner(LearnerConfig(**{**base, **extra}), algo)
+                sec, _ = time_learner(lr_, [group], args)
+                results[f"{name}_tokens_per_s"] = tokens_per_step / sec
+                results[f"{name}_peak_mem_gb"] = peak_gb()
+                lr_.close()
+                del lr_
+        else:
+            learner.close()
         results["ratio_learner_over_hf"] = (
             results["learner_tokens_per_s"] / results["hf_tokens_per_s"]
         )
 
     print(json.dumps(results, indent=2))
-    print(
-        f"\ntrain step, batch {args.batch} x {args.seq}, {results['params'] / 1e9:.2f}B params on "
-        f"{results['device']}: learner {results['learner_tokens_per_s']:,.0f} tokens/s, "
-        f"HF baseline {results['hf_tokens_per_s']:,.0f} tokens/s, "
-        f"ratio {results['ratio_learner_over_hf']:.2f}x"
-    )
-    a = results["learner_vs_hf_bf16"]
-    print(f"bf16 log-prob |learner - HF bf16|: mean {a['mean_abs']:.2e}, max {a['max_abs']:.2e}")
+    print_table(results, args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def print_table(r: dict, args) -> None:
+    """Each figure beside its baseline (issue 17: 28.2k tokens/s = 0.57x HF, 56.5 GB before)."""
+    gb = lambda x: "-" if x is None else f"{x:.1f} GB"  # noqa: E731
+    print(
+        f"\n{r['params'] / 1e9:.2f}B params on {r['device']}, batch {args.batch} x {args.seq}; "
+        f"learner options {r['options']}"
+    )
+    print(f"{'what':44s} {'tokens/s':>10s} {'peak mem':>10s}   baseline")
+    rows = [
+        ("learner RL step (new defaults)", r["learner_tokens_per_s"], r["learner_peak_mem_gb"],
+         f"HF step {r['hf_tokens_per_s']:,.0f}/s: {r['ratio_learner_over_hf']:.2f}x (goal >= 1.2x; "
+         "was 0.57x); memory goal <= 25 GB (was 56.5)"),
+        ("HF transformers step (same work)", r["hf_tokens_per_s"], r.get("hf_peak_mem_gb"), ""),
+    ]  # fmt: skip
+    if "old_options_tokens_per_s" in r:
+        rows += [
+            ("learner, old options (local attn, MasterAdamW)", r["old_options_tokens_per_s"],
+             r["old_options_peak_mem_gb"], "issue 17 measured 28.2k/s, 56.5 GB"),
+            ("plain megatron-core fwd/bwd + optimizer", r["plain_megatron_tokens_per_s"],
+             r["plain_megatron_peak_mem_gb"],
+             f"RL step / plain = {r['ratio_learner_over_plain_megatron']:.2f}x (goal >= 0.9x)"),
+            *[(f"recompute {k}", r[f"recompute_{k}_tokens_per_s"], r[f"recompute_{k}_peak_mem_gb"],
+               "vs the new defaults above")
+              for k in ("selective", "full") if f"recompute_{k}_tokens_per_s" in r],
+            (f"RL lengths, packed ({r['rl_batch']['tokens']:,} real tokens)",
+             r["rl_packed_tokens_per_s"], r["rl_packed_peak_mem_gb"],
+             f"padded: {r['rl_padded_tokens_per_s']:,.0f}/s: packed "
+             f"{r['rl_packed_tokens_per_s'] / r['rl_padded_tokens_per_s']:.2f}x"),
+            ("RL lengths, padded (real tokens/s)", r["rl_padded_tokens_per_s"],
+             r["rl_padded_peak_mem_gb"], ""),
+        ]  # fmt: skip
+    for what, tps, mem, note in rows:
+        print(f"{what:44s} {tps:>10,.0f} {gb(mem):>10s}   {note}")
+    a = r["learner_vs_hf_bf16"]
+    print(f"bf16 log-prob |learner - HF bf16|: mean {a['mean_abs']:.2e}, max {a['max_abs']:.2e}")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ def bench_learner_step(args, model_dir: Path) -> dict:
         lr=1e-6,
         micro_batch_tokens=args.batch * args.seq,
     )
-    learner = Learner(cfg, AlgoConfig(loss="ppo_clip", advantage="grpo"))
+    # One PPO update per step, as the HF baseline does (see bench_learner.py).
+    learner = Learner(cfg, AlgoConfig(loss="ppo_clip", advantage="grpo", mini_batches=1))
     out["params"] = sum(p.numel() for p in learner.model.parameters())
     times = []
     for i in range(args.warmup + args.steps):
@@ -89,7 +90,7 @@ def bench_learner_step(args, model_dir: Path) -> dict:
     dev = learner.device
     # The learner's memory goes before HF's model comes (one GPU holds one at a time).
     learner.model.to("cpu")
-    learner.optimizer = None
+    learner.optimizer = learner.train_model = None  # megatron's DDP holds the gradient buffers
     if on_gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -206,6 +206,56 @@ def task_dp2_minibatches(out: Path, model_dirs: list[str]) -> None:
     learner.close()
 
 
+DDP_ROUNDS = ((False, False), (False, True), (True, True))
+"""(use_distributed_optimizer, overlap_grad_reduce) of task_dp2_ddp's rounds."""
+
+
+def task_dp2_ddp(out: Path, model_dirs: list[str]) -> None:
+    """task_dp2 with megatron-core's DistributedDataParallel reducing the gradients (bucketed;
+    all-reduce, or reduce-scatter for the DistributedOptimizer; with and without overlapping the
+    last micro-batch's backward). megatron's optimizers allocate on CUDA, so the step here only
+    records the reduced `main_grad`s (a reduce-scatter leaves each rank its shard of the buffer:
+    the shards are gathered back to compare whole gradients). Rank 0 saves them."""
+    from slime_async.actors.learner.megatron_optim import MegatronOptim
+
+    for sharded, overlap in DDP_ROUNDS:
+        # A fresh model each round: DDP's gradient hooks stay on the parameters it wrapped.
+        learner = Learner(learner_cfg(model_dirs[0]), algo_cfg())
+        cfg = learner.cfg.model_copy(
+            update={
+                "use_distributed_optimizer": sharded,
+                "overlap_grad_reduce": overlap,
+                "ddp_bucket_size": 5000,
+            }
+        )
+        opt = MegatronOptim(learner.model, cfg, build_optimizer=False)
+        grads: dict = {}
+
+        def grad_norm(*_a, opt=opt, grads=grads, sharded=sharded, dp=learner.dp_group, **_k):
+            if sharded:
+                for buffer in opt.ddp.buffers:
+                    for bucket in buffer.buckets:
+                        parts = list(bucket.grad_data.view(2, -1).unbind(0))
+                        mine = parts[dist.get_rank()].clone()
+                        dist.all_gather(parts, mine, group=dp)
+            grads.update(
+                {n: p.main_grad.clone() for n, p in zip(opt.names, opt.params, strict=True)}
+            )
+            return 1.0
+
+        opt.grad_norm = grad_norm
+        opt.step = lambda *_a, opt=opt, **_k: opt.zero_grad()
+        learner.optimizer, learner.optimizer_kind, learner.train_model = opt, "megatron", opt.ddp
+        groups = make_groups(100, 4)
+        mine = groups[:1] if learner.rank == 0 else groups[1:]  # unequal micro-batch counts
+        metrics = learner.train_step(mine)
+        if dist.get_rank() == 0:
+            torch.save(
+                {"grads": grads, "metrics": metrics}, out / f"dp2_ddp_{sharded}_{overlap}.pt"
+            )
+        learner.close()
+
+
 def run_two_ranks(task: str, out: Path, model_dirs: list[str], timeout: float) -> None:
     """Run `task` of this file under torchrun with 2 gloo ranks; fail with its log if it fails."""
     argv = python_module(
@@ -232,7 +282,12 @@ if __name__ == "__main__":
     # close() would rendezvous again on torchrun's store.
     dist.init_process_group("gloo")
     task, out_dir, *dirs = sys.argv[1:]
-    tasks = {"tp2": task_tp2, "dp2": task_dp2, "dp2_mb": task_dp2_minibatches}
+    tasks = {
+        "tp2": task_tp2,
+        "dp2": task_dp2,
+        "dp2_mb": task_dp2_minibatches,
+        "dp2_ddp": task_dp2_ddp,
+    }
     tasks[task](Path(out_dir), dirs)
 
 

@@ -35,3 +35,126 @@ def test_bf16_learner_agrees_with_hf_and_trains(tmp_path, repo_root):
     assert res["learner_vs_hf_bf16"]["mean_abs"] < 0.05, res
     assert all(math.isfinite(x) for x in res["learner_losses"])
     assert res["version"] == 3
+
+
+# ----------------------------------------------------------------- issue 17: the fast paths
+
+
+@pytest.fixture(scope="module")
+def sharp_dir(tmp_path_factory):
+    from learner_worker import make_sharp_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons below are exact-ish
+    torch.backends.cudnn.allow_tf32 = False
+    return make_sharp_model(tmp_path_factory.mktemp("gpu") / "qwen3", "qwen3")
+
+
+def _run(model_dir, steps: int = 4, save_at: int | None = None, ckpt=None, **kw):
+    """(losses, grad norms, log-probs of SEQS after) of `steps` training steps on the GPU."""
+    from learner_worker import SEQS, algo_cfg, learner_cfg, make_groups
+
+    from slime_async.actors.learner.trainer import Learner
+
+    base = dict(clip_grad=0.05, micro_batch_tokens=40)
+    learner = Learner(learner_cfg(str(model_dir), **{**base, **kw}), algo_cfg(entropy_coef=0.01))
+    try:
+        losses, norms = [], []
+        for step in range(steps):
+            m = learner.train_step(make_groups(step, 4))
+            losses.append(m["loss"])
+            norms.append(m["grad_norm"])
+            if save_at is not None and step + 1 == save_at:
+                learner.save_checkpoint(ckpt)
+        after = [lp for lp, _ in learner.compute_logprobs(SEQS)]
+        return losses, norms, after, learner
+    finally:
+        learner.close()
+
+
+def test_megatron_optimizer_gives_master_adamws_losses(sharp_dir):
+    """Tolerance: fp32, TF32 off: relative 1e-4 on losses and grad norms over 4 clipped steps
+    (different reduction orders only); bf16: 2e-2 relative (bf16 rounding of the weights)."""
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 2e-2)):
+        runs = {
+            opt: _run(sharp_dir, optimizer=opt, dtype=dtype) for opt in ("master_adamw", "megatron")
+        }
+        assert runs["megatron"][3].optimizer_kind == "megatron"
+        (l_a, n_a, lp_a, _), (l_m, n_m, lp_m, _) = runs["master_adamw"], runs["megatron"]
+        assert l_m == pytest.approx(l_a, rel=tol), dtype
+        assert n_m == pytest.approx(n_a, rel=tol), dtype
+        if dtype == "float32":
+            for a, b in zip(lp_a, lp_m, strict=True):
+                assert (a - b).abs().max().item() < 1e-4
+
+
+def test_packed_and_padded_agree_and_recompute_changes_nothing(sharp_dir):
+    ref = _run(sharp_dir, pack_sequences=False, dtype="float32")
+    for kw in (
+        dict(pack_sequences=True),  # fp32: SDPA over the block-diagonal mask
+        dict(recompute="selective"),
+        dict(recompute="full"),
+        # recomputation re-runs packed attention in the backward pass: same documents
+        dict(pack_sequences=True, recompute="selective"),
+        dict(pack_sequences=True, recompute="full"),
+    ):
+        got = _run(sharp_dir, dtype="float32", **kw)
+        assert got[0] == pytest.approx(ref[0], rel=1e-4), kw
+        for a, b in zip(got[2], ref[2], strict=True):
+            assert (a - b).abs().max().item() < 1e-4, kw
+    # bf16: the variable-length flash kernel against padded SDPA (flash), bf16 tolerance
+    padded = _run(sharp_dir, pack_sequences=False, dtype="bfloat16")
+    packed = _run(sharp_dir, pack_sequences=True, dtype="bfloat16")
+    assert packed[3].pack and not padded[3].pack
+    assert packed[0] == pytest.approx(padded[0], rel=2e-2)
+    for a, b in zip(packed[2], padded[2], strict=True):
+        assert (a - b).abs().mean().item() < 5e-2
+
+
+def test_export_after_distributed_optimizer_steps_is_the_trained_model(sharp_dir, tmp_path):
+    """The weight push reads parameters the DistributedOptimizer gathered back after its step:
+    an HF model made of the exported tensors scores like the learner (fp32, TF32 off)."""
+    from learner_worker import SEQS, algo_cfg, learner_cfg, make_groups
+    from transformers import AutoModelForCausalLM
+
+    from slime_async.actors.learner.trainer import Learner
+
+    cfg = learner_cfg(str(sharp_dir), optimizer="megatron", use_distributed_optimizer=True)
+    learner = Learner(cfg, algo_cfg())
+    try:
+        start = {n: t.clone() for b in learner.export_hf_buckets(1 << 20) for n, t in b}
+        for step in range(2):
+            learner.train_step(make_groups(step, 4))
+        ours = [lp for lp, _ in learner.compute_logprobs(SEQS)]
+        out = learner.save_hf(tmp_path / "hf")
+        exported = {n: t.clone() for b in learner.export_hf_buckets(1 << 20) for n, t in b}
+    finally:
+        learner.close()
+    assert set(exported) == set(start)
+    assert any(not torch.equal(exported[n], start[n]) for n in start)  # the steps moved them
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        for seq, lp in zip(SEQS, ours, strict=True):
+            t = torch.tensor([seq], device="cuda")
+            ref = torch.log_softmax(hf(t).logits[0, :-1].float(), -1)
+            ref = ref.gather(-1, t[0, 1:, None])[:, 0].cpu()
+            assert (ref - lp).abs().max().item() < 1e-4
+
+
+def test_megatron_optimizer_checkpoint_resumes_the_loss_sequence(sharp_dir, tmp_path):
+    full = _run(sharp_dir, steps=4, optimizer="megatron", dtype="bfloat16")
+    ckpt = tmp_path / "ckpt"
+    _run(sharp_dir, steps=2, save_at=2, ckpt=ckpt, optimizer="megatron", dtype="bfloat16")
+    from learner_worker import algo_cfg, learner_cfg, make_groups
+
+    from slime_async.actors.learner.trainer import Learner
+
+    cfg = learner_cfg(
+        None, load=str(ckpt), clip_grad=0.05, micro_batch_tokens=40, optimizer="megatron",
+        dtype="bfloat16",
+    )  # fmt: skip
+    learner = Learner(cfg, algo_cfg(entropy_coef=0.01))
+    try:
+        resumed = [learner.train_step(make_groups(step, 4))["loss"] for step in (2, 3)]
+    finally:
+        learner.close()
+    assert resumed == pytest.approx(full[0][2:], rel=1e-5)

@@ -71,3 +71,32 @@ class LearnerConfig(Section):
     """Evaluate the policy every this many versions on `eval.data` (pinned: every token of every
     evaluation answer comes from that one version; the learner holds its next push until the
     evaluation is done). Version 0 (the start) and the last version are evaluated too. 0: off."""
+    optimizer: Literal["auto", "megatron", "master_adamw"] = "auto"
+    """"megatron": megatron-core's DistributedDataParallel + (Distributed)Optimizer (GPU only);
+    "master_adamw": torch AdamW on fp32 masters with one all-reduce per parameter (CPU and GPU);
+    "auto": megatron on a GPU, master_adamw on the CPU."""
+    use_distributed_optimizer: bool = True
+    """With optimizer "megatron": shard fp32 master weights and Adam moments over the
+    data-parallel ranks (gradients reduce-scattered, parameters all-gathered after each step)."""
+    overlap_grad_reduce: bool = False
+    """With optimizer "megatron": start each gradient bucket's reduction during the backward pass
+    of a mini-batch's last micro-batch."""
+    ddp_bucket_size: int | None = Field(None, ge=1)
+    """With optimizer "megatron": parameters per gradient bucket (None: megatron's default)."""
+    attention: Literal["auto", "sdpa", "local", "te"] = "auto"
+    """Core attention: "sdpa" torch's fused kernels (flash / cuDNN / memory-efficient on GPU,
+    exact math on CPU; packing through the variable-length flash kernel); "local" megatron's
+    unfused DotProductAttention (no packing); "te" Transformer Engine's attention (must import);
+    "auto": "te" where Transformer Engine imports, else "sdpa"."""
+    pack_sequences: bool | None = None
+    """Pack several sequences into one row with per-document causal attention instead of padding
+    rows to the longest (needs attention "sdpa", no routing replay, no MoE at TP > 1).
+    None: on where CUDA's variable-length flash kernel serves (GPU, bfloat16), off on the CPU and
+    in float32 (where a packed row costs the quadratic compute of its whole length)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: "selective" recomputes core attention in the backward pass,
+    "full" each transformer layer (keeps only layer inputs). GPU only (megatron's checkpointing
+    saves the CUDA RNG state)."""
+    logprob_chunk_tokens: int = Field(1024, ge=1)
+    """Tokens per chunk of the output-layer log-prob / entropy computation: the fp32 logits held
+    at once are `chunk x vocab / tensor_parallel`."""

@@ -179,11 +179,16 @@ def build_gpt_model(
     on_cpu: bool = True,
     moe_aux_loss_coeff: float = 0.0,
     routing_replay: bool = False,
+    attention: str = "sdpa",
+    recompute: str = "none",
 ):
     """A GPTModel for `arch` on this rank's TP/EP shard; `init=False` skips random init (to load).
 
     `moe_aux_loss_coeff` > 0 adds megatron's load-balancing loss (MoE models);
-    `routing_replay` builds the routers with megatron's RouterReplay (see `routing.py`)."""
+    `routing_replay` builds the routers with megatron's RouterReplay (see `routing.py`);
+    `attention`: "sdpa" (torch's fused kernels, `attention.py`), "local" (megatron's unfused
+    DotProductAttention) or "te" (Transformer Engine's); `recompute`: "none", "selective" (core
+    attention) or "full" (every layer), megatron's activation recomputation."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -253,12 +258,13 @@ def build_gpt_model(
         use_cpu_initialization=on_cpu,
         perform_initialization=init,
         rotary_interleaved=arch.rotary_interleaved,
+        **_recompute_kwargs(recompute),
         **moe,
     )
     theta = arch.rope_theta
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_block_spec(arch),
+        transformer_layer_spec=_block_spec(arch, attention),
         rotary_percent=arch.rotary_percent,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
@@ -269,9 +275,37 @@ def build_gpt_model(
     )
     # torch.nn.RMSNorm ignores params_dtype; the whole model computes in one dtype.
     model.to(dtype=dtype)
+    if not init:
+        _mark_tensor_parallel(model)
     if not on_cpu:
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _recompute_kwargs(recompute: str) -> dict[str, Any]:
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    if recompute == "full":
+        return dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    raise ValueError(f"recompute must be none, selective or full (got {recompute!r})")
+
+
+def _mark_tensor_parallel(model) -> None:
+    """Megatron sets `tensor_model_parallel` / `partition_dim` on sharded weights only while
+    initialising them; models built to be loaded get them here, by name (megatron's grad-norm,
+    DistributedOptimizer and checkpoints read them)."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    from slime_async.models.convert import partition_dim
+
+    for name, p in model.named_parameters():
+        dim = partition_dim(name)
+        if dim is not None and not getattr(p, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(p, True, dim, 1)
 
 
 def _norm_class():
@@ -317,14 +351,34 @@ def _post_norm_classes(norm):
     return post_normed(SelfAttention), post_normed(MLP)
 
 
-def _block_spec(arch: ModelArch):
-    """Per-layer specs of megatron's local (no TE) layer: dense or MoE MLP, GLM-4's post norms."""
+def _core_attention(attention: str):
+    if attention == "sdpa":
+        from slime_async.models.attention import sdpa_attention_class
+
+        return sdpa_attention_class()
+    if attention == "te":
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        return TEDotProductAttention
+    if attention == "local":
+        return None
+    raise ValueError(f"attention must be sdpa, local or te (got {attention!r})")
+
+
+def _block_spec(arch: ModelArch, attention: str = "sdpa"):
+    """Per-layer specs of megatron's local layer: dense or MoE MLP, GLM-4's post norms, and the
+    core attention chosen (`_core_attention`).
+
+    With Transformer Engine only its core attention is taken: TE's full layer spec fuses the
+    norms into the linear layers and renames their weights, which the HF conversion maps by the
+    local spec's names."""
     import dataclasses
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     norm = _norm_class()
+    core = _core_attention(attention)
 
     def layer(moe: bool):
         spec = get_gpt_layer_local_spec(
@@ -336,6 +390,8 @@ def _block_spec(arch: ModelArch):
         sub = spec.submodules
         attn = sub.self_attention
         attn_sub = attn.submodules
+        if core is not None:
+            attn_sub = dataclasses.replace(attn_sub, core_attention=core)
         if arch.qk_norm:
             attn_sub = dataclasses.replace(attn_sub, q_layernorm=norm, k_layernorm=norm)
         mlp = sub.mlp

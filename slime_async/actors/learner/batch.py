@@ -1,22 +1,26 @@
-"""The learner's data: typed groups, rows, micro-batches, and exact per-token log-probs from
-vocab-parallel logits.
+"""The learner's data: typed groups, rows, and micro-batches (padded or packed).
 
-Padding, not packing: megatron-core's local attention (no Transformer Engine) has no
-variable-length kernel, so a packed row would need a block-diagonal `[s, s]` mask and would
-still spend the quadratic attention compute across the sequences packed into it. Rows are
-sorted by length before they are cut into micro-batches, which keeps the padding small.
-Right padding under a causal mask never reaches a real token, and every per-token tensor is
-masked explicitly anyway.
+Two layouts of a micro-batch:
+- padded (`plan_micro_batches` + `collate`): rows sorted by length, each micro-batch `[B, S]`
+  right-padded to its longest row. Right padding under a causal mask never reaches a real
+  token, and every per-token tensor is masked explicitly anyway.
+- packed (`plan_packs` + `collate_packed`): whole rows laid end to end in one `[1, S]` row,
+  position ids restarting at each row, and the rows' boundaries (`cu_seqlens`, in megatron's
+  `PackedSeqParams`) so that attention stays inside each row and RoPE restarts per row
+  (`models/attention.py: packed_rows`). No padding
+  is computed at all; on a GPU the variable-length flash kernel also skips the cross-row blocks.
+In both, `resp_index` locates each response token's prediction, and `flat_index()` turns it
+into an index over the flattened `[B * S]` positions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from slime_async.queue.schema import Trajectory
 
@@ -84,10 +88,21 @@ class MicroBatch:
     routed_experts: torch.Tensor | None = None
     """[B, S, moe_layers * k] int64 experts chosen at generation (routing replay; 0 on padding),
     None unless every row of the micro-batch carries them."""
+    packed: Any = None
+    """megatron's PackedSeqParams when the rows are packed into one `[1, S]` row (then
+    `resp_index` indexes that row), None when padded."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def flat_index(self) -> torch.Tensor:
+        """[B, T] index of each response token's prediction in the flattened `[b * S]` positions."""
+        if self.packed is not None:
+            return self.resp_index
+        s = self.input_ids.shape[1]
+        rows = torch.arange(self.resp_index.shape[0], device=self.resp_index.device)
+        return self.resp_index + rows[:, None] * s
 
 
 def plan_micro_batches(input_lens: list[int], max_tokens: int) -> list[list[int]]:
@@ -107,6 +122,63 @@ def plan_micro_batches(input_lens: list[int], max_tokens: int) -> list[list[int]
     if current:
         batches.append(current)
     return batches
+
+
+def plan_packs(input_lens: list[int], max_tokens: int) -> list[list[int]]:
+    """Row indices per packed micro-batch, each with sum(input_lens) <= max_tokens.
+
+    First-fit over the rows longest first (a row longer than `max_tokens` gets a pack of its
+    own); the packs come out shortest-total first, which does not matter to the result.
+    """
+    order = sorted(range(len(input_lens)), key=lambda i: -input_lens[i])
+    packs: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = input_lens[i]
+        for k, free in enumerate(room):
+            if n <= free:
+                packs[k].append(i)
+                room[k] -= n
+                break
+        else:
+            packs.append([i])
+            room.append(max_tokens - n)
+    return packs
+
+
+def collate_packed(rows: list[Row], indices: list[int], device: torch.device) -> MicroBatch:
+    """`rows[indices]` end to end in one `[1, S]` row (S = the sum of their input lengths)."""
+    from slime_async.models.attention import packed_seq_params
+
+    picked = [rows[i] for i in indices]
+    b = len(picked)
+    t = max(r.response_len for r in picked)
+    lens = [r.input_len for r in picked]
+    ids = np.concatenate([r.tokens[:-1] for r in picked])
+    labels = np.concatenate([r.tokens[1:] for r in picked])
+    pos = np.concatenate([np.arange(n) for n in lens])
+    resp_index = np.zeros((b, t), dtype=np.int64)
+    valid = np.zeros((b, t), dtype=bool)
+    per_token = {k: np.zeros((b, t), dtype=v.dtype) for k, v in picked[0].per_token.items()}
+    offset = 0
+    for j, r in enumerate(picked):
+        n = r.response_len
+        resp_index[j, :n] = offset + np.arange(r.prompt_len - 1, r.prompt_len - 1 + n)
+        valid[j, :n] = True
+        for k, v in r.per_token.items():
+            per_token[k][j, :n] = v
+        offset += r.input_len
+    return MicroBatch(
+        input_ids=torch.from_numpy(ids).to(device)[None],
+        labels=torch.from_numpy(labels).to(device)[None],
+        position_ids=torch.from_numpy(pos).to(device)[None],
+        resp_index=torch.from_numpy(resp_index).to(device),
+        resp_valid=torch.from_numpy(valid).to(device),
+        per_token={k: torch.from_numpy(v).to(device) for k, v in per_token.items()},
+        rows=list(indices),
+        temperature=torch.tensor([r.temperature for r in picked], dtype=torch.float32).to(device),
+        packed=packed_seq_params(lens, device),
+    )
 
 
 def collate(rows: list[Row], indices: list[int], device: torch.device) -> MicroBatch:
@@ -144,67 +216,6 @@ def collate(rows: list[Row], indices: list[int], device: torch.device) -> MicroB
         temperature=torch.tensor([r.temperature for r in picked], dtype=torch.float32).to(device),
         routed_experts=routed,
     )
-
-
-def vocab_parallel_logprobs(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float | torch.Tensor = 1.0,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits / T)[label] and optionally the entropy, over TP vocab shards.
-
-    logits: [B, S, V/tp] this rank's vocab slice; labels: [B, S] global ids; temperature: one
-    for all rows or [B], one per row. Over the full vocabulary, with no top-k/top-p filtering:
-    what SGLang reports as a token's log-prob (`log_softmax(logits / T)` before filtering).
-    Returns logp [B, S] (and entropy [B, S]) in fp32, with grad. The sums across TP ranks
-    all-reduce forward and pass the gradient through unchanged backward: every TP rank
-    computes the same loss, so each rank's slice gets exactly its share.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    z = logits.float()
-    if isinstance(temperature, torch.Tensor):
-        z = z / temperature.to(z).view(-1, 1, 1)
-    elif temperature != 1.0:
-        z = z / temperature
-    v_local = z.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * v_local
-    m = z.detach().amax(dim=-1)  # [B, S]
-    if tp > 1:
-        dist.all_reduce(
-            m,
-            op=dist.ReduceOp.MAX,
-            group=parallel_state.get_tensor_model_parallel_group(),
-        )
-    shifted = z - m.unsqueeze(-1)
-    exp = shifted.exp()
-    sum_exp = exp.sum(dim=-1)
-    local = labels - start
-    in_shard = (local >= 0) & (local < v_local)
-    target = shifted.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1)
-    target = torch.where(in_shard, target, torch.zeros_like(target))
-    if tp > 1:
-        sum_exp = reduce_from_tensor_model_parallel_region(sum_exp)
-        target = reduce_from_tensor_model_parallel_region(target)
-    log_z = sum_exp.log()
-    logp = target - log_z
-    if not with_entropy:
-        return logp, None
-    # H = log Z - sum_v p_v * (z_v - m), with p = exp(z - m) / Z.
-    p_shift = (exp * shifted).sum(dim=-1)
-    if tp > 1:
-        p_shift = reduce_from_tensor_model_parallel_region(p_shift)
-    entropy = log_z - p_shift / sum_exp
-    return logp, entropy
-
-
-def gather_response(values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """[B, S] per-position values -> [B, T] per response token, 0 on padding."""
-    out = values.gather(1, mb.resp_index)
-    return torch.where(mb.resp_valid, out, torch.zeros_like(out))
 
 
 def check_ids(tokens: np.ndarray, vocab: int, what: str) -> None:

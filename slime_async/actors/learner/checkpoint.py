@@ -60,11 +60,17 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _state_dict(model, optimizer, common: dict | None, with_rng: bool) -> dict:
+def _state_dict(
+    model, optimizer, common: dict | None, with_rng: bool, loading: bool = False
+) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model_sd = model.sharded_state_dict()
-    sd: dict[str, Any] = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+    if loading and hasattr(optimizer, "sharded_state_dict_for_load"):
+        opt_sd = optimizer.sharded_state_dict_for_load(model_sd)  # megatron's optimizer
+    else:
+        opt_sd = optimizer.sharded_state_dict(model_sd)
+    sd: dict[str, Any] = {"model": model_sd, "optimizer": opt_sd}
     if common is not None:
         sd[COMMON_KEY] = common
     if with_rng:
@@ -114,7 +120,7 @@ def load(path: str | Path, model, optimizer) -> dict[str, Any]:
     if optimizer is None:
         sd = {"model": model.sharded_state_dict()}
     else:
-        sd = _state_dict(model, optimizer, None, with_rng=same_world)
+        sd = _state_dict(model, optimizer, None, with_rng=same_world, loading=True)
     loaded = dist_checkpointing.load(sd, str(path))
     model.load_state_dict(loaded["model"], strict=True)
     if optimizer is not None:

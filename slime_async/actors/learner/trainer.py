@@ -7,8 +7,11 @@ over data-parallel ranks after the micro-batches of each mini-batch, so the rank
 different numbers of micro-batches (every rank runs every mini-batch update, empty or not). It
 binds nothing itself: torch.distributed rendezvous is torchrun's (MASTER_ADDR/MASTER_PORT) or a
 free loopback port. Memory is bounded by the model, its
-optimizer state (fp32 moments, and fp32 masters for bf16), one micro-batch of at most
-`learner.micro_batch_tokens` padded tokens, and one weight-export bucket.
+optimizer state (fp32 moments, and fp32 masters for bf16; sharded over DP ranks with megatron's
+DistributedOptimizer), one micro-batch of at most `learner.micro_batch_tokens` tokens (padded or
+packed) and its activations, `learner.logprob_chunk_tokens x vocab / TP` fp32 logits at a time,
+and one weight-export bucket. The speed options (attention, packing, optimizer, recomputation)
+are resolved in `options.py`.
 
     learner = Learner(cfg.learner, cfg.algo, temperature=cfg.generator.sampling.temperature,
                       max_staleness=cfg.buffer.max_staleness, stale_policy=cfg.buffer.stale_policy)
@@ -21,6 +24,7 @@ The algorithm is a loss and an advantage estimator looked up in `slime_async.alg
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -38,6 +42,7 @@ import torch.distributed as dist
 import slime_async.metrics.names as M
 from slime_async import megatron_compat
 from slime_async.actors.learner import checkpoint as learner_ckpt
+from slime_async.actors.learner import export as learner_export
 from slime_async.actors.learner.batch import (
     MicroBatch,
     Row,
@@ -45,17 +50,20 @@ from slime_async.actors.learner.batch import (
     check_ids,
     check_trajectory,
     collate,
-    gather_response,
+    collate_packed,
     plan_micro_batches,
+    plan_packs,
     rows_from_groups,
-    vocab_parallel_logprobs,
 )
+from slime_async.actors.learner.logprobs import chunked_logprobs, hidden_output, output_weight
 from slime_async.actors.learner.optim import MasterAdamW, lr_at
+from slime_async.actors.learner.options import resolve_speed_options
 from slime_async.algos import AdvantageInput, LossInput, build_algorithm
 from slime_async.algos.metrics import finalize_metrics, merge_metrics
 from slime_async.config.algo import AlgoConfig
 from slime_async.config.learner import LearnerConfig
 from slime_async.models import convert, routing
+from slime_async.models.attention import packed_rows, set_packed
 from slime_async.models.megatron import ModelArch, build_gpt_model
 from slime_async.utils.procs import free_port
 
@@ -177,11 +185,35 @@ class Learner:
         np.random.seed(cfg.seed)
         megatron_compat.seed_model_parallel(cfg.seed)
         on_cpu = megatron_compat.cpu_mode()
-        moe = {"moe_aux_loss_coeff": cfg.moe_aux_loss_coeff, "routing_replay": cfg.routing_replay}
-        self.model = build_gpt_model(self.arch, self.dtype, init=False, on_cpu=on_cpu, **moe)
+        self.attention, self.pack, self.optimizer_kind = resolve_speed_options(
+            cfg, self.arch, dist.get_world_size(self.tp_group), on_cpu
+        )
+        moe = {
+            "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
+            "routing_replay": cfg.routing_replay,
+            "attention": self.attention,
+        }
+        self.model = build_gpt_model(
+            self.arch, self.dtype, init=False, on_cpu=on_cpu, recompute=cfg.recompute, **moe
+        )
         if cfg.load is None:
             convert.load_hf_into_model(self.model, cfg.model_path, self.arch)
-        self.optimizer = MasterAdamW(self.model, cfg)
+        # `self.train_model` is what training micro-batches run through: megatron's DDP wrapper
+        # (its gradient hooks) or the model itself.
+        if self.optimizer_kind == "megatron":
+            from slime_async.actors.learner.megatron_optim import MegatronOptim
+
+            self.optimizer = MegatronOptim(self.model, cfg)
+            self.train_model = self.optimizer.ddp
+        else:
+            self.optimizer = MasterAdamW(self.model, cfg)
+            self.train_model = self.model
+        if self.is_rank0:
+            log.info(
+                "learner: attention %s, %s micro-batches, optimizer %s, recompute %s",
+                self.attention, "packed" if self.pack else "padded", self.optimizer_kind,
+                cfg.recompute,
+            )  # fmt: skip
         self.ref_model = None
         if cfg.load is not None:
             self.load_checkpoint(cfg.load)
@@ -260,10 +292,28 @@ class Learner:
 
     # ------------------------------------------------------------------ forward
 
+    def _micro_batches(self, rows: list[Row]) -> Iterator[MicroBatch]:
+        """This rank's micro-batches of `rows`: packed or padded, at most micro_batch_tokens."""
+        lens = [r.input_len for r in rows]
+        if self.pack:
+            for idx in plan_packs(lens, self.cfg.micro_batch_tokens):
+                yield collate_packed(rows, idx, self.device)
+        else:
+            for idx in plan_micro_batches(lens, self.cfg.micro_batch_tokens):
+                yield collate(rows, idx, self.device)
+
+    def _plan_count(self, rows: list[Row]) -> int:
+        lens = [r.input_len for r in rows]
+        plan = plan_packs if self.pack else plan_micro_batches
+        return len(plan(lens, self.cfg.micro_batch_tokens))
+
     def _forward(
         self, model, mb: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response log-probs [B, T] (and entropy [B, T]), each row at its own temperature."""
+        """Response log-probs [B, T] (and entropy [B, T]), each row at its own temperature.
+
+        The model returns its final hidden states; only the response positions go through the
+        output layer, in chunks (`logprobs.py`): no `[tokens x vocab]` fp32 logits exist."""
         ids, pos = mb.input_ids, mb.position_ids
         s = ids.shape[1]
         tp = dist.get_world_size(self.tp_group)
@@ -274,6 +324,7 @@ class Learner:
             ids = torch.nn.functional.pad(ids, (0, extra))
             pos = torch.arange(s + extra, device=ids.device).expand(ids.shape[0], -1)
             s += extra
+        gpt = getattr(model, "module", model)  # under megatron's DDP wrapper
         replay = mb.routed_experts is not None and self.cfg.routing_replay
         if replay:
             routed = mb.routed_experts  # [B, S0, L * k]
@@ -283,24 +334,42 @@ class Learner:
             # A row's last response prediction sits at its input length - 1.
             lens = mb.resp_index.max(dim=1).values + 1
             per_layer, valid = routing.replay_targets(routed, lens, self.tp_rank, tp)
-            routing.set_replay(model, per_layer, valid)
+            routing.set_replay(gpt, per_layer, valid)
+        # SDPA and TE attention are causal by construction; megatron's own needs the mask.
+        mask = megatron_compat.causal_mask(s, self.device) if self.attention == "local" else None
+        if mb.packed is not None:
+            packing = packed_rows(gpt, mb.packed, pos)
+        else:
+            packing = contextlib.nullcontext()
+            if self.attention == "sdpa":
+                set_packed(gpt, None)  # ordinary rows (a packed batch may have run before)
         try:
-            logits = model(ids, pos, megatron_compat.causal_mask(s, self.device))
+            with hidden_output(gpt), packing:
+                hidden = model(ids, pos, mask)  # [b, s, h]
         finally:
             if replay:
-                routing.clear_replay(model)
-        logits = logits[:, : mb.input_ids.shape[1]]
-        temp = mb.temperature if mb.temperature is not None else self.temperature
-        logp, ent = vocab_parallel_logprobs(logits, mb.labels, temp, with_entropy)
-        logp = gather_response(logp, mb)
-        return logp, (gather_response(ent, mb) if ent is not None else None)
+                routing.clear_replay(gpt)
+        hidden = hidden[:, : mb.input_ids.shape[1]]
+        valid = mb.resp_valid  # [B, T]
+        where = mb.flat_index()[valid]  # [n] positions of the response predictions
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, where)
+        labels = mb.labels.reshape(-1).index_select(0, where)
+        if mb.temperature is None:
+            temp_tok = torch.full_like(labels, self.temperature, dtype=torch.float32)
+        else:  # each row at its own temperature
+            temp_tok = mb.temperature[:, None].expand(valid.shape)[valid]
+        lp, ent = chunked_logprobs(
+            h, output_weight(gpt), labels, temp_tok, with_entropy, self.cfg.logprob_chunk_tokens
+        )
+        zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+        logp = zeros.masked_scatter(valid, lp)
+        return logp, (zeros.masked_scatter(valid, ent) if ent is not None else None)
 
     @torch.no_grad()
     def _rows_logprobs(self, model, rows: list[Row]) -> list[np.ndarray]:
         """[R] fp32 response log-probs of each row under `model` (no grad)."""
         out: list[Any] = [None] * len(rows)
-        for idx in plan_micro_batches([r.input_len for r in rows], self.cfg.micro_batch_tokens):
-            mb = collate(rows, idx, self.device)
+        for mb in self._micro_batches(rows):
             logp, _ = self._forward(model, mb, False)
             for j, i in enumerate(mb.rows):
                 out[i] = logp[j, : rows[i].response_len].float().cpu().numpy()
@@ -326,8 +395,7 @@ class Learner:
         was_training = self.model.training
         self.model.eval()
         try:
-            for idx in plan_micro_batches([r.input_len for r in rows], self.cfg.micro_batch_tokens):
-                mb = collate(rows, idx, self.device)
+            for mb in self._micro_batches(rows):
                 logp, ent = self._forward(self.model, mb, with_entropy)
                 for j, i in enumerate(mb.rows):
                     n = rows[i].response_len
@@ -393,12 +461,16 @@ class Learner:
             return out
         self._denominators = (max(token_den, 1.0), max(seq_den, 1.0))
         need_entropy = self.algo.needs_entropy
-        for idx in plan_micro_batches([r.input_len for r in rows], self.cfg.micro_batch_tokens):
-            mb = collate(rows, idx, self.device)
+        megatron = self.optimizer_kind == "megatron"
+        if megatron:
+            self.optimizer.begin(self._plan_count(rows))
+        for mb in self._micro_batches(rows):
             out["padded"] += mb.num_tokens
-            logp, ent = self._forward(self.model, mb, need_entropy)
-            loss, raw = loss_of(mb, logp, ent)
-            loss.backward()
+            sync = self.optimizer.forward_context() if megatron else contextlib.nullcontext()
+            with sync:
+                logp, ent = self._forward(self.train_model, mb, need_entropy)
+                loss, raw = loss_of(mb, logp, ent)
+                loss.backward()
             out["loss"] += float(loss.detach())
             out["raws"].append(raw)
         self.optimizer.reduce_gradients(self.dp_group, self.tp_group, self.expert_dp_group)
@@ -751,57 +823,14 @@ class Learner:
 
     # ------------------------------------------------------------------ weights out
 
-    def _gather_tp(self, local: torch.Tensor) -> list[torch.Tensor]:
-        if dist.get_world_size(self.tp_group) == 1:
-            return [local]
-        shards = [torch.empty_like(local) for _ in range(dist.get_world_size(self.tp_group))]
-        dist.all_gather(shards, local.contiguous(), group=self.tp_group)
-        return shards
-
     def export_hf_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named, HF-layout tensors in buckets of about `bucket_bytes`; every rank calls it.
 
         Rank 0 gets the tensors; every other rank gets an empty list for each bucket (same
         number of buckets on all ranks). Tensors may share memory with the parameters:
-        consume a bucket before the next optimizer step.
+        consume a bucket before the next optimizer step. See `export.py`.
         """
-        tp = dist.get_world_size(self.tp_group)
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for mname, param in self.model.named_parameters():
-            full_bytes = param.numel() * param.element_size()
-            if convert.partition_dim(mname) is not None:
-                full_bytes *= tp
-            if convert.is_expert(mname):
-                # Each EP rank holds its own experts: gather them from the EP group (the ranks
-                # of expert-data-parallel rank 0, rank 0 among them).
-                full_bytes *= self.ep_size
-                if self.expert_dp_rank == 0:
-                    local = param.detach()
-                    shards = [local]
-                    if self.ep_size > 1:
-                        shards = [torch.empty_like(local) for _ in range(self.ep_size)]
-                        dist.all_gather(shards, local.contiguous(), group=self.ep_group)
-                    if self.is_rank0:
-                        for r, t in enumerate(shards):
-                            bucket.extend(
-                                convert.megatron_shards_to_hf(
-                                    mname, [t], self.arch, r, self.ep_size
-                                )
-                            )
-            elif self.dp_rank == 0:
-                local = param.detach()
-                shards = (
-                    self._gather_tp(local) if convert.partition_dim(mname) is not None else [local]
-                )
-                if self.is_rank0:
-                    bucket.extend(convert.megatron_shards_to_hf(mname, shards, self.arch))
-            size += full_bytes
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if size:
-            yield bucket
+        return learner_export.hf_buckets(self, bucket_bytes)
 
     def save_hf(self, out_dir: str | Path) -> Path | None:
         """A complete HF model directory (config, safetensors, tokenizer); every rank calls it."""

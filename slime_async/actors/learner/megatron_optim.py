@@ -1,0 +1,175 @@
+"""The learner's GPU optimizer: megatron-core's DistributedDataParallel and (Distributed)Optimizer.
+
+`MegatronOptim` offers `MasterAdamW`'s interface (zero_grad, reduce_gradients, grad_norm, step,
+sharded_state_dict, load_sharded) over megatron-core's own machinery:
+
+- `DistributedDataParallel` keeps every gradient in contiguous fp32 buckets (`main_grad`) and
+  reduces them bucket by bucket; with `learner.overlap_grad_reduce` the reduction of a bucket
+  starts during the last micro-batch's backward pass (`forward_context()` marks the others
+  `no_sync`). Losses are already divided by the batch's global counts, so gradients are SUMMED
+  over data-parallel ranks (megatron's `calculate_per_token_loss` scaling: 1).
+- the optimizer keeps fp32 master weights and Adam moments; with
+  `learner.use_distributed_optimizer` they are sharded over the data-parallel ranks (ZeRO-1):
+  gradients are reduce-scattered, each rank steps its shard and the bf16 parameters are
+  all-gathered back at the end of `step` (so every rank holds whole parameters again before the
+  weight export reads them).
+
+Replicated weights that see only part of the work on each TP rank (q/k norms, and under sequence
+parallelism every norm and router) are summed over TP here, as `MasterAdamW` does: megatron
+recognises them only by attributes its own norm classes set.
+Checkpoints: the optimizer state goes through megatron's `sharded_state_dict` (model-space
+sharded, so it reshards when TP or DP change) under the same "optimizer" key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from slime_async.config.learner import LearnerConfig
+from slime_async.models.convert import is_expert, partition_dim
+
+# megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
+
+
+class MegatronOptim:
+    """megatron DDP over `model` plus megatron's optimizer; `self.ddp` is what forward calls."""
+
+    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, build_optimizer: bool = True):
+        """`build_optimizer=False`: the DDP wrapper alone (megatron's optimizers allocate on CUDA;
+        the CPU test of the gradient reduction at DP 2 supplies its own step)."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.cfg = cfg
+        self.model = model
+        # Gradients SUMMED over DP (the losses are divided by global token/sequence counts).
+        model.config.calculate_per_token_loss = True
+        ddp_kwargs = dict(
+            grad_reduce_in_fp32=True,
+            average_in_collective=False,  # SUM (calculate_per_token_loss refuses averaging)
+            overlap_grad_reduce=cfg.overlap_grad_reduce,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+            check_for_nan_in_grad=False,
+        )
+        if cfg.ddp_bucket_size is not None:
+            ddp_kwargs["bucket_size"] = cfg.ddp_bucket_size
+        self.ddp = DistributedDataParallel(
+            config=model.config,
+            ddp_config=DistributedDataParallelConfig(**ddp_kwargs),
+            module=model,
+        )
+        bf16 = model.config.bf16
+        opt_cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            bf16=bf16,
+            params_dtype=model.config.params_dtype,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+        )
+        self.opt = get_megatron_optimizer(opt_cfg, [self.ddp]) if build_optimizer else None
+        self.names: list[str] = []
+        self.params: list[torch.nn.Parameter] = []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self.names.append(name)
+                self.params.append(p)
+        self.tp_partial = [
+            partition_dim(n) is None
+            and not is_expert(n)
+            and (
+                n.endswith(("q_layernorm.weight", "k_layernorm.weight"))
+                or bool(getattr(p, "sequence_parallel", False))
+            )
+            for n, p in zip(self.names, self.params, strict=True)
+        ]
+        self._micro = 0
+        self._micro_total = 1
+
+    # ------------------------------------------------------------ the learner's interface
+
+    def begin(self, micro_batches: int) -> None:
+        """A mini-batch of `micro_batches` backward passes starts (overlap: sync on the last)."""
+        self._micro, self._micro_total = 0, max(1, micro_batches)
+
+    def forward_context(self):
+        """Around one micro-batch's forward + backward: all but the last skip the DP sync."""
+        self._micro += 1
+        if self.cfg.overlap_grad_reduce and self._micro < self._micro_total:
+            return self.ddp.no_sync()
+        return contextlib.nullcontext()
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        if self.opt is not None:
+            self.opt.zero_grad()
+
+    def reduce_gradients(self, dp_group, tp_group=None, expert_dp_group=None) -> None:
+        """DP reduction (megatron's buckets), then partial replicated gradients over TP."""
+        if self.cfg.overlap_grad_reduce and self._micro == 0:
+            # No backward ran here (an empty local share of the mini-batch): no bucket hook
+            # started its reduction, which the other ranks' reductions wait for.
+            self.ddp.start_grad_sync()
+        self.ddp.finish_grad_sync()
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        if tp == 1:
+            return
+        for p, partial in zip(self.params, self.tp_partial, strict=True):
+            if partial:
+                # The buffer layout is the same on the TP ranks of one DP rank, so after a
+                # reduce-scatter each rank's own shard region lines up across TP as well.
+                dist.all_reduce(p.main_grad, group=tp_group)
+
+    def grad_norm(self, tp_group=None, ep_group=None) -> float:
+        """Global L2 norm of the reduced gradients (megatron's: TP- and DP-shard aware)."""
+        self.opt.prepare_grads()
+        return float(self.opt.get_grad_norm())
+
+    def step(self, lr: float, tp_group=None, norm: float | None = None, ep_group=None) -> float:
+        """Clip to cfg.clip_grad, step at `lr` (bf16 parameters gathered back); the pre-clip norm.
+
+        Call `grad_norm` first (it copies the model's gradients to the master ones)."""
+        if norm is None:
+            norm = self.grad_norm()
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        if math.isfinite(norm):
+            if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+                from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+                # What megatron's ChainedOptimizer.step does with the norm already known.
+                for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+                    params = opt.get_parameters()
+                    if params:
+                        clip_grad_by_total_norm_fp32(
+                            params, max_norm=self.cfg.clip_grad, total_norm=norm
+                        )
+            self.opt.step_with_ready_grads()
+        self.zero_grad()
+        return norm
+
+    # ------------------------------------------------------------ dist_checkpointing
+
+    # The DistributedOptimizer's state in megatron's canonical per-parameter form (reshards at
+    # any TP / DP); its default, "fully_sharded_model_space", writes flattened ShardedTensors that
+    # megatron-core 0.19's dist_checkpointing refuses ("flattened_range is not supported";
+    # measured on the H200, 2026-12-01). Both 0.16 and 0.19 know "fully_reshardable".
+    _METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+    def sharded_state_dict(self, model_sharded: dict) -> dict:
+        return self.opt.sharded_state_dict(model_sharded, is_loading=False, metadata=self._METADATA)
+
+    def sharded_state_dict_for_load(self, model_sharded: dict) -> dict:
+        return self.opt.sharded_state_dict(model_sharded, is_loading=True, metadata=self._METADATA)
+
+    def load_sharded(self, loaded: dict, step: int) -> None:
+        self.opt.load_state_dict(loaded)

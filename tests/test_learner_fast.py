@@ -1,0 +1,163 @@
+"""The learner's fast paths on the CPU (fp32, exact): chunked log-probs, SDPA attention, packing.
+
+- `chunked_logprobs` against the unchunked math (full-vocabulary log_softmax through autograd):
+  values, entropy and the gradients of the hidden states and of the output weight.
+- A packed micro-batch (several rows in one, per-document causal attention and RoPE) gives the
+  padded micro-batch's log-probs and, after one training step, the same weights; SDPA attention
+  equals megatron's own DotProductAttention.
+- Options that cannot work here are refused at construction, naming the keys.
+The GPU paths (megatron's DDP and DistributedOptimizer, the varlen kernel, recomputation) are
+in test_learner_gpu.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from learner_worker import SEQS, algo_cfg, learner_cfg, make_groups, make_sharp_model
+
+from slime_async.actors.learner.batch import Row, collate_packed, plan_packs
+from slime_async.actors.learner.logprobs import chunked_logprobs
+from slime_async.models.attention import block_causal_mask
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU path (gloo)")
+
+
+def _reference(hidden, weight, labels, temp):
+    z = (hidden @ weight.t()) / temp[:, None]
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = logp_all.gather(-1, labels[:, None])[:, 0]
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, ent
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunked_logprobs_equal_the_unchunked_math_with_gradients(chunk, with_entropy):
+    gen = torch.Generator().manual_seed(chunk)
+    n, h, v = 13, 8, 50
+    hidden0 = 2 * torch.randn(n, h, generator=gen)
+    weight0 = torch.randn(v, h, generator=gen)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    temp = 0.5 + torch.rand(n, generator=gen)
+    g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+
+    hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+    logp, ent = chunked_logprobs(hidden, weight, labels, temp, with_entropy, chunk)
+    loss = (logp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0.0)
+    loss.backward()
+
+    rh, rw = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+    ref_lp, ref_ent = _reference(rh, rw, labels, temp)
+    ref_loss = (ref_lp * g_lp).sum() + ((ref_ent * g_ent).sum() if with_entropy else 0.0)
+    ref_loss.backward()
+
+    torch.testing.assert_close(logp, ref_lp, atol=1e-5, rtol=1e-5)
+    if with_entropy:
+        torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    else:
+        assert ent is None
+    torch.testing.assert_close(hidden.grad, rh.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weight.grad, rw.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_packs_fills_each_pack_up_to_the_budget():
+    lens = [7, 3, 9, 2, 5, 12, 1]
+    packs = plan_packs(lens, 12)
+    assert sorted(i for p in packs for i in p) == list(range(len(lens)))
+    assert all(sum(lens[i] for i in p) <= 12 for p in packs)
+    assert len(packs) == 4  # 39 tokens: at least 4 packs of 12
+    assert plan_packs([20, 3], 12) == [[0], [1]]  # a row over the budget gets its own pack
+
+
+def test_packed_micro_batch_locates_every_response_token():
+    rows = [
+        Row(np.array([1, 2, 3, 4, 5]), 2, {"loss_mask": np.ones(3, np.float32)}),
+        Row(np.array([6, 7, 8]), 1, {"loss_mask": np.ones(2, np.float32)}),
+    ]
+    mb = collate_packed(rows, [0, 1], torch.device("cpu"))
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 6, 7]]
+    assert mb.labels.tolist() == [[2, 3, 4, 5, 7, 8]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1]]
+    assert mb.packed.cu_seqlens_q.tolist() == [0, 4, 6]
+    # the labels at each row's response positions are its response tokens
+    picked = mb.labels.reshape(-1)[mb.flat_index()] * mb.resp_valid
+    assert picked.tolist() == [[3, 4, 5], [7, 8, 0]]
+    mask = block_causal_mask(mb.packed.cu_seqlens_q, 6)
+    assert mask[5].tolist() == [False, False, False, False, True, True]
+    assert mask[3].tolist() == [True, True, True, True, False, False]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return make_sharp_model(tmp_path_factory.mktemp("fast") / "qwen3", "qwen3")
+
+
+def _step_and_logprobs(model_dir, **kw):
+    """(log-probs of SEQS before, loss of one step, log-probs after) for one learner config."""
+    from slime_async.actors.learner.trainer import Learner
+
+    learner = Learner(learner_cfg(str(model_dir), micro_batch_tokens=40, **kw), algo_cfg(), 0.7)
+    try:
+        before = [lp for lp, _ in learner.compute_logprobs(SEQS)]
+        loss = learner.train_step(make_groups(3, 4))["loss"]
+        after = [lp for lp, _ in learner.compute_logprobs(SEQS)]
+        return before, loss, after, learner.pack, learner.attention
+    finally:
+        learner.close()
+
+
+def test_packing_and_sdpa_equal_padded_megatron_attention(qwen3_dir):
+    base = _step_and_logprobs(qwen3_dir, attention="local", pack_sequences=False)
+    assert base[3:] == (False, "local")
+    for kw in (dict(attention="sdpa", pack_sequences=False), dict(pack_sequences=True)):
+        got = _step_and_logprobs(qwen3_dir, **kw)
+        assert got[3] == kw["pack_sequences"] and got[4] == "sdpa"
+        for a, b in zip(got[0] + got[2], base[0] + base[2], strict=True):
+            assert (a - b).abs().max().item() < 1e-5, kw
+        assert got[1] == pytest.approx(base[1], rel=1e-5), kw
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(optimizer="megatron"), 'learner.optimizer = "megatron" needs a GPU'),
+        (dict(recompute="full"), 'learner.recompute = "full" needs a GPU'),
+        (dict(attention="local", pack_sequences=True), "pack_sequences = true is not possible"),
+        (dict(attention="te"), "Transformer Engine does not import"),
+        (dict(overlap_grad_reduce=True), "learner.overlap_grad_reduce is set"),
+    ],
+)
+def test_options_that_cannot_work_here_are_refused(qwen3_dir, changes, message):
+    from slime_async.actors.learner.trainer import Learner
+
+    with pytest.raises(ValueError, match=message):
+        Learner(learner_cfg(str(qwen3_dir), **changes), algo_cfg())
+
+
+def test_megatron_ddp_at_dp2_sums_the_gradients_of_one_process_on_the_joined_batch(
+    qwen3_dir, tmp_path
+):
+    """megatron-core's DDP (buckets of 5,000 parameters; all-reduce, and the DistributedOptimizer's
+    reduce-scatter; with and without overlapping the last micro-batch's backward) on gloo at
+    DP 2, each rank on its own unequal share: the reduced gradients equal MasterAdamW's path in
+    one process on the joined batch."""
+    import learner_worker
+
+    from slime_async.actors.learner.trainer import Learner
+
+    learner_worker.run_two_ranks("dp2_ddp", tmp_path, [str(qwen3_dir)], timeout=240)
+    learner = Learner(learner_cfg(str(qwen3_dir)), algo_cfg())
+    try:
+        grads = learner_worker.capture_grads(learner)
+        metrics = learner.train_step(make_groups(100, 4))
+    finally:
+        learner.close()
+    for sharded, overlap in learner_worker.DDP_ROUNDS:
+        got = torch.load(tmp_path / f"dp2_ddp_{sharded}_{overlap}.pt")
+        assert set(got["grads"]) == set(grads)
+        for name, g in grads.items():
+            ok = torch.allclose(got["grads"][name], g, rtol=1e-4, atol=1e-6)
+            assert ok, (sharded, overlap, name)
+        assert got["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
