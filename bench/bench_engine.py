@@ -6,6 +6,11 @@ of B prompts in this process, printed as a ratio.
 
     python bench/bench_engine.py                                  # tiny model on CPU, B = 1, 16, 64
     python bench/bench_engine.py --model qwen3-0.5b --device cuda --batches 1,16,64,128
+    python bench/bench_engine.py --quickstart                     # the quickstart's shapes on CPU
+
+`--quickstart`: the quickstart's own model (`.cache/arithmetic-base`, built by `make quickstart`),
+prompts of 20 tokens, 96 new tokens, one torch thread each: the CPU figure a regression of the
+engine's CPU path shows in (the ratio to HF generate at the same shapes).
 
 Weight push (`--push`): the learner side (this process, cuda:0) pushes the model to an embedded
 engine on cuda:1 through WeightPusher (NCCL, HTTP calls, bucketed), against a raw NCCL broadcast
@@ -58,7 +63,13 @@ from slime_async.utils.procs import Child, free_port, python_module, wait_until
 
 
 def make_model(out: Path, name: str, dtype: torch.dtype) -> Path:
-    """A random-init model directory: `tiny` (make_tiny_model) or `qwen3-0.5b` (Qwen3-0.6B shape)."""
+    """A random-init model directory: `tiny` (make_tiny_model) or `qwen3-0.5b` (Qwen3-0.6B shape);
+    any other name is an existing HF model directory, used as it is."""
+    if name not in ("tiny", "qwen3-0.5b"):
+        path = Path(name)
+        if not (path / "config.json").is_file():
+            sys.exit(f"--model {name}: not tiny, qwen3-0.5b or an HF model directory")
+        return path
     if name == "tiny":
         return make_tiny_model(out, family="qwen3", seed=0)
     cfg = tiny_config("qwen3", **QWEN3_05B_SHAPE)
@@ -176,7 +187,7 @@ def bench_generation(args: argparse.Namespace, work: Path) -> None:
         else f"CPU x{threads or torch.get_num_threads()} threads"
     )
     print(
-        f"\n{args.model}, {args.dtype}, {device} ({name}), prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy"
+        f"\n{Path(args.model).name}, {args.dtype}, {device} ({name}), prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy"
     )
     print("| concurrent requests | embedded engine tok/s | HF generate() tok/s | ratio |")
     print("| --- | --- | --- | --- |")
@@ -409,7 +420,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", choices=["tiny", "qwen3-0.5b"], default="tiny")
+    ap.add_argument(
+        "--model", default="tiny", help="tiny, qwen3-0.5b (random init) or an HF model directory"
+    )
+    ap.add_argument(
+        "--quickstart", action="store_true",
+        help="the quickstart's model and shapes on CPU (prompt 20, 96 new tokens, 1 thread)",
+    )  # fmt: skip
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--batches", default="1,16,64")
@@ -432,6 +449,10 @@ def main() -> None:
         "--kernels", action="store_true", help="decode attention and step timings (GPU)"
     )
     args = ap.parse_args()
+    if args.quickstart:
+        root = Path(__file__).resolve().parent.parent
+        args.model, args.device = str(root / ".cache" / "arithmetic-base"), "cpu"
+        args.prompt_len, args.new_tokens, args.cpu_threads = 20, 96, 1
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         if args.push:

@@ -178,6 +178,80 @@ def test_stop_token_kept_and_min_new_tokens(tmp_path):
     assert ignored.output_ids == ref and ignored.finish_reason["type"] == "length"
 
 
+def test_packed_prefill_padding_rows_leave_token_zero_alone(qwen3):
+    """A packed prefill pads each sequence's queries to the longest; the padding rows (query row
+    0) must not overwrite token 0's output. Found: they did whenever the sequences' new-token
+    counts differed, unless token 0 happened to give the same output (same first token at
+    position 0, no prefix hit): a lead with a prefix-index hit, or a first prompt whose first
+    token differs from the others', got a wrong first row (its K/V in later layers too)."""
+    d, _ = qwen3
+    runner = ModelRunner(d, max_slots=4, max_context_len=64, block_size=4)
+    a, b = [2, *range(10, 20)], [7, 20, 21, 22, 23]  # a: 8 cached + 3 new; b: 5 new, no BOS
+
+    def prefill(*seqs):
+        """Each (tokens, cached) prefilled in one packed pass after its cached prefix."""
+        tables = []
+        for toks, cached in seqs:
+            t = runner.pool.allocate(-(-len(toks) // 4))
+            if cached:
+                runner.prefill([(toks[:cached], 0, t)])
+            tables.append(t)
+        return runner.prefill([(toks[c:], c, t) for (toks, c), t in zip(seqs, tables, strict=True)])
+
+    alone_a, alone_b = prefill((a, 8))[0], prefill((b, 0))[0]
+    for seqs, refs in (([(a, 8), (b, 0)], [alone_a, alone_b]),
+                       ([(b, 0), (a, 8)], [alone_b, alone_a])):  # fmt: skip
+        got = prefill(*seqs)
+        for row, ref in zip(got, refs, strict=True):
+            torch.testing.assert_close(row, ref, atol=1e-5, rtol=0)
+
+
+def test_gathered_attention_gathers_its_output_back_by_token():
+    """The GPU prefill's attention (gathered_attention, run here on CPU) and the CPU path's
+    (gather_plan + attend_gathered) agree, padding rows included, with a per-sequence SDPA."""
+    g = torch.Generator().manual_seed(2)
+    bs, hkv, h, dim = 4, 2, 4, 8
+    kc, vc = torch.randn(10, bs, hkv, dim, generator=g), torch.randn(10, bs, hkv, dim, generator=g)
+    lens_new, starts = [2, 5], [6, 0]  # sequence 0: 6 cached keys, 2 new queries; 1: 5 new
+    q = torch.randn(sum(lens_new), h, dim, generator=g)
+    table = torch.tensor([[3, 1, 0], [5, 2, 0]])
+    m, total = max(lens_new), [s + n for s, n in zip(starts, lens_new, strict=True)]
+    j = torch.arange(m)
+    valid = j[None] < torch.tensor(lens_new)[:, None]
+    offs = torch.tensor([0, lens_new[0]])
+    q_rows = torch.where(valid, offs[:, None] + j, 0)
+    q_pos = torch.where(valid, torch.tensor(starts)[:, None] + j, 0)
+    kp = torch.arange(max(total))
+    kv_slots = table[:, kp // bs] * bs + kp % bs
+    tok_rows = torch.tensor([0, 1, m, m + 1, m + 2, m + 3, m + 4])
+    kv_len = torch.tensor(total)
+    got = attention.gathered_attention(q, kc, vc, q_rows, q_pos, kv_slots, kv_len, 0.3, tok_rows)
+    plan = attention.gather_plan(kv_slots, q_pos, kv_len, q_rows, tok_rows)
+    torch.testing.assert_close(attention.attend_gathered(q, kc, vc, plan, 0.3), got)
+    flat_k, flat_v = kc.view(-1, hkv, dim), vc.view(-1, hkv, dim)
+    for i in range(2):
+        keys = kv_slots[i, : total[i]]
+        k, v = flat_k[keys].transpose(0, 1), flat_v[keys].transpose(0, 1)
+        qi = q[offs[i] : offs[i] + lens_new[i]].transpose(0, 1)
+        mask = kp[None, : total[i]] <= torch.tensor(starts[i]) + j[: lens_new[i], None]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qi, k, v, attn_mask=mask, enable_gqa=True, scale=0.3
+        ).transpose(0, 1)
+        torch.testing.assert_close(got[offs[i] : offs[i] + lens_new[i]], ref)
+
+
+def test_cpu_decode_plan_equals_the_reference():
+    """The CPU decode path (one plan for every layer, index_select) = decode_reference."""
+    q, kc, vc, bt, lens = _random_paged("cpu", torch.float32)
+    pos = lens.long() - 1
+    span = int(pos.max()) + 1
+    kp = torch.arange(span)
+    plan = attention.gather_plan(bt.long()[:, kp // 16] * 16 + kp % 16, pos[:, None], pos + 1)
+    got = attention.attend_gathered(q, kc, vc, plan, 32**-0.5)
+    ref = attention.decode_reference(q, kc, vc, bt, lens, 32**-0.5)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+
+
 def _random_paged(device, dtype, bs=16, hkv=2, h=4, d=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     kc = torch.randn(12, bs, hkv, d, generator=g).to(device, dtype)

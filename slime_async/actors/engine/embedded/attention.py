@@ -10,14 +10,20 @@
   --attention` measures the kernel against SDPA over gathered blocks.
 - `gathered_attention`: queries of several sequences (packed, no padding in the layer's matmuls)
   against their cached keys; K/V are gathered from the blocks into a padded batch and SDPA runs
-  with a mask (key position <= query position, key inside the sequence). Used by prefill (the
-  new tokens of each prompt, after the prefix-index hit) and as the CPU decode path; exact in
-  fp32 against HF.
+  with a mask (key position <= query position, key inside the sequence). Used by prefill on a
+  GPU (the new tokens of each prompt, after the prefix-index hit) and as the reference of the
+  kernel; exact in fp32 against HF.
+- The CPU path (`gather_plan` + `attend_gathered`, prefill and decode): the same math, but what
+  every layer shares (the flat cache slots of each sequence's keys, the mask, the query rows) is
+  built once per forward pass, and K/V rows are copied with `index_select` (contiguous rows),
+  which on a CPU costs about a tenth of advanced indexing. On a small model a CPU step is
+  dominated by per-op overhead, so ops per layer are what this path saves.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -52,10 +58,15 @@ def gathered_attention(
     kv_slots: torch.Tensor,
     kv_len: torch.Tensor,
     scale: float,
+    tok_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D] packed; q_rows, q_pos: [n, M] index into q and each query's position (pad
     rows: index 0, position 0); kv_slots: [n, L] flat slots of each sequence's keys (pad: 0);
-    kv_len: [n]. Returns [T, H, D]."""
+    kv_len: [n]; tok_rows: [T] each packed token's row in the flattened [n * M] queries (None:
+    q_rows is every row of q once, in order, no padding). Returns [T, H, D].
+
+    The output is gathered back by `tok_rows`, never scattered by `q_rows`: a scatter would let
+    the padding rows (index 0) overwrite token 0's output."""
     n, m = q_rows.shape
     qb = q[q_rows.reshape(-1)].view(n, m, *q.shape[1:]).transpose(1, 2)  # [n, H, M, D]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
@@ -70,9 +81,65 @@ def gathered_attention(
     o = F.scaled_dot_product_attention(
         qb, kb, vb, attn_mask=mask[:, None], enable_gqa=True, scale=scale
     )
-    out = torch.empty_like(q)
-    out[q_rows.reshape(-1)] = o.transpose(1, 2).reshape(n * m, *q.shape[1:])
-    return out
+    o = o.transpose(1, 2).reshape(n * m, *q.shape[1:])
+    return o if tok_rows is None else o[tok_rows]
+
+
+class GatherPlan(NamedTuple):
+    """What every layer's attention shares in one forward pass on the CPU path (built once)."""
+
+    kv_idx: torch.Tensor
+    """[n * L] flat cache slots of each sequence's keys 0..L-1 (padding: slot 0, masked)."""
+    mask: torch.Tensor
+    """[n, 1, M, L] bool: True where the query sees the key."""
+    q_idx: torch.Tensor | None
+    """[n * M] rows of the packed queries (padding: 0); None: the queries are [n] rows, M = 1."""
+    tok_rows: torch.Tensor | None
+    """[T] each packed token's row in the [n * M] output; None: the output is already [T]."""
+    n: int
+    m: int
+    keys: int
+
+
+def gather_plan(
+    kv_slots: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv_len: torch.Tensor,
+    q_rows: torch.Tensor | None = None,
+    tok_rows: torch.Tensor | None = None,
+) -> GatherPlan:
+    """kv_slots: [n, L]; q_pos: [n, M] each query's position; kv_len: [n]; q_rows, tok_rows as in
+    `gathered_attention` (None for decode: one query per sequence, in order)."""
+    n, L = kv_slots.shape
+    key_pos = torch.arange(L, device=kv_slots.device)
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
+        key_pos[None, None, :] < kv_len[:, None, None]
+    )
+    q_idx = None if q_rows is None else q_rows.reshape(-1)
+    return GatherPlan(kv_slots.reshape(-1), mask[:, None], q_idx, tok_rows, n, q_pos.shape[1], L)
+
+
+def attend_gathered(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: GatherPlan,
+    scale: float,
+) -> torch.Tensor:
+    """`gathered_attention` with a prebuilt plan (the CPU path): q [T, H, D] -> [T, H, D]."""
+    H, D = q.shape[1:]
+    qb = q if plan.q_idx is None else q.index_select(0, plan.q_idx)
+    qb = qb.view(plan.n, plan.m, H, D).transpose(1, 2)  # [n, H, M, D]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    kb = flat_k.index_select(0, plan.kv_idx).view(plan.n, plan.keys, *flat_k.shape[1:])
+    vb = flat_v.index_select(0, plan.kv_idx).view(plan.n, plan.keys, *flat_v.shape[1:])
+    o = F.scaled_dot_product_attention(
+        qb, kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=plan.mask, enable_gqa=True,
+        scale=scale,
+    )  # fmt: skip
+    o = o.transpose(1, 2).reshape(plan.n * plan.m, H, D)
+    return o if plan.tok_rows is None else o.index_select(0, plan.tok_rows)
 
 
 def decode_reference(

@@ -6,10 +6,11 @@ a subclass replaces `input_norm`, `qkv` (projections and q/k norms), `rotary`, `
 `post_norm` or `mlp` (GLM-4's partial rotary, Qwen3-MoE's sparse MLP, ...); `attn_in` and
 `attn_out` compose them around the attention, which the runner does over its paged cache.
 
-`FusedLayerMath` (llama / qwen2 / qwen3 on a GPU): one q|k|v matmul and one gate|up matmul over
-packed weights, and the pieces between two matmuls compiled by `torch.compile` (norms, rotary,
+`FusedLayerMath` (llama / qwen2 / qwen3): one q|k|v matmul and one gate|up matmul over packed
+weights; on a GPU the pieces between two matmuls are compiled by `torch.compile` (norms, rotary,
 residual adds and SiLU fused into a few kernels), which cuts a decode step's ~35 kernels per
-layer to about ten. The HF parameters become views into the packed tensors, so a weight update
+layer to about ten. On a CPU it runs uncompiled: the packed matmuls alone save ops, and a CPU
+step of a small model is mostly per-op overhead. The HF parameters become views into the packed tensors, so a weight update
 (`copy_` into the HF-named parameter) updates the packed tensors in place, and CUDA graphs that
 captured them see the new weights.
 """

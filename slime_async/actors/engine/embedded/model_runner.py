@@ -9,7 +9,8 @@ with attention over a paged KV cache (kv_cache.py: fixed-size blocks, a block ta
   matmuls see only real tokens); each prompt's K/V is written into its blocks and its queries
   attend over its own cached keys (a prefix-index hit is read, not recomputed).
 - `decode`: one token per request; attention reads only each request's own blocks up to its own
-  length (attention.py: a Triton paged kernel on CUDA, gathered SDPA elsewhere). On a GPU the
+  length (attention.py: a Triton paged kernel on CUDA; on a CPU SDPA over the blocks gathered
+  with one plan that every layer shares, `_decode_cpu`). On a GPU the
   step is replayed from a CUDA graph per batch-size bucket (cuda_graphs.py); the inputs (token,
   position, block table) live in static buffers, the weights are updated in place, so one graph
   serves every step of its bucket across weight updates.
@@ -82,7 +83,9 @@ class ModelRunner:
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.eos_token_ids = _eos_ids(cfg)
         cuda = self.device.type == "cuda"
-        fused = (cuda and fusable(self.model)) if fused is None else fused
+        # Packed q|k|v and gate|up matmuls on any device (on a CPU without torch.compile: a CPU
+        # step of a small model is mostly per-op overhead, and packing saves three ops a layer).
+        fused = fusable(self.model) if fused is None else fused
         self.math: LayerMath = (
             FusedLayerMath(self.model, self.head_dim, compile=compile and cuda)
             if fused
@@ -229,14 +232,27 @@ class ModelRunner:
         kp = torch.arange(l_max)
         kv_slots = table[:, kp // bs] * bs + kp % bs
         kv_len = torch.tensor(total)
+        # Each packed token's row in the padded [n * m_max] queries (the output is gathered back).
+        tok_rows = row_of_tok * m_max + (torch.arange(len(ids)) - offs[row_of_tok])
+        if dev.type == "cpu":  # operands shared by every layer built once (attention.py)
+            plan = attention.gather_plan(kv_slots, q_pos, kv_len, q_rows, tok_rows)
+
+            def attend(li: int, q: torch.Tensor) -> torch.Tensor:
+                return attention.attend_gathered(
+                    q, self.k_cache[li], self.v_cache[li], plan, self._scale
+                )
+
+            h = self._forward(ids, pos, slots, attend)
+            return self._logits(h[offs + torch.tensor(lens_new) - 1])
         ids, pos, slots = ids.to(dev), pos.to(dev), slots.to(dev)
-        q_rows, q_pos = q_rows.to(dev), q_pos.to(dev)
+        q_rows, q_pos, tok_rows = q_rows.to(dev), q_pos.to(dev), tok_rows.to(dev)
         kv_slots, kv_len = kv_slots.to(dev), kv_len.to(dev)
 
         def attend(li: int, q: torch.Tensor) -> torch.Tensor:
             return attention.gathered_attention(
-                q, self.k_cache[li], self.v_cache[li], q_rows, q_pos, kv_slots, kv_len, self._scale
-            )
+                q, self.k_cache[li], self.v_cache[li], q_rows, q_pos, kv_slots, kv_len,
+                self._scale, tok_rows,
+            )  # fmt: skip
 
         h = self._forward(ids, pos, slots, attend)
         last = (offs + torch.tensor(lens_new) - 1).to(dev)
@@ -255,10 +271,30 @@ class ModelRunner:
             out = self.graphs.run(ids, positions, block_tables)
             if out is not None:
                 return out
+        span = int(positions.max()) + 1 if positions.numel() else 1
+        if self.device.type == "cpu":
+            return self._decode_cpu(ids, positions, block_tables, span)
         pos = positions.to(self.device, non_blocking=True)
         bt = block_tables.to(self.device, non_blocking=True)
-        span = int(positions.max()) + 1 if positions.numel() else 1
         return self.decode_step(ids, pos, bt, span)
+
+    def _decode_cpu(
+        self, ids: torch.Tensor, pos: torch.Tensor, bt: torch.Tensor, span: int
+    ) -> torch.Tensor:
+        """The decode step on a CPU: keys 0..span-1 of each request gathered by one plan that
+        every layer shares (attention.py's CPU path); no CUDA graph, no kernel."""
+        bs = self.block_size
+        bt = bt.long()
+        slots = bt.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        kp = torch.arange(span)
+        plan = attention.gather_plan(bt[:, kp // bs] * bs + kp % bs, pos[:, None], pos + 1)
+
+        def attend(li: int, q: torch.Tensor) -> torch.Tensor:
+            return attention.attend_gathered(
+                q, self.k_cache[li], self.v_cache[li], plan, self._scale
+            )
+
+        return self._logits(self._forward(ids, pos, slots, attend))
 
     def decode_step(
         self, ids: torch.Tensor, pos: torch.Tensor, bt: torch.Tensor, span: int | None = None
