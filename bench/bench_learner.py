@@ -208,6 +208,9 @@ def time_plain_megatron(learner, group: TrainGroup, args) -> float:
         from slime_async.megatron_compat import causal_mask
 
         mask = causal_mask(ids.shape[1], ids.device)
+    from slime_async.models.attention import set_packed
+
+    set_packed(learner.model, None)  # the learner's last step may have left packed documents set
     opt = learner.optimizer
     times = []
     for i in range(args.warmup + args.steps):

@@ -69,7 +69,7 @@ def _convert(
     else:
         raise FileNotFoundError(
             f"{src} is neither an HF model directory (config.json) "
-            "nor a torch_dist checkpoint (metadata.json, common.pt)"
+            "nor a torch_dist checkpoint (metadata.json)"
         )
 
     where = {"load": str(src)} if to_hf else {"model_path": str(src)}

@@ -27,7 +27,15 @@ COMMON_KEY = "learner"
 
 
 def is_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / "metadata.json").is_file() and (Path(path) / "common.pt").is_file()
+    """A complete megatron-core distributed checkpoint: its `metadata.json` names the backend.
+
+    Only that file: megatron-core up to 0.16 also writes `common.pt`, later versions keep the
+    common part inside the torch_dist files (0.19 writes no `common.pt`)."""
+    try:
+        meta = json.loads((Path(path) / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "sharded_backend" in meta
 
 
 def read_common(path: str | Path) -> dict[str, Any]:
@@ -35,7 +43,9 @@ def read_common(path: str | Path) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     if not is_checkpoint(path):
-        raise FileNotFoundError(f"{path}: not a torch_dist checkpoint (no metadata.json/common.pt)")
+        raise FileNotFoundError(
+            f"{path}: not a torch_dist checkpoint (no metadata.json naming its backend)"
+        )
     return dist_checkpointing.load_common_state_dict(str(path))[COMMON_KEY]
 
 

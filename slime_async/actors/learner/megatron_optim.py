@@ -169,7 +169,23 @@ class MegatronOptim:
         return self.opt.sharded_state_dict(model_sharded, is_loading=False, metadata=self._METADATA)
 
     def sharded_state_dict_for_load(self, model_sharded: dict) -> dict:
+        self._init_empty_state()
         return self.opt.sharded_state_dict(model_sharded, is_loading=True, metadata=self._METADATA)
+
+    def _init_empty_state(self) -> None:
+        """Zero Adam moments and step for parameters that have none yet (a learner that has not
+        stepped), so that the state to load into has its final shape. Without Apex/TE,
+        megatron-core 0.19's DistributedOptimizer.state_dict() asserts one common `step` and
+        fails on an empty state (measured on the H200). Nothing here changes a parameter; the
+        loaded checkpoint replaces every value."""
+        for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if len(inner.state[p]) == 0:
+                        inner.state[p]["step"] = torch.zeros((), dtype=torch.float32)
+                        inner.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                        inner.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
     def load_sharded(self, loaded: dict, step: int) -> None:
         self.opt.load_state_dict(loaded)
