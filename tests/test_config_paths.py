@@ -82,3 +82,31 @@ def test_paths_are_absolute_even_for_a_relative_run_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config([], ["run.run_dir=runs/x", "buffer.wal_dir=wal"])
     assert cfg.paths().wal_dir == Path(tmp_path) / "runs" / "x" / "wal"
+
+
+def test_run_refuses_inputs_that_do_not_exist_before_starting_anything(tmp_path):
+    """A model directory that is not there used to fail inside the engine and the learner, after
+    the buffer had started, with Hugging Face's "Repo id must be in the form ..." (no hub here):
+    `slime-async run` now names each missing input and its key, and starts nothing."""
+    import subprocess
+    import sys
+
+    from slime_async.config.paths import missing_inputs
+    from slime_async.testing.run_config import tiny_run_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    cfg_path = tiny_run_config(
+        tmp_path / "run.toml", model="no-such-model", data=data, run_dir=tmp_path / "run"
+    )
+    cfg = load_config([str(cfg_path)], [])
+    missing = f"learner.model_path: {tmp_path / 'no-such-model'} does not exist"
+    assert missing_inputs(cfg) == [missing]  # the engine serves learner.model_path (unset here)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slime_async", "run", str(cfg_path)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert missing in proc.stderr
+    assert "relative to the config file" in proc.stderr
+    assert not (tmp_path / "run" / "logs" / "buffer.log").exists()  # nothing was started

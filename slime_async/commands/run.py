@@ -64,6 +64,13 @@ def main(args: argparse.Namespace) -> int:
         from slime_async.utils.plugins import import_object
 
         import_object(cfg.run.prepare)(cfg)
+    if cfg.run.launcher == "local":  # on a cluster the inputs may live on other nodes' disks
+        from slime_async.config.paths import missing_inputs
+
+        missing = missing_inputs(cfg)
+        if missing:
+            raise ConfigError("inputs not found (a relative path is relative to the config file "
+                              "that sets it):\n  " + "\n  ".join(missing))  # fmt: skip
     cfg.run.run_dir = str(run_dir.path)  # every role finds the run directory here
     cfg.write_json(run_dir.config_json)
     print(f"[slime-async] run directory {run_dir.path}", flush=True)

@@ -42,6 +42,22 @@ READ_PATHS = (
 )
 """Keys whose relative values resolve from the directory of the config file that sets them."""
 
+
+def missing_inputs(cfg: SlimeConfig) -> list[str]:
+    """`section.key: path` for every file or directory this machine's roles would read that
+    does not exist (an external engine's model is read by the engine, elsewhere)."""
+    missing = []
+    for section, key in READ_PATHS:
+        if (section, key) == ("run", "runs_dir"):
+            continue  # written, created on demand
+        if (section, key) == ("engine", "model_path") and cfg.engine.kind == "external":
+            continue
+        value = getattr(getattr(cfg, section), key)
+        if value is not None and not Path(value).expanduser().exists():
+            missing.append(f"{section}.{key}: {value} does not exist")
+    return missing
+
+
 CHECKPOINTS_DIR = "checkpoints"
 """The learner's checkpoints inside the run directory, unless `learner.save` says otherwise."""
 
