@@ -62,9 +62,14 @@ def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
                 continue
         _PICKED.add(port)
         return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    for _ in range(attempts):  # no room outside the range (or none free): the OS's choice
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _PICKED:
+            break
+    _PICKED.add(port)
+    return port
 
 
 _PR_SET_PDEATHSIG = 1
