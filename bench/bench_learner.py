@@ -68,27 +68,31 @@ def make_model_dir(out: Path, args) -> Path:
     return out
 
 
-def make_group(args, rng: np.random.Generator) -> TrainGroup:
-    prompt_len = args.seq // 8
-    prompt = rng.integers(10, args.vocab, size=prompt_len).astype(np.int32)
+def random_group(gid: str, prompt, lengths, vocab: int, rng: np.random.Generator) -> TrainGroup:
+    """One group sharing `prompt`, a random response of each length in `lengths`, log-probs
+    about what a random-init model gives (log 1/vocab), a random reward each."""
     group = []
-    for k in range(args.batch):
-        r = args.seq - prompt_len
+    for k, r in enumerate(lengths):
         group.append(
             Trajectory(
-                id=f"b{k}",
-                group_id="g",
-                group_size=args.batch,
+                id=f"{gid}-{k}",
+                group_id=gid,
+                group_size=len(lengths),
                 prompt_ids=prompt,
-                response_ids=rng.integers(10, args.vocab, size=r).astype(np.int32),
-                # About what a random-init model gives: log(1 / vocab).
-                logprobs=np.full(r, -float(np.log(args.vocab)), dtype=np.float32),
+                response_ids=rng.integers(10, vocab, size=r).astype(np.int32),
+                logprobs=np.full(r, -float(np.log(vocab)), dtype=np.float32),
                 loss_mask=np.ones(r, dtype=np.uint8),
                 versions=np.zeros(r, dtype=np.int32),
                 reward=float(rng.random()),
             )
         )
     return TrainGroup(tuple(group))
+
+
+def make_group(args, rng: np.random.Generator) -> TrainGroup:
+    prompt_len = args.seq // 8
+    prompt = rng.integers(10, args.vocab, size=prompt_len).astype(np.int32)
+    return random_group("g", prompt, [args.seq - prompt_len] * args.batch, args.vocab, rng)
 
 
 def sync() -> None:
@@ -134,23 +138,11 @@ def make_rl_groups(args, rng: np.random.Generator) -> list[TrainGroup]:
     groups = []
     for g in range(args.rl_groups):
         prompt = rng.integers(10, args.vocab, size=args.rl_prompt).astype(np.int32)
-        trajs = []
-        for k in range(args.rl_group_size):
-            r = int(np.clip(rng.lognormal(np.log(args.rl_median), 0.7), 64, 1024))
-            trajs.append(
-                Trajectory(
-                    id=f"rl{g}-{k}",
-                    group_id=f"rl{g}",
-                    group_size=args.rl_group_size,
-                    prompt_ids=prompt,
-                    response_ids=rng.integers(10, args.vocab, size=r).astype(np.int32),
-                    logprobs=np.full(r, -float(np.log(args.vocab)), dtype=np.float32),
-                    loss_mask=np.ones(r, dtype=np.uint8),
-                    versions=np.zeros(r, dtype=np.int32),
-                    reward=float(rng.random()),
-                )
-            )
-        groups.append(TrainGroup(tuple(trajs)))
+        lengths = [
+            int(np.clip(rng.lognormal(np.log(args.rl_median), 0.7), 64, 1024))
+            for _ in range(args.rl_group_size)
+        ]
+        groups.append(random_group(f"rl{g}", prompt, lengths, args.vocab, rng))
     return groups
 
 

@@ -157,6 +157,9 @@ def test_engine_sigkill_run_finishes_and_engine_rejoins(tiny):
             os.killpg(proc.pid, signal.SIGKILL)
     sup = (run_dir / "logs" / "supervisor.log").read_text()
     assert "restarting engine0" in sup, out[-3000:]
+    (rec,) = read_metrics(run_dir / "metrics" / "supervisor.jsonl")  # counted, with its signal
+    assert rec["supervisor/restarts/engine0"] == 1 and rec["supervisor/exit_code/engine0"] == -9
+    assert "restarted: engine0 1x" in out
     learner = read_metrics(run_dir / "metrics" / "learner.jsonl")
     assert learner[-1]["push/resyncs"] >= 1  # the restarted engine was brought back
     assert learner[-1]["push/engines"] == 1.0

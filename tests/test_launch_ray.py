@@ -388,6 +388,10 @@ def test_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(cluster):
     assert "engine0 (pid" in sup and "was killed by SIGKILL" in sup, sup[-3000:]
     assert "restarting engine0" in sup
     assert sup.count("engine0 is ready") == 2
+    # Counted too, as under the local launcher (the same supervisor drives the actors).
+    (rec,) = read_metrics(run_dir / "metrics" / "supervisor.jsonl")
+    assert rec["supervisor/restarts/engine0"] == 1 and rec["supervisor/restarts"] == 1
+    assert "role failures: 1; restarted: engine0 1x" in out
     _accounting(run_dir, steps)
     _nothing_left(cluster, run_dir)
 

@@ -29,8 +29,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from slime_async.actors.learner.optim import tp_partial, trainable
 from slime_async.config.learner import LearnerConfig
-from slime_async.models.convert import is_expert, partition_dim
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
@@ -77,21 +77,8 @@ class MegatronOptim:
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
         self.opt = get_megatron_optimizer(opt_cfg, [self.ddp]) if build_optimizer else None
-        self.names: list[str] = []
-        self.params: list[torch.nn.Parameter] = []
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                self.names.append(name)
-                self.params.append(p)
-        self.tp_partial = [
-            partition_dim(n) is None
-            and not is_expert(n)
-            and (
-                n.endswith(("q_layernorm.weight", "k_layernorm.weight"))
-                or bool(getattr(p, "sequence_parallel", False))
-            )
-            for n, p in zip(self.names, self.params, strict=True)
-        ]
+        self.names, self.params = trainable(model)
+        self.tp_partial = tp_partial(self.names, self.params)
         self._micro = 0
         self._micro_total = 1
 

@@ -32,38 +32,42 @@ def lr_at(step: int, cfg: LearnerConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * done))
 
 
+def trainable(model: torch.nn.Module) -> tuple[list[str], list[torch.nn.Parameter]]:
+    """The names and parameters of `model` that train, in its own order."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [n for n, _ in named], [p for _, p in named]
+
+
+def tp_partial(names: list[str], params: list[torch.nn.Parameter]) -> list[bool]:
+    """Replicated weights that see only part of the work on each TP rank: the q/k norms (each
+    rank has its own heads) and, under sequence parallelism, every norm and the router (each rank
+    has its own sequence chunk). Their gradients are summed over TP. By name, not by megatron's
+    attributes: megatron sets those only when it initialises the weights itself."""
+    return [
+        partition_dim(n) is None
+        and not is_expert(n)
+        and (
+            n.endswith(("q_layernorm.weight", "k_layernorm.weight"))
+            or bool(getattr(p, "sequence_parallel", False))
+        )
+        for n, p in zip(names, params, strict=True)
+    ]
+
+
 class MasterAdamW:
     """AdamW over fp32 masters of `model`'s trainable parameters."""
 
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig):
         """`model`: a megatron GPTModel, or any module whose parameters are not TP-sharded."""
         self.cfg = cfg
-        self.names: list[str] = []
-        self.params: list[torch.nn.Parameter] = []
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                self.names.append(name)
-                self.params.append(p)
+        self.names, self.params = trainable(model)
         # By name, not by megatron's `tensor_model_parallel` attribute: megatron leaves that
         # unset when it skips initialisation (weights loaded from HF or a checkpoint).
         self.tp_sharded = [partition_dim(n) is not None for n in self.names]
         # MoE experts live on one expert-parallel rank each: their gradients are reduced over
         # the expert-data-parallel group, their norm summed over the EP group.
         self.expert = [is_expert(n) for n in self.names]
-        # Replicated weights that see only part of the work on each TP rank: the q/k norms
-        # (each rank has its own heads) and, under sequence parallelism, every norm and the
-        # router (each rank has its own sequence chunk). Their gradients are summed over TP.
-        self.tp_partial = [
-            not sharded
-            and not expert
-            and (
-                n.endswith(("q_layernorm.weight", "k_layernorm.weight"))
-                or bool(getattr(p, "sequence_parallel", False))
-            )
-            for n, p, sharded, expert in zip(
-                self.names, self.params, self.tp_sharded, self.expert, strict=True
-            )
-        ]
+        self.tp_partial = tp_partial(self.names, self.params)
         self.masters = [
             p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True)
             for p in self.params

@@ -292,20 +292,19 @@ class Learner:
 
     # ------------------------------------------------------------------ forward
 
-    def _micro_batches(self, rows: list[Row]) -> Iterator[MicroBatch]:
-        """This rank's micro-batches of `rows`: packed or padded, at most micro_batch_tokens."""
-        lens = [r.input_len for r in rows]
-        if self.pack:
-            for idx in plan_packs(lens, self.cfg.micro_batch_tokens):
-                yield collate_packed(rows, idx, self.device)
-        else:
-            for idx in plan_micro_batches(lens, self.cfg.micro_batch_tokens):
-                yield collate(rows, idx, self.device)
-
-    def _plan_count(self, rows: list[Row]) -> int:
-        lens = [r.input_len for r in rows]
+    def _plan(self, rows: list[Row]) -> list[list[int]]:
+        """This rank's micro-batches of `rows` as row indices: packed or padded, at most
+        micro_batch_tokens each."""
         plan = plan_packs if self.pack else plan_micro_batches
-        return len(plan(lens, self.cfg.micro_batch_tokens))
+        return plan([r.input_len for r in rows], self.cfg.micro_batch_tokens)
+
+    def _micro_batches(
+        self, rows: list[Row], plan: list[list[int]] | None = None
+    ) -> Iterator[MicroBatch]:
+        """The micro-batches of `plan` (default: `_plan(rows)`), collated on the device."""
+        collate_one = collate_packed if self.pack else collate
+        for idx in self._plan(rows) if plan is None else plan:
+            yield collate_one(rows, idx, self.device)
 
     def _forward(
         self, model, mb: MicroBatch, with_entropy: bool
@@ -462,9 +461,10 @@ class Learner:
         self._denominators = (max(token_den, 1.0), max(seq_den, 1.0))
         need_entropy = self.algo.needs_entropy
         megatron = self.optimizer_kind == "megatron"
+        plan = self._plan(rows)
         if megatron:
-            self.optimizer.begin(self._plan_count(rows))
-        for mb in self._micro_batches(rows):
+            self.optimizer.begin(len(plan))
+        for mb in self._micro_batches(rows, plan):
             out["padded"] += mb.num_tokens
             sync = self.optimizer.forward_context() if megatron else contextlib.nullcontext()
             with sync:
