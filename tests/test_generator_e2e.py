@@ -550,6 +550,38 @@ def test_startup_contract_errors_name_the_plugin(engine, model_dir, tmp_path):
         assert problem in r.stderr and override.split("=")[1] in r.stderr
 
 
+def test_a_second_generator_under_a_live_producer_id_exits_with_one_line(
+    engine, model_dir, buffer, tmp_path
+):
+    """Two generators under one producer id would lose groups (the second's puts answered
+    'duplicate'): the buffer refuses the second session, and the generator process ends with
+    exit 1 and one line naming the id, not a traceback."""
+    buf = buffer()
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1", "answer": "1"}])
+    overrides = [
+        f"generator.dataset={data}",
+        f"generator.tokenizer_path={model_dir}",
+        f"engine.urls=['{engine}']",
+        f"buffer.producer_endpoint='{buf.producer_endpoint}'",
+        f"buffer.consumer_endpoint='{buf.consumer_endpoint}'",
+        "buffer.give_up_s=20",
+    ]
+
+    async def second_generator_while_gen0_is_held():
+        async with ProducerClient(buf, "gen0"):
+            child = await asyncio.create_subprocess_exec(
+                *python_module("slime_async", "generator", *overrides),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
+            )  # fmt: skip
+            _, err = await asyncio.wait_for(child.communicate(), 120)
+            return child.returncode, err.decode()
+
+    code, err = asyncio.run(second_generator_while_gen0_is_held())
+    assert code == 1, err
+    assert "gen0" in err and "held by another live session" in err, err
+    assert "Traceback" not in err, err
+
+
 # ----- partial rollouts across a weight update ----------------------------------------------------
 
 

@@ -81,21 +81,23 @@ async def _run(cfg: SlimeConfig, gen_cfg, urls: list[str], tok_path: str) -> int
                     prompt_key=gen_cfg.prompt_key,
                     apply_chat_template=gen_cfg.apply_chat_template, metrics=eval_metrics,
                 )  # fmt: skip
-        async with ProducerClient(cfg.buffer, gen_cfg.producer_id) as producer:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, gen.stop)
-            log.info("engines %s, buffer %s, state %s", urls, cfg.buffer.producer_endpoint,
-                     gen_cfg.state_path)  # fmt: skip
-            # The buffer answered our hello: tell `slime-async run` (if it started us) we are up.
-            announce_ready(f"generator {gen_cfg.producer_id}")
-            try:
+        try:
+            # The hello is sent on entry: a producer id held by a live session (IdInUse) or a
+            # buffer that never answers ends the generator here with one line, not a traceback.
+            async with ProducerClient(cfg.buffer, gen_cfg.producer_id) as producer:
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(sig, gen.stop)
+                log.info("engines %s, buffer %s, state %s", urls, cfg.buffer.producer_endpoint,
+                         gen_cfg.state_path)  # fmt: skip
+                # The buffer answered our hello: tell `slime-async run` (if it started us).
+                announce_ready(f"generator {gen_cfg.producer_id}")
                 stats = await gen.run(producer)
-            except (GeneratorError, BufferUnavailable) as e:
-                log.error("%s", e)
-                return 1
-            print(json.dumps({"generator": gen_cfg.producer_id, **stats}), flush=True)
-            return 0
+        except (GeneratorError, BufferUnavailable) as e:
+            log.error("%s", e)
+            return 1
+        print(json.dumps({"generator": gen_cfg.producer_id, **stats}), flush=True)
+        return 0
     finally:
         await pool.close()
         if metrics is not None:
