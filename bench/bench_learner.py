@@ -9,8 +9,10 @@ directory and loads it into the learner (bf16 parameters, fp32 master weights an
 - Throughput: one optimizer step on `--batch` sequences of `--seq` tokens (one group, GRPO
   advantages, the ppo_clip loss), timed over `--steps` after `--warmup` steps. The baseline,
   in the same run, is the HF transformers model of the same weights (its default sdpa
-  attention) doing the same work: log-probs of the same tokens, a PPO-clip loss, backward,
-  the same fp32-master AdamW. Printed as tokens/s and the ratio learner / HF.
+  attention) doing the same work: log-probs of the same response tokens (its LM head on the
+  response positions only, `logits_to_keep`, as the learner), a PPO-clip loss (no entropy or
+  KL on either side), backward, an fp32-master AdamW. Printed as tokens/s and the ratio
+  learner / HF.
 - Agreement: per-token log-probs of the same batch from the learner (bf16) against the HF
   model in bf16 and in fp32 (same bf16 weights), mean and max absolute difference; the HF
   bf16 vs fp32 difference shows bf16's own noise.
@@ -19,8 +21,11 @@ With `--full`, also (each printed beside its baseline): the learner with its opt
 issue 17 (megatron's unfused attention over padded rows, MasterAdamW), a plain megatron-core
 forward/backward + optimizer step on the same tokens (GPTModel's own cross-entropy), activation
 recomputation (selective, full), and an RL-shaped batch (4 groups x 8, 128-token prompts,
-log-normal response lengths cut to 64..1,024) packed against padded, in real tokens/s. Peak
-memory is the CUDA allocator's peak of each part alone.
+log-normal response lengths cut to 64..1,024) with the defaults (auto packing), packed and
+padded, in real tokens/s. Peak memory is the CUDA allocator's peak of each part alone.
+`--variants` adds learner runs with other `[learner]` keys (e.g. `logprob_kernel=torch`);
+`--profile DIR` writes torch.profiler tables of one learner step and one plain megatron step
+(CUDA kernels by self time) and the learner step's Chrome trace.
 
 Needs a CUDA GPU (on CPU use a tiny shape: --hidden 64 --layers 2 --vocab 128 ...).
 """
@@ -100,14 +105,20 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def hf_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, L-1] log p(tokens[:, t+1] | tokens[:, :t+1]) in fp32."""
-    logits = model(tokens).logits[:, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+def hf_logprobs(model, tokens: torch.Tensor, first: int = 1) -> torch.Tensor:
+    """[B, L - first] log p(tokens[:, t]) for t >= first, fp32. Only the positions that predict
+    them go through the LM head (HF's `logits_to_keep`), as the learner keeps only response
+    positions: the same output-layer work on both sides."""
+    keep = tokens.shape[1] - first + 1
+    logits = model(tokens, logits_to_keep=keep).logits[:, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, first:, None])[..., 0]
 
 
 def hf_train_steps(model, group: TrainGroup, args, n: int) -> float:
-    """Seconds per step of the HF baseline: log-probs, PPO clip, backward, fp32-master AdamW."""
+    """Seconds per step of the HF baseline: the response tokens' log-probs (fp32 log-softmax
+    of the LM head's logits at the response positions only), the PPO-clip loss on them (no
+    entropy, no KL: the learner's algo has entropy_coef = kl_coef = 0 too), backward, and the
+    fp32-master AdamW (`MasterAdamW`, the learner's CPU optimizer)."""
     opt = MasterAdamW(model, LearnerConfig(lr=1e-6))
     dev = next(model.parameters()).device
     tokens = torch.tensor(np.stack([np.concatenate([t.prompt_ids, t.response_ids]) for t in group]))
@@ -121,7 +132,7 @@ def hf_train_steps(model, group: TrainGroup, args, n: int) -> float:
     for i in range(args.warmup + n):
         sync()
         t0 = time.perf_counter()
-        logp = hf_logprobs(model, tokens)[:, p - 1 :]
+        logp = hf_logprobs(model, tokens, p)  # [B, response]
         ratio = torch.exp(logp - behavior)
         loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
         loss.backward()
@@ -172,8 +183,9 @@ def peak_gb() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
-def time_learner(learner, groups, args, steps=None) -> tuple[float, list[float]]:
-    """Seconds per train_step on `groups` (after --warmup steps) and every step's loss."""
+def time_learner(learner, groups, args, steps=None, metrics: bool = False):
+    """Seconds per train_step on `groups` (after --warmup steps) and every step's loss (and,
+    with `metrics`, the last step's metrics)."""
     times, losses = [], []
     for i in range(args.warmup + (steps or args.steps)):
         sync()
@@ -183,7 +195,34 @@ def time_learner(learner, groups, args, steps=None) -> tuple[float, list[float]]
         losses.append(m["loss"])
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+    if metrics:
+        return float(np.mean(times)), losses, m
     return float(np.mean(times)), losses
+
+
+def profile_table(fn, path: Path | None, label: str, trace: bool = False) -> dict:
+    """One call of `fn` under torch.profiler (after the timed runs: warm); its CUDA kernels by
+    self time, top 30, written to `path` (with `trace`: also its Chrome trace beside it) and
+    summarised: kernel time vs the call's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    sort = "self_device_time_total"
+    table = events.table(sort_by=sort, row_limit=30, max_name_column_width=70)
+    kernel_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+    if path is not None and trace:
+        prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
+    if path is not None:
+        path.write_text(f"{label}: wall {wall * 1e3:.1f} ms (under the profiler)\n{table}\n")
+    print(f"[bench_learner] profile {label}: wall {wall * 1e3:.1f} ms, device time "
+          f"{kernel_us / 1e3:.1f} ms", flush=True)  # fmt: skip
+    return {"wall_ms": wall * 1e3, "device_ms": kernel_us / 1e3}
 
 
 def time_plain_megatron(learner, group: TrainGroup, args) -> float:
@@ -204,10 +243,8 @@ def time_plain_megatron(learner, group: TrainGroup, args) -> float:
 
     set_packed(learner.model, None)  # the learner's last step may have left packed documents set
     opt = learner.optimizer
-    times = []
-    for i in range(args.warmup + args.steps):
-        sync()
-        t0 = time.perf_counter()
+
+    def step():
         opt.zero_grad()
         if hasattr(opt, "begin"):
             opt.begin(1)
@@ -216,9 +253,17 @@ def time_plain_megatron(learner, group: TrainGroup, args) -> float:
         opt.reduce_gradients(learner.dp_group, learner.tp_group, learner.expert_dp_group)
         norm = opt.grad_norm(learner.tp_group, learner.ep_group)
         opt.step(1e-6, learner.tp_group, norm=norm)
+
+    times = []
+    for i in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        step()
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+    if args.profile and torch.cuda.is_available():
+        profile_table(step, Path(args.profile) / "profile_plain.txt", "plain megatron step")
     return float(np.mean(times))
 
 
@@ -247,6 +292,15 @@ def main() -> None:
     ap.add_argument("--rl-prompt", type=int, default=128)
     ap.add_argument("--rl-median", type=float, default=300.0)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument(
+        "--profile",
+        help="a folder: torch.profiler tables of one learner step and "
+        "one plain megatron step (CUDA kernels by self time) are written there",
+    )
+    ap.add_argument("--variants", default="",
+                    help="comma-separated extra learner variants on the 8 x seq batch, each "
+                    "key=value of [learner] (e.g. logprob_kernel=torch;logprob_chunk_tokens=4096"
+                    "), separated by commas, keys of one variant by ';'")  # fmt: skip
     args = ap.parse_args()
 
     results: dict = Results(
@@ -270,8 +324,13 @@ def main() -> None:
         learner = Learner(LearnerConfig(**base), algo)
         results["options"] = {
             "attention": learner.attention,
-            "packed": learner.pack,
+            "packing": "never"
+            if not learner.pack
+            else f"from {learner.pack_min_padding:.0%} padding"
+            if learner.pack_min_padding
+            else "always",
             "optimizer": learner.optimizer_kind,
+            "logprob_kernel": learner.logprob_kernel,
         }
         results["params"] = sum(p.numel() for p in learner.model.parameters())
         seqs = [np.concatenate([t.prompt_ids, t.response_ids]).tolist() for t in group]
@@ -299,6 +358,14 @@ def main() -> None:
         results["learner_losses"] = losses
         results["version"] = learner.version
         results["learner_peak_mem_gb"] = peak_gb()
+        if args.profile and torch.cuda.is_available():
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+            results["profile_learner"] = profile_table(
+                lambda: learner.train_step([group]),
+                Path(args.profile) / "profile_learner.txt",
+                "learner RL step",
+                trace=True,
+            )
         # The HF baseline runs while the learner's process group exists (its optimizer computes
         # the grad norm through torch.distributed); its peak is counted above what is held.
         free_cuda()
@@ -327,17 +394,26 @@ def main() -> None:
             learner.close()
             del learner
             for name, extra in (
+                ("rl_default", {}),  # auto: packed where padding would waste pack_min_padding
                 ("rl_packed", dict(pack_sequences=True)),
                 ("rl_padded", dict(pack_sequences=False)),
             ):
                 free_cuda()
                 lr_ = Learner(LearnerConfig(**{**base, "micro_batch_tokens": 8192, **extra}), algo)
-                sec, _ = time_learner(lr_, rl, args)
+                sec, _, last = time_learner(lr_, rl, args, metrics=True)
                 results[f"{name}_tokens_per_s"] = rl_tokens / sec
+                results[f"{name}_packed_micro_batches"] = last.get("learner/packed_micro_batches")
+                results[f"{name}_padding_frac"] = last.get("padding_frac")
                 results[f"{name}_peak_mem_gb"] = peak_gb()
                 lr_.close()
                 del lr_
             variants = [("old_options", OLD)]
+            for spec in filter(None, args.variants.split(",")):
+                extra = {}
+                for kv in spec.split(";"):
+                    k, _, v = kv.partition("=")
+                    extra[k] = int(v) if v.isdigit() else v
+                variants.insert(0, ("variant_" + spec.replace(";", "+"), extra))
             if torch.cuda.is_available():  # megatron's recomputation needs CUDA's RNG
                 variants = [
                     ("recompute_selective", dict(recompute="selective")),
@@ -393,8 +469,16 @@ def print_table(r: dict, args) -> None:
              f"padded: {r['rl_padded_tokens_per_s']:,.0f}/s: packed "
              f"{r['rl_packed_tokens_per_s'] / r['rl_padded_tokens_per_s']:.2f}x"),
             ("RL lengths, padded (real tokens/s)", r["rl_padded_tokens_per_s"],
-             r["rl_padded_peak_mem_gb"], ""),
+             r["rl_padded_peak_mem_gb"], f"padding {r['rl_padded_padding_frac']:.0%}"),
+            ("RL lengths, default (auto packing)", r["rl_default_tokens_per_s"],
+             r["rl_default_peak_mem_gb"],
+             f"{r['rl_default_packed_micro_batches']:.0f} packed micro-batches"),
         ]  # fmt: skip
+    rows += [
+        (k[len("variant_") : -len("_tokens_per_s")][:44], v, r.get(k[: -len("_tokens_per_s")] + "_peak_mem_gb"),
+         f"vs the new defaults {r['learner_tokens_per_s']:,.0f}/s: {v / r['learner_tokens_per_s']:.2f}x")
+        for k, v in r.items() if k.startswith("variant_") and k.endswith("_tokens_per_s")
+    ]  # fmt: skip
     for what, tps, mem, note in rows:
         print(f"{what:44s} {tps:>10,.0f} {gb(mem):>10s}   {note}")
     a = r["learner_vs_hf_bf16"]

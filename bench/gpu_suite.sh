@@ -8,9 +8,10 @@
 #          table (1/64/128/256 concurrent vs HF generate); engine_grpo: the GRPO-shaped load with
 #          prompt sharing on and off, and peak memory against engine.mem_fraction
 #   learner the learner on one GPU: its -m gpu tests (megatron optimizer vs MasterAdamW, packed
-#          vs padded, recomputation, export after DistributedOptimizer steps, resume), then
-#          bench_learner.py --full (0.51B Qwen3 shape, 8 x 1,024 vs HF; RL lengths packed vs
-#          padded; plain megatron-core step; recomputation; the old options)
+#          vs padded, recomputation, export after DistributedOptimizer steps, resume, the
+#          Triton log-prob kernels), then bench_learner.py --full (0.51B Qwen3 shape, 8 x 1,024
+#          vs HF; RL lengths auto / packed / padded; plain megatron-core step; recomputation;
+#          the old options; LEARNER_BENCH_ARGS may add --variants and --profile "$OUT")
 #   SUITE="push e2e" bash bench/gpu_suite.sh [overrides for the e2e/async runs...]
 # The image has torch and transformers but not megatron-core, pyzmq or pydantic: their wheels
 # travel in .whl/ (README, "Development").
@@ -62,11 +63,11 @@ for part in $SUITE; do
         --device cuda 2>&1 | grep -v -i warn | tee "$OUT/engine_grpo.log" | tail -12 ;;
     learner)
       echo "== learner: -m gpu tests"
-      timeout "${LEARNER_TEST_S:-80}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      timeout "${LEARNER_TEST_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/test_learner_gpu.py 2>&1 | tee "$OUT/learner_tests.log" | tail -25
       echo "== learner benchmark"
       # shellcheck disable=SC2086
-      timeout "${LEARNER_BENCH_S:-100}" python3 bench/bench_learner.py \
+      timeout "${LEARNER_BENCH_S:-200}" python3 bench/bench_learner.py \
         ${LEARNER_BENCH_ARGS:---full --warmup 1 --steps 2} \
         --json "$OUT/bench_learner.json" >"$OUT/bench_learner.log" 2>&1
       echo "exit $?"; grep -v -i warn "$OUT/bench_learner.log" | grep -v '^ \|^[{}]' | tail -30 ;;

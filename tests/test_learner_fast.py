@@ -5,12 +5,19 @@
 - A packed micro-batch (several rows in one, per-document causal attention and RoPE) gives the
   padded micro-batch's log-probs and, after one training step, the same weights; SDPA attention
   equals megatron's own DotProductAttention.
+- The fused Triton kernels equal the torch chunks (Triton's CPU interpreter, where Triton is
+  installed; CI has none, the GPU tests run them on CUDA).
 - Options that cannot work here are refused at construction, naming the keys.
 The GPU paths (megatron's DDP and DistributedOptimizer, the varlen kernel, recomputation) are
 in test_learner_gpu.py.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -60,6 +67,74 @@ def test_chunked_logprobs_equal_the_unchunked_math_with_gradients(chunk, with_en
         assert ent is None
     torch.testing.assert_close(hidden.grad, rh.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(weight.grad, rw.grad, atol=1e-5, rtol=1e-5)
+
+
+def fused_equals_torch(with_entropy: bool) -> None:
+    """The Triton kernels (`logprobs_triton.py`) against the torch path: same log-probs,
+    entropy and gradients, with a vocabulary that is no multiple of the kernel's block, a chunk
+    that does not divide the tokens, and per-token temperatures (run by the test below)."""
+    gen = torch.Generator().manual_seed(3)
+    n, h, v = 11, 8, 4100
+    hidden0 = 2 * torch.randn(n, h, generator=gen)
+    weight0 = torch.randn(v, h, generator=gen)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    temp = 0.5 + torch.rand(n, generator=gen)
+    g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    got = []
+    for fused in (False, True):
+        hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        logp, ent = chunked_logprobs(hidden, weight, labels, temp, with_entropy, 4, fused=fused)
+        loss = (logp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0.0)
+        loss.backward()
+        got.append((logp, ent, hidden.grad, weight.grad))
+    for a, b in zip(*got, strict=True):
+        if a is None:
+            assert b is None
+            continue
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_fused_triton_chunks_equal_the_torch_chunks(repo_root):
+    """`fused_equals_torch` in Triton's CPU interpreter, in a fresh process: TRITON_INTERPRET
+    must be set before anything imports triton (megatron-core does)."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from test_learner_fast import fused_equals_torch"
+        "; fused_equals_torch(False); fused_equals_torch(True)"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo_root, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+def test_auto_packing_packs_only_mini_batches_that_padding_would_waste():
+    """`pack_sequences` unset on a GPU: a mini-batch is packed when its padded micro-batches
+    would be at least `pack_min_padding` padding (H200: packed 0.85x of padded at equal lengths,
+    1.35-1.39x at RL lengths); true packs always (share 0), false never (None)."""
+    from types import SimpleNamespace
+
+    from slime_async.actors.learner.microbatches import MicroBatches
+
+    def plan(lens, min_padding):
+        me = SimpleNamespace(
+            pack=min_padding is not None,
+            pack_min_padding=min_padding,
+            cfg=SimpleNamespace(micro_batch_tokens=64),
+        )
+        rows = [SimpleNamespace(input_len=n) for n in lens]
+        return MicroBatches._plan(me, rows)
+
+    equal, mixed = [16] * 8, [4, 30, 10, 16, 28, 6, 12, 20]  # mixed: 15% padding when padded
+    assert plan(equal, 0.1) == ([[0, 1, 2, 3], [4, 5, 6, 7]], False)
+    got, packed = plan(mixed, 0.1)
+    assert packed and sorted(i for p in got for i in p) == list(range(8))
+    assert all(sum(mixed[i] for i in p) <= 64 for p in got)
+    assert plan(mixed, 0.2)[1] is False  # below the share: padded
+    assert plan(equal, 0.0)[1] is True  # pack_sequences = true
+    assert plan(mixed, None)[1] is False  # pack_sequences = false
 
 
 def test_plan_packs_fills_each_pack_up_to_the_budget():
@@ -127,6 +202,7 @@ def test_packing_and_sdpa_equal_padded_megatron_attention(qwen3_dir):
         (dict(attention="local", pack_sequences=True), "pack_sequences = true is not possible"),
         (dict(attention="te"), "Transformer Engine does not import"),
         (dict(overlap_grad_reduce=True), "learner.overlap_grad_reduce is set"),
+        (dict(logprob_kernel="triton"), 'learner.logprob_kernel = "triton" needs a GPU'),
     ],
 )
 def test_options_that_cannot_work_here_are_refused(qwen3_dir, changes, message):

@@ -91,13 +91,24 @@ class LearnerConfig(Section):
     pack_sequences: bool | None = None
     """Pack several sequences into one row with per-document causal attention instead of padding
     rows to the longest (needs attention "sdpa", no routing replay, no MoE at TP > 1).
-    None: off (on the H200 packed rows ran 0.94x of padded ones at RL lengths 64-1,024: the
-    padded rows are sorted by length already). true: CUDA's variable-length flash kernel on a GPU
-    in bfloat16, else a block-diagonal mask (the quadratic compute of the row's whole length)."""
+    None (auto): on a GPU in bfloat16, each mini-batch is packed when padded micro-batches would
+    spend at least `pack_min_padding` of their tokens on padding, else padded (on the H200
+    packed rows ran 1.35-1.39x of padded ones at RL lengths 64-1,024, 0.85x at equal lengths);
+    on the CPU padded. true: always packed (CUDA's variable-length flash kernel on a GPU in
+    bfloat16, else a block-diagonal mask: the quadratic compute of the row's whole length)."""
+    pack_min_padding: float = Field(0.1, ge=0.0, le=1.0)
+    """With `pack_sequences` unset (auto): the share of padding in a mini-batch's padded
+    micro-batches from which it is packed instead."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: "selective" recomputes core attention in the backward pass,
     "full" each transformer layer (keeps only layer inputs). GPU only (megatron's checkpointing
     saves the CUDA RNG state)."""
     logprob_chunk_tokens: int = Field(1024, ge=1)
-    """Tokens per chunk of the output-layer log-prob / entropy computation: the fp32 logits held
-    at once are `chunk x vocab / tensor_parallel`."""
+    """Tokens per chunk of the output-layer log-prob / entropy computation: the logits held at
+    once are `chunk x vocab / tensor_parallel` (fp32 with the torch kernel, the model's dtype
+    with the Triton one). On the H200 4,096 ran 0.93x of 1,024 with the Triton kernel."""
+    logprob_kernel: Literal["auto", "triton", "torch"] = "auto"
+    """How each chunk's softmax statistics and gradient are computed: "triton" one fused kernel
+    per direction that reads the chunk's logits once (GPU; `actors/learner/logprobs_triton.py`),
+    "torch" the exact elementwise torch ops (fp32 on the CPU), "auto": "triton" on a GPU where
+    Triton imports, else "torch"."""

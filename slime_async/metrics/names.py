@@ -164,6 +164,10 @@ MOE_REPLAY_TOKENS = "moe/replayed_tokens"
 MOE_REPLAY_MISSING = "moe/replay_missing_trajectories"
 """learner.routing_replay: trajectories of the step that carried no routed_experts (an engine
 that did not return them); they went through the learner's own routing."""
+PACKED_MICRO_BATCHES = "learner/packed_micro_batches"
+"""Training micro-batches of the step that ran packed (several rows in one, no padding); with
+learner.pack_sequences unset (auto) a mini-batch is packed when padded micro-batches would spend
+at least learner.pack_min_padding of their tokens on padding."""
 
 # ----- staleness research (issue 15): fixed lag, pinned evaluation, sweeps ----------------------
 STALENESS_LEARNER_MIN = "staleness/learner_min"

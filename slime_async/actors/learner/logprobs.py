@@ -17,18 +17,24 @@ logit and sum(p * s) are all-reduced over the TP group in the forward pass (no a
 backward needs no communication, because every TP rank computes the same loss and each gets
 its own slice's gradient (the hidden states' gradient is summed over TP by
 `copy_to_tensor_model_parallel_region`, as megatron's output layer does). Peak memory: a few
-`[chunk, V / tp]` fp32 tensors, never `[N, V]`.
+`[chunk, V / tp]` fp32 tensors, never `[N, V]`. On a GPU (`learner.logprob_kernel`), each
+chunk's statistics and its logits' gradient come from two fused Triton kernels that read the
+chunk's bf16 logits once (`logprobs_triton.py`; the gradient overwrites the logits in place)
+instead of the elementwise torch ops, which stay the exact CPU path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
+
+log = logging.getLogger("slime_async.learner")
 
 
 def output_weight(model) -> torch.Tensor:
@@ -102,7 +108,9 @@ class ChunkedLogprobs(torch.autograd.Function):
     """(hidden [N, h], weight [V/tp, h], labels [N], temperature [N]) -> logp [N], entropy [N]."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, with_entropy: bool, chunk: int):
+    def forward(
+        ctx, hidden, weight, labels, temperature, with_entropy: bool, chunk: int, fused: bool
+    ):
         ctx.set_materialize_grads(False)
         tp, group, tp_rank = _tp()
         n = hidden.shape[0]
@@ -113,8 +121,20 @@ class ChunkedLogprobs(torch.autograd.Function):
         m = torch.empty(n, dtype=torch.float32, device=hidden.device)
         # rows: sum exp(s - m), target s (0 off this shard), sum exp(s - m) * (s - m)
         stats = torch.zeros(3, n, dtype=torch.float32, device=hidden.device)
+        if fused:
+            from slime_async.actors.learner import logprobs_triton
+
+            local_all = labels - start
+            local_all = torch.where((local_all >= 0) & (local_all < v_local), local_all, -1)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
+            if fused:  # one read of the chunk's logits (logprobs_triton.py)
+                st = logprobs_triton.row_stats(
+                    hidden[a:b] @ weight.t(), local_all[a:b], temperature[a:b], with_entropy
+                )
+                m[a:b] = st[0]
+                stats[:, a:b] = st[1:]
+                continue
             s = (hidden[a:b] @ weight.t()).float() / temperature[a:b, None]
             local = labels[a:b] - start
             inside = (local >= 0) & (local < v_local)
@@ -143,6 +163,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, labels, temperature, lse, entropy)
         ctx.with_entropy = with_entropy
         ctx.chunk = chunk
+        ctx.fused = fused
         return logp, entropy
 
     @staticmethod
@@ -157,8 +178,24 @@ class ChunkedLogprobs(torch.autograd.Function):
         g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         g_logp = torch.zeros(n, device=hidden.device) if g_logp is None else g_logp.float()
         use_ent = ctx.with_entropy and g_ent is not None
+        if ctx.fused:
+            from slime_async.actors.learner import logprobs_triton
+
+            local_all = labels - start
+            local_all = torch.where((local_all >= 0) & (local_all < v_local), local_all, -1)
+            g_ent_f = g_ent.float() if use_ent else None
         for a in range(0, n, ctx.chunk):
             b = min(n, a + ctx.chunk)
+            if ctx.fused:  # the chunk's logits, overwritten by their gradient in place
+                gz = logprobs_triton.grad_in_place(
+                    hidden[a:b] @ weight.t(), local_all[a:b], temperature[a:b], lse[a:b],
+                    entropy[a:b], g_logp[a:b], None if g_ent_f is None else g_ent_f[a:b],
+                )  # fmt: skip
+                if want_h:
+                    g_hidden[a:b] = gz @ weight
+                if want_w:
+                    _add_weight_grad(g_weight, gz, hidden[a:b])
+                continue
             t = temperature[a:b, None]
             s = (hidden[a:b] @ weight.t()).float() / t
             s -= lse[a:b, None]  # log p
@@ -180,11 +217,32 @@ class ChunkedLogprobs(torch.autograd.Function):
             if want_h:
                 g_hidden[a:b] = gz @ weight
             if want_w:
-                if gz.dtype == torch.float32:
-                    g_weight.addmm_(gz.t(), hidden[a:b])
-                else:
-                    g_weight += (gz.t() @ hidden[a:b]).float()
-        return g_hidden, (g_weight.to(weight.dtype) if want_w else None), None, None, None, None
+                _add_weight_grad(g_weight, gz, hidden[a:b])
+        g_w = g_weight.to(weight.dtype) if want_w else None
+        return g_hidden, g_w, None, None, None, None, None
+
+
+_MIXED_ADDMM: list[bool] = []  # [works?] once tried: bf16 x bf16 -> fp32 addmm on CUDA
+
+
+def _add_weight_grad(g_weight: torch.Tensor, gz: torch.Tensor, h: torch.Tensor) -> None:
+    """g_weight [V/tp, h] fp32 += gz.T @ h. For bf16 inputs on CUDA, cuBLAS adds the product
+    into the fp32 accumulator directly (`out_dtype`, torch >= 2.8): no bf16 [V/tp, h] product
+    and fp32 copy per chunk. Elsewhere (or where that call is refused, logged once) the bf16
+    product is converted and added."""
+    if gz.dtype == torch.float32:
+        g_weight.addmm_(gz.t(), h)
+        return
+    if gz.is_cuda and _MIXED_ADDMM != [False]:
+        try:
+            torch.addmm(g_weight, gz.t(), h, out_dtype=torch.float32, out=g_weight)
+        except (RuntimeError, TypeError) as e:
+            _MIXED_ADDMM[:] = [False]
+            log.warning("log-probs: bf16 -> fp32 addmm refused (%s); converting instead", e)
+        else:
+            _MIXED_ADDMM[:] = [True]
+            return
+    g_weight += (gz.t() @ h).float()
 
 
 def chunked_logprobs(
@@ -194,18 +252,20 @@ def chunked_logprobs(
     temperature: torch.Tensor,
     with_entropy: bool = False,
     chunk: int = 1024,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(hidden @ weight.T / T)[label] (and the entropy), fp32 `[N]`, with grad.
 
     hidden: [N, h]; weight: [V / tp, h] (this rank's vocabulary slice); labels: [N] global ids;
     temperature: [N]. Over the full vocabulary, no top-k/top-p: what SGLang reports as a token's
-    log-prob (`log_softmax(logits / T)` before filtering).
+    log-prob (`log_softmax(logits / T)` before filtering). `fused`: each chunk's softmax
+    statistics and gradient in one Triton kernel (`logprobs_triton.py`; a CUDA device).
     """
     if hidden.shape[0] == 0:
         z = hidden.sum() * 0.0 + weight.sum() * 0.0  # keeps the graph connected
         empty = z.float().expand(0)
         return empty, (empty if with_entropy else None)
     logp, ent = ChunkedLogprobs.apply(
-        hidden, weight, labels, temperature.float(), with_entropy, max(1, int(chunk))
+        hidden, weight, labels, temperature.float(), with_entropy, max(1, int(chunk)), fused
     )
     return logp, (ent if with_entropy else None)

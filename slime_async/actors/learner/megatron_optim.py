@@ -175,4 +175,33 @@ class MegatronOptim:
                         inner.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
     def load_sharded(self, loaded: dict, step: int) -> None:
-        self.opt.load_state_dict(loaded)
+        """Load megatron's optimizer state; works around one megatron-core 0.19 bug on the
+        torch-Adam path (no Apex/TE): `load_state_dict` puts the checkpoint's Adam `step` into
+        every parameter's state as a tensor, then `_set_main_param_and_optimizer_states` copies
+        every tensor of that state from the loaded per-parameter tensors, which never carry
+        `step` (`KeyError: 'step'`, measured on the H200, 2026-12-01). The per-parameter call
+        gets `step: None`, which megatron skips, so `step` stays the checkpoint's."""
+        patched = []
+        for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+            setter = getattr(opt, "_set_main_param_and_optimizer_states", None)
+            if setter is None:
+                continue
+
+            def with_step(model_param, tensors, _setter=setter):
+                return _setter(model_param, {"step": None, **tensors})
+
+            opt._set_main_param_and_optimizer_states = with_step
+            patched.append(opt)
+        try:
+            self.opt.load_state_dict(loaded)
+        finally:
+            for opt in patched:
+                del opt._set_main_param_and_optimizer_states  # the class's method again
+        # The same megatron code puts ONE `step` tensor into every parameter's state; torch's
+        # AdamW increments each state's step in place, so a shared tensor advanced once per
+        # parameter per update and the bias correction was lost (the resumed run's second loss
+        # was 0.8% off on the H200). Each parameter gets its own copy.
+        for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+            for st in opt.optimizer.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()

@@ -1,13 +1,16 @@
 """The learner's speed options resolved for this device and model, impossible ones refused.
 
-`resolve_speed_options(cfg, arch, tp, on_cpu)` -> (attention, pack, optimizer):
+`resolve_speed_options(cfg, arch, tp, on_cpu)` -> (attention, pack_min_padding, optimizer):
 - attention "auto": Transformer Engine's core attention where TE imports, else "sdpa";
-- `pack_sequences` None: padded (packing measured 0.94x of padded on the H200); true: packed,
-  through CUDA's variable-length flash kernel on a GPU in bf16 when a one-time check against SDPA
-  passes (otherwise padded, logged with the reason), else through a block-diagonal mask (the
+- `pack_sequences` None (auto): on a GPU in bf16, a mini-batch is packed when its padded
+  micro-batches would be at least `pack_min_padding` padding (returned as that share), else
+  padded (None returned: never packed); true: always packed (share 0), through CUDA's
+  variable-length flash kernel on a GPU in bf16 when a one-time check against SDPA passes
+  (otherwise padded, logged with the reason), else through a block-diagonal mask (the
   quadratic attention of the row's whole length);
 - optimizer "auto": megatron-core's DDP + DistributedOptimizer on a GPU, `MasterAdamW` on the CPU.
-Every refusal names the keys.
+`resolve_logprob_kernel(cfg, on_cpu)`: "auto" is the fused Triton kernel on a GPU where Triton
+imports, else the torch ops. Every refusal names the keys.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ log = logging.getLogger("slime_async.learner")
 
 def resolve_speed_options(
     cfg: LearnerConfig, arch: ModelArch, tp: int, on_cpu: bool
-) -> tuple[str, bool, str]:
+) -> tuple[str, float | None, str]:
     attention = cfg.attention
     if attention == "auto":
         attention = "te" if transformer_engine_available() else "sdpa"
@@ -34,11 +37,15 @@ def resolve_speed_options(
     sp_moe = arch.is_moe and tp > 1
     packable = attention == "sdpa" and not cfg.routing_replay and not sp_moe
     pack = cfg.pack_sequences
+    min_padding = 0.0  # pack_sequences = true: every mini-batch packed
     if pack is None:
-        # Padded by default: on the H200 (bench_learner --full, 0.51B Qwen3 shape, log-normal
-        # RL lengths 64-1,024) packed rows ran 0.94x of padded ones, at more memory.
-        pack = False
-    elif pack and packable and not on_cpu and cfg.dtype != "float32":
+        # Auto: where the varlen kernel serves packed rows (GPU, bf16), the mini-batches that
+        # padding would waste much on. On the H200 (bench_learner --full, 0.51B Qwen3 shape)
+        # packed rows ran 1.35-1.39x of padded ones at log-normal RL lengths 64-1,024 (about a
+        # fifth of the padded tokens padding) and 0.85x at 8 equal rows of 1,024 (none).
+        pack = packable and not on_cpu and cfg.dtype != "float32"
+        min_padding = cfg.pack_min_padding
+    if pack and packable and not on_cpu and cfg.dtype != "float32":
         why = varlen_works(torch.cuda.current_device())
         if why is not None:
             log.warning("learner: sequences padded, not packed: %s", why)
@@ -72,4 +79,27 @@ def resolve_speed_options(
             f'learner.recompute = "{cfg.recompute}" needs a GPU: megatron\'s checkpointed '
             "modules save and restore the CUDA RNG state"
         )
-    return attention, pack, optimizer
+    return attention, (min_padding if pack else None), optimizer
+
+
+def resolve_logprob_kernel(cfg: LearnerConfig, on_cpu: bool) -> str:
+    """The kernel `learner.logprob_kernel` resolves to here: "triton" or "torch"."""
+    kernel = cfg.logprob_kernel
+    if kernel == "torch":
+        return kernel
+    if on_cpu:
+        if kernel == "triton":
+            raise ValueError(
+                'learner.logprob_kernel = "triton" needs a GPU (use "torch" or "auto" on the CPU)'
+            )
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        if kernel == "triton":
+            raise ValueError(
+                f'learner.logprob_kernel = "triton" but Triton does not import: {e}'
+            ) from e
+        log.warning("learner: log-probs through torch ops, not Triton (%s)", e)
+        return "torch"
+    return "triton"

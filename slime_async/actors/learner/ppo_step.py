@@ -1,0 +1,298 @@
+"""The RL step of `Learner`: one batch of groups -> advantages, pi_prox, the loss -> updates.
+
+`PPOStep.train_step(groups)`: the algorithm's group filter and advantages (batch-wide estimators
+all-reduce over DP ranks), the stale-token policy, pi_prox (a no-grad forward pass at the start
+of the batch, skipped with one update per batch where the loss's own detached log-probs are
+pi_prox exactly; or AReaL's log-linear interpolation), the KL reference's log-probs, routing
+replay's checks, then `algo.ppo_epochs x algo.mini_batches` updates (`updates.py`) with the loss
+from `slime_async/algos/`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import slime_async.metrics.names as M
+from slime_async.actors.learner.batch import (
+    MicroBatch,
+    Row,
+    TrainGroup,
+    check_trajectory,
+    rows_from_groups,
+)
+from slime_async.algos import AdvantageInput, LossInput
+from slime_async.models import routing
+
+# megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
+
+log = logging.getLogger("slime_async.learner")
+
+
+def interpolated_prox_logp(
+    behavior_logp: torch.Tensor, logp: torch.Tensor, versions: torch.Tensor, current_version: int
+) -> torch.Tensor:
+    """AReaL's log-linear pi_prox (`prox_logp_method = "loglinear"`), with AReaL's versions.
+
+        log pi_prox ~ log mu + alpha * (log pi_theta - log mu),
+        alpha = clamp((v_prox - v_mu) / (v_theta - v_mu), 0, 1),  0 where v_theta <= v_mu,
+
+    with v_theta = `current_version` (AReaL passes the trained engine's version, which is the
+    version of the weights at the start of the batch: the ones that generate version-v tokens)
+    and v_prox = current_version - 1. So a token one version old gets pi_prox = mu, two versions
+    old alpha = 1/2, k old (k - 1)/k; tokens of the current version get mu as well. All `[B, T]`.
+    """
+    v_mu = versions.to(logp.dtype)
+    v_theta = float(current_version)
+    diff = v_theta - v_mu
+    alpha = torch.where(
+        diff > 0, (v_theta - 1.0 - v_mu) / diff.clamp(min=1.0), torch.zeros_like(v_mu)
+    )
+    alpha = alpha.clamp(0.0, 1.0)
+    return behavior_logp + alpha * (logp.detach() - behavior_logp)
+
+
+class PPOStep:
+    """The RL step of `Learner` (trainer.py)."""
+
+    def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
+        """One RL batch: `algo.ppo_epochs` x `algo.mini_batches` optimizer updates; version += 1.
+
+        pi_prox is the policy at the start of the batch (a no-grad forward pass before the first
+        update), or AReaL's log-linear interpolation (`algo.prox_source = "interpolate"`).
+        Groups the algorithm filters out (e.g. DAPO's zero-variance filter) are not trained on
+        and count in no denominator.
+        """
+        kept, advantages = self._advantages(groups)
+        rows = rows_from_groups(kept, self.arch.vocab_size, self.temperature)
+        for row, adv in zip(rows, advantages, strict=True):
+            row.per_token["advantages"] = adv
+        extra = {M.GROUPS_KEPT: float(len(kept)), M.GROUPS_GIVEN: float(len(groups))}
+        extra.update(self._stale_tokens(kept, rows))
+        current = self.version
+        interpolate = self.algo_cfg.prox_source == "interpolate"
+        self._batches += 1
+        exact = not interpolate or (
+            self.cfg.prox_compare_interval > 0
+            and (self._batches - 1) % self.cfg.prox_compare_interval == 0
+        )
+        # With one update per batch the policy at the start of the batch is the one being
+        # trained: the loss's logp.detach() is pi_prox exactly, and the forward pass is skipped.
+        one_update = self.algo_cfg.mini_batches * self.algo_cfg.ppo_epochs == 1
+        # Every rank takes the same branch (same config, same batch count): no collective waits.
+        if exact and not (one_update and not interpolate):
+            for row, lp in zip(rows, self._rows_logprobs(self.model, rows), strict=True):
+                row.per_token["prox_logp"] = lp
+        if self.ref_model is not None:
+            for row, lp in zip(rows, self._rows_logprobs(self.ref_model, rows), strict=True):
+                row.per_token["ref_logp"] = lp
+
+        def loss_of(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None):
+            pt = mb.per_token
+            prox = pt.get("prox_logp")
+            compare: dict[str, float] = {}
+            if interpolate:
+                approx = interpolated_prox_logp(
+                    pt["behavior_logp"], logp.detach(), pt["versions"], current
+                )
+                if prox is not None:
+                    m = pt["loss_mask"]
+                    compare = {
+                        f"{M.PROX_INTERP_ERR}|sum": float(((approx - prox).abs() * m).sum()),
+                        f"{M.PROX_INTERP_ERR}|n": float(m.sum()),
+                        f"{M.PROX_BEHAVIOR_ERR}|sum": float(
+                            ((pt["behavior_logp"] - prox).abs() * m).sum()
+                        ),
+                        f"{M.PROX_BEHAVIOR_ERR}|n": float(m.sum()),
+                    }
+                prox = approx
+            out = self.algo.loss(
+                LossInput(
+                    logp=logp,
+                    behavior_logp=pt["behavior_logp"],
+                    advantages=pt["advantages"],
+                    loss_mask=pt["loss_mask"],
+                    versions=pt["versions"],
+                    current_version=current,
+                    token_denominator=self._denominators[0],
+                    seq_denominator=self._denominators[1],
+                    prox_logp=prox,
+                    ref_logp=pt.get("ref_logp"),
+                    entropy=ent,
+                )
+            )
+            return out.loss, {**out.metrics, **compare}
+
+        if self.cfg.routing_replay:
+            self._take_routing_counts()  # only this step's forward passes count
+            extra.update(self._check_routed(rows))
+        out = self._run_step(
+            rows, loss_of, extra, self.algo_cfg.mini_batches, self.algo_cfg.ppo_epochs
+        )
+        if self.cfg.routing_replay:
+            diff, total = self._take_routing_counts()
+            t = torch.tensor([diff, total], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)  # DP ranks: other rows; TP ranks: other sequence chunks
+            out[M.MOE_ROUTING_DIFF] = float(t[0] / t[1]) if t[1] > 0 else 0.0
+            out[M.MOE_REPLAY_TOKENS] = float(t[1])
+        return out
+
+    def _check_routed(self, rows: list[Row]) -> dict[str, float]:
+        """Routing replay: each row's recorded routing must fit the model; rows without one
+        (an engine that did not return it) route on their own, counted and logged."""
+        width = len(self.arch.moe_layers) * self.arch.moe_topk
+        missing = 0
+        for r in rows:
+            if r.routed is None:
+                missing += 1
+            elif r.routed.shape[1] != width or (
+                r.routed.size and r.routed.max() >= self.arch.num_experts
+            ):
+                raise ValueError(
+                    f"routed_experts of shape {r.routed.shape} (max id {int(r.routed.max())}) do "
+                    f"not fit {len(self.arch.moe_layers)} MoE layers x top-{self.arch.moe_topk} "
+                    f"of {self.arch.num_experts} experts"
+                )
+        t = torch.tensor([float(missing)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        if float(t) > 0 and self.is_rank0:
+            log.warning(
+                "routing replay: %d trajectories carry no routed_experts; they use the "
+                "learner's own routing", int(float(t)),
+            )  # fmt: skip
+        return {M.MOE_REPLAY_MISSING: float(t)}
+
+    def _take_routing_counts(self) -> tuple[float, float]:
+        """(token x layer pairs whose own routing differed, pairs replayed) on this rank since
+        the last call (the KL reference's are dropped)."""
+        if self.ref_model is not None:
+            routing.take_counts(self.ref_model)
+        return routing.take_counts(self.model)
+
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the data-parallel ranks (a copy): `AdvantageInput.all_reduce_sum`."""
+        out = t.detach().to(self.device, torch.float64).clone()
+        dist.all_reduce(out, group=self.dp_group)
+        return out.to(t.device, t.dtype)
+
+    def _advantages(
+        self, groups: Sequence[TrainGroup]
+    ) -> tuple[list[TrainGroup], list[np.ndarray]]:
+        """The groups kept by the algorithm's filter, and [R] float32 advantages per trajectory.
+
+        Groups of equal size go through the estimator together, as [G, n] (or [G, n, T]).
+        """
+        for g in groups:
+            for t in g:
+                check_trajectory(t, self.arch.vocab_size)
+        by_size: dict[int, list[TrainGroup]] = {}
+        for g in groups:
+            by_size.setdefault(len(g), []).append(g)
+        sizes = sorted(by_size)
+        dp = dist.get_world_size(self.dp_group) > 1
+        if dp:
+            # Batch-wide estimators (reinforce_pp, reinforce) all-reduce inside the call: every
+            # rank calls the estimator for the same sizes in the same order, with empty inputs
+            # where it holds no group of that size, or the collectives would not pair up.
+            gathered: list[list[int] | None] = [None] * dist.get_world_size(self.dp_group)
+            dist.all_gather_object(gathered, sizes, group=self.dp_group)
+            sizes = sorted({n for s in gathered for n in (s or [])})
+        kept: list[TrainGroup] = []
+        advantages: list[np.ndarray] = []
+        for n in sizes:
+            same = by_size.get(n, [])
+            t_max = max((len(t.response_ids) for g in same for t in g), default=1)
+            mask = torch.zeros(len(same), n, t_max)  # [G, n, T]
+            for a, g in enumerate(same):
+                for b, t in enumerate(g):
+                    mask[a, b, : len(t.loss_mask)] = torch.from_numpy(
+                        t.loss_mask.astype(np.float32)
+                    )
+            rewards = torch.tensor([[float(t.reward) for t in g] for g in same]).reshape(-1, n)
+            lengths = mask.sum(-1)
+            keep = (
+                self.algo.keep_groups(rewards, lengths)
+                if same
+                else torch.zeros(0, dtype=torch.long)
+            )
+            if keep.numel() == 0 and not dp:
+                continue
+            adv_in = AdvantageInput(
+                rewards[keep],
+                lengths[keep],
+                mask[keep],
+                all_reduce_sum=self._all_reduce_sum if dp else None,
+            )
+            adv = self.algo.advantages(adv_in)
+            if adv.dim() == 2:
+                adv = adv.unsqueeze(-1).expand(-1, -1, t_max)
+            for a, gi in enumerate(keep.tolist()):
+                kept.append(same[gi])
+                for b, t in enumerate(same[gi]):
+                    advantages.append(adv[a, b, : len(t.response_ids)].detach().float().numpy())
+        return kept, advantages
+
+    def _stale_tokens(self, groups: Sequence[TrainGroup], rows: list[Row]) -> dict[str, float]:
+        """Apply `stale_policy` to model tokens older than `max_staleness`; their metrics.
+
+        A token's staleness is measured on the buffer's clock: the version the buffer knew at
+        delivery (the group's staleness plus its oldest model-token version) minus the token's.
+        """
+        if self.max_staleness is None:
+            return {}
+        over_tokens = 0
+        masked_groups: list[int] = []
+        i = 0
+        for k, g in enumerate(groups):
+            mine = rows[i : i + len(g)]
+            i += len(g)
+            oldest = [o for t in g if (o := t.oldest_version()) is not None]
+            if not oldest:
+                continue
+            clock = g.staleness + min(oldest)
+            hit = False
+            for r in mine:
+                model = r.per_token["loss_mask"] > 0
+                over = model & (clock - r.per_token["versions"] > self.max_staleness)
+                n = int(over.sum())
+                over_tokens += n
+                if n and self.stale_policy == "mask":
+                    r.per_token["loss_mask"] = np.where(over, 0.0, r.per_token["loss_mask"]).astype(
+                        np.float32
+                    )
+                hit = hit or n > 0
+            if hit:
+                masked_groups.append(k)
+        masked = set(masked_groups)
+        # [over-bound tokens, masked groups, then (trajectories, length sum, reward sum) of the
+        # masked groups and of the others]
+        sums = np.zeros(8)
+        sums[0], sums[1] = over_tokens, len(masked)
+        for k, g in enumerate(groups):
+            base = 2 if k in masked else 5
+            for t in g:
+                sums[base] += 1
+                sums[base + 1] += float(t.loss_mask.sum())
+                sums[base + 2] += float(t.reward)
+        if dist.get_world_size(self.dp_group) > 1:  # the batch's totals, not this rank's share
+            t = torch.tensor(sums, dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, group=self.dp_group)
+            sums = t.cpu().numpy()
+        out = {M.STALE_OVER_BOUND_TOKENS: float(sums[0])}
+        if self.stale_policy != "mask":
+            return out
+        mn, kn = max(sums[2], 1.0), max(sums[5], 1.0)
+        out.update(
+            {
+                M.STALE_MASKED_TOKENS: float(sums[0]),
+                M.STALE_MASKED_GROUPS: float(sums[1]),
+                M.STALE_MASKED_LEN: float(sums[3] / mn),
+                M.STALE_MASKED_REWARD: float(sums[4] / mn),
+                M.STALE_KEPT_LEN: float(sums[6] / kn),
+                M.STALE_KEPT_REWARD: float(sums[7] / kn),
+            }
+        )
+        return out

@@ -1,0 +1,219 @@
+"""Optimizer updates over the mini-batches of one batch: the loss, gradients, clipping, steps.
+
+`Updates` is a part of `Learner` (trainer.py), shared by the PPO step (`ppo_step.py`) and SFT:
+`_run_step(rows, loss_of, ...)` runs `epochs x mini_batches` updates, each on a mini-batch of the
+rows (sorted by length, dealt round robin), with the loss divided by that mini-batch's totals
+over all its micro-batches and data-parallel ranks; an update on a mini-batch that is empty on
+every rank, or whose gradient is zero or not finite, is skipped and counted. Version v + 1 is the
+weights after all the updates of the batch trained at version v."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import slime_async.metrics.names as M
+from slime_async.actors.learner.batch import (
+    MicroBatch,
+    Row,
+    check_ids,
+)
+from slime_async.actors.learner.optim import lr_at
+from slime_async.algos.metrics import finalize_metrics, merge_metrics
+
+# megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
+
+log = logging.getLogger("slime_async.learner")
+
+LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
+
+
+class Updates:
+    """The update loop of `Learner` (uses its optimizer, groups and micro-batches)."""
+
+    def _check_same_data_in_tp_group(self, rows: list[Row]) -> None:
+        """TP ranks compute one model together: they must hold the same rows."""
+        if dist.get_world_size(self.tp_group) == 1:
+            return
+        lengths = np.array([len(r.tokens) for r in rows], dtype=np.float64)
+        fingerprint = sum(
+            float(r.tokens.astype(np.float64) @ np.arange(1, len(r.tokens) + 1)) for r in rows
+        )
+        # Collectives run on the model's device: NCCL has no CPU tensors.
+        t = torch.tensor(
+            [len(rows), lengths.sum(), fingerprint], dtype=torch.float64, device=self.device
+        )
+        lo, hi = t.clone(), t.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.tp_group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if not torch.equal(lo, hi):
+            raise ValueError(
+                "tensor-parallel ranks of one data-parallel rank were given different data: "
+                "every TP rank must receive the same groups"
+            )
+
+    def _totals(self, rows: list[Row]) -> tuple[float, float, float]:
+        """(loss tokens, sequences, all tokens) of `rows` summed over data-parallel ranks."""
+        local = torch.tensor(
+            [
+                float(sum(r.per_token["loss_mask"].sum() for r in rows)),
+                float(len(rows)),
+                float(sum(len(r.tokens) for r in rows)),
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        dist.all_reduce(local, group=self.dp_group)
+        token_den, seq_den, total = local.tolist()
+        return token_den, seq_den, total
+
+    def _update(self, rows: list[Row], loss_of: LossFn, lr: float) -> dict[str, Any]:
+        """One optimizer update on this rank's share `rows` of one mini-batch.
+
+        The loss is divided by the mini-batch's totals over all its micro-batches and DP ranks,
+        gradients are summed over DP ranks, clipped, and applied, unless the mini-batch is empty
+        on every rank, or its gradient is zero (Adam would still move the weights by its
+        momentum) or not finite: then nothing is applied and the reason is returned.
+        """
+        token_den, seq_den, _ = self._totals(rows)
+        out: dict[str, Any] = {"raws": [], "loss": 0.0, "padded": 0, "packed": 0, "skipped": None}
+        self.optimizer.zero_grad()
+        if seq_den == 0:
+            out["skipped"] = "empty"
+            return out
+        self._denominators = (max(token_den, 1.0), max(seq_den, 1.0))
+        need_entropy = self.algo.needs_entropy
+        megatron = self.optimizer_kind == "megatron"
+        plan = self._plan(rows)
+        out["packed"] = len(plan[0]) if plan[1] else 0
+        if megatron:
+            self.optimizer.begin(len(plan[0]))
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb in self._micro_batches(rows, plan):
+            out["padded"] += mb.num_tokens
+            sync = self.optimizer.forward_context() if megatron else contextlib.nullcontext()
+            with sync:
+                logp, ent = self._forward(self.train_model, mb, need_entropy)
+                loss, raw = loss_of(mb, logp, ent)
+                loss.backward()
+            loss_sum += loss.detach()  # one host sync per update, below, not per micro-batch
+            out["raws"].append(raw)
+        out["loss"] = float(loss_sum)
+        self.optimizer.reduce_gradients(self.dp_group, self.tp_group, self.expert_dp_group)
+        norm = self.optimizer.grad_norm(self.tp_group, self.ep_group)
+        out["grad_norm"] = norm
+        if not math.isfinite(norm):
+            out["skipped"] = "non_finite"
+        elif norm == 0.0:
+            out["skipped"] = "zero_gradient"
+        else:
+            self.optimizer.step(lr, self.tp_group, norm=norm)
+        self.optimizer.zero_grad()
+        return out
+
+    def _run_step(
+        self,
+        rows: list[Row],
+        loss_of: LossFn,
+        extra_metrics: dict[str, float],
+        mini_batches: int = 1,
+        epochs: int = 1,
+    ) -> dict[str, float]:
+        """`epochs` x `mini_batches` optimizer updates on one batch; version += 1 if any applied.
+
+        A policy version is a batch: version v + 1 is the weights after all mini-batch updates
+        on the batch trained at version v (the push and the buffer's announcement follow it). A
+        batch none of whose updates was applied leaves the weights, and the version, as they were.
+        """
+        t0 = time.perf_counter()
+        self._check_same_data_in_tp_group(rows)
+        token_den, seq_den, total_tokens = self._totals(rows)
+        # Mini-batches of similar lengths on every rank: rows sorted by length, dealt round robin.
+        order = sorted(range(len(rows)), key=lambda i: rows[i].input_len)
+        parts = [[rows[i] for i in order[k::mini_batches]] for k in range(mini_batches)]
+        lr = lr_at(self.step, self.cfg)
+        raws: list[dict] = []
+        losses: list[float] = []
+        norms: list[float] = []
+        padded = packed = 0
+        skipped: dict[str, int] = {}
+        for _ in range(epochs):
+            for part in parts:
+                res = self._update(part, loss_of, lr)
+                raws.extend(res["raws"])
+                padded += res["padded"]
+                packed += res["packed"]
+                if res["skipped"] != "empty":
+                    losses.append(res["loss"])
+                    norms.append(res["grad_norm"])
+                if res["skipped"] is not None:
+                    skipped[res["skipped"]] = skipped.get(res["skipped"], 0) + 1
+        t_fb = time.perf_counter()
+        updates = epochs * mini_batches - sum(skipped.values())
+        self.step += 1
+        if updates:
+            self.version += 1
+        else:
+            log.warning(
+                "step %d: no update applied (%s): weights and version %d unchanged",
+                self.step, ", ".join(f"{k} x{v}" for k, v in sorted(skipped.items())),
+                self.version,
+            )  # fmt: skip
+        t_opt = time.perf_counter()
+
+        merged = merge_metrics(raws)
+        if dist.get_world_size(self.dp_group) > 1:
+            gathered: list[Any] = [None] * dist.get_world_size(self.dp_group)
+            dist.all_gather_object(gathered, merged, group=self.dp_group)
+            merged = merge_metrics(gathered)
+        loss_t = torch.tensor([sum(losses)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(loss_t, group=self.dp_group)
+        t_end = time.perf_counter()
+        finite_norms = [n for n in norms if math.isfinite(n)]
+        return {
+            M.LOSS: float(loss_t) / max(len(losses), 1),
+            M.GRAD_NORM: float(np.mean(finite_norms)) if finite_norms else 0.0,
+            M.LR: lr,
+            M.TOKENS: token_den,
+            M.SEQUENCES: seq_den,
+            M.TOKENS_TOTAL: total_tokens,
+            M.PADDING_FRAC: 1.0 - float(sum(r.input_len for r in rows)) * epochs / max(padded, 1),
+            M.UPDATES: float(updates),
+            M.PACKED_MICRO_BATCHES: float(packed),
+            **{f"{M.SKIPPED_UPDATES}/{k}": float(v) for k, v in skipped.items()},
+            M.BATCH_SKIPPED: float(updates == 0),
+            **extra_metrics,
+            **finalize_metrics(merged),
+            M.TIME_FORWARD_BACKWARD: t_fb - t0,
+            M.TIME_OPTIMIZER: t_opt - t_fb,
+            M.TIME_STEP: t_end - t0,
+        }
+
+    def sft_step(self, examples: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+        """One supervised step: mean NLL of the target tokens over all ranks' examples."""
+        rows = []
+        for i, (prompt, target) in enumerate(examples):
+            if len(prompt) < 1 or len(target) < 1:
+                raise ValueError(f"sft example {i}: prompt and target need at least one token each")
+            tokens = np.asarray(list(prompt) + list(target), dtype=np.int64)
+            check_ids(tokens, self.arch.vocab_size, f"sft example {i}")
+            mask = {"loss_mask": np.ones(len(target), dtype=np.float32)}
+            rows.append(Row(tokens, len(prompt), mask, self.temperature))
+
+        def loss_of(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None):
+            mask = mb.per_token["loss_mask"]
+            nll = -(logp * mask).sum()
+            return nll / self._denominators[0], {
+                "nll|sum": float(nll.detach()),
+                "nll|n": float(mask.sum()),
+            }
+
+        return self._run_step(rows, loss_of, {})
