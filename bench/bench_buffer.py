@@ -1,12 +1,18 @@
 """Buffer throughput and latency against raw pyzmq PUSH/PULL of the same bytes, in one run.
 
-    .venv/bin/python bench/bench_buffer.py [--seconds 2.5] [--fsync]
+    .venv/bin/python bench/bench_buffer.py [--seconds 1.5] [--fsync] [--sizes 4,64]
+        [--modes raw,codec,relay,off,flush,fsync] [--profile DIR]
 
 Each row runs in fresh processes: producer -> buffer -> consumer through the real clients
-(`ProducerClient.put_group`, `ConsumerClient.get_batch` + `commit`), or producer -> consumer over
-a bare PUSH/PULL pair carrying the same encoded frames (encoded once, ahead of time, never
-decoded: the transport alone). Throughput counts trajectories from the producer's first send to
-the consumer's last receipt. Latency: one group at a time, enqueue (send) to delivery.
+(`ProducerClient.put_group` from WINDOW tasks, `ConsumerClient.get_batch` + `commit`), or
+producer -> consumer over a bare PUSH/PULL pair carrying the same encoded frames (encoded once,
+ahead of time, never decoded: the transport alone), or the same through a relay process that
+forwards each message by reference ("raw relay, 2 hops": the floor of any broker, which adds a
+hop). Throughput counts trajectories from the producer's first send to the consumer's last
+receipt; each row sends about `--seconds` worth at the rate this machine reaches. Latency: one
+group at a time, enqueue (send) to delivery. CPU: `time.process_time` of each process (its
+ZeroMQ I/O thread included) per trajectory. `--profile DIR` writes a cProfile file (CPU time)
+per process and row.
 
 The project is imported inside the functions that use it: with spawn, every child process
 re-imports this file, and the raw PUSH/PULL children need neither the clients nor the config;
@@ -18,13 +24,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
+import threading
 import time
 
 GROUP = 4  # trajectories per put (one group)
 WINDOW = 16  # puts in flight per producer
 BATCH_GROUPS = 8  # groups per consumer batch
+_RATES = {"raw": 100_000, "codec": 20_000, "relay": 30_000, "off": 8_000, "flush": 6_000,
+          "fsync": 2_000}  # fmt: skip
+"""Trajectories/s at 4 KB (a quarter at 64 KB) on the shared 2-core machine: each row sends about
+`--seconds` worth, so that the whole run stays under a minute (a faster machine finishes sooner)."""
 
 
 def _group(i: int, response_len: int):
@@ -97,38 +109,72 @@ def _raw_consumer(endpoint: str, n: int, latency: bool, codec: bool, out):
     ctx.term()
 
 
-def raw(response_len: int, n: int, latency: bool, codec: bool) -> dict:
+def _relay(endpoint: str, n: int, out):
+    """PULL -> PUSH of every message as received (by reference): the floor of any broker."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("tcp://127.0.0.1:*")
+    push.connect(endpoint)
+    out.put(pull.getsockopt_string(zmq.LAST_ENDPOINT))
+    cpu = time.process_time()
+    for _ in range(n + 1):  # the producer's ack address, then n messages
+        push.send_multipart(pull.recv_multipart(copy=False), copy=False)
+    out.put(("buffer", time.process_time() - cpu))
+    pull.close()
+    push.close()
+    ctx.term()
+
+
+def raw(response_len: int, n: int, latency: bool, codec: bool, relay: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     c = ctx.Process(target=_raw_consumer, args=("tcp://127.0.0.1:*", n, latency, codec, out))
     c.start()
     endpoint = out.get()
+    if relay:
+        r = ctx.Process(target=_relay, args=(endpoint, n, out))
+        r.start()
+        endpoint = out.get()
     p = ctx.Process(target=_raw_producer, args=(endpoint, response_len, n, latency, codec, out))
     p.start()
     t0 = out.get()
-    (t1, lat, cpu), role = _finish(out)
-    cpu.update([role])
+    got = [out.get() for _ in range(3 if relay else 2)]
+    (t1, lat, cpu), *roles = sorted(got, key=lambda x: len(x) != 3)
+    cpu.update(roles)
     p.join()
     c.join()
+    if relay:
+        r.join()
     return {"seconds": t1 - t0, "trajectories": n * GROUP, "latency": lat, "cpu": cpu}
 
 
-def _finish(out) -> tuple[tuple, tuple]:
-    """The consumer's (end time, latencies, cpu) and the producer's ("producer", cpu), in any order."""
-    a, b = out.get(), out.get()
-    return (a, b) if len(a) == 3 else (b, a)
-
-
 # ---------------------------------------------------------------- the buffer
+def _profiled(role: str, fn, *args):
+    """`fn(*args)` under cProfile when BENCH_PROFILE names a directory (`--profile`)."""
+    where = os.environ.get("BENCH_PROFILE")
+    if not where:
+        return fn(*args)
+    import cProfile
+
+    prof = cProfile.Profile(time.process_time)  # CPU, not waiting
+    try:
+        return prof.runcall(fn, *args)
+    finally:
+        tag = os.environ.get("BENCH_PROFILE_TAG", "")
+        prof.dump_stats(os.path.join(where, f"{tag}{role}.prof"))
+
+
 def _serve(cfg_json: str, out, stop):
     from slime_async.config import BufferConfig
     from slime_async.queue.server import Buffer
 
-    buf = Buffer(BufferConfig.model_validate_json(cfg_json)).start()
+    buf = Buffer(BufferConfig.model_validate_json(cfg_json))
     cpu = time.process_time()
     out.put((buf.producer_endpoint, buf.consumer_endpoint))
-    stop.wait()
-    buf.stop()
+    threading.Thread(target=lambda: (stop.wait(), buf.stop()), daemon=True).start()
+    _profiled("buffer", buf.serve_forever)
     out.put(("buffer", time.process_time() - cpu))
 
 
@@ -137,7 +183,7 @@ def _producer(cfg_json: str, response_len: int, n: int, latency: bool, out, take
     from slime_async.queue.client import ProducerClient
 
     cfg = BufferConfig.model_validate_json(cfg_json)
-    groups = [_group(i, response_len) for i in range(min(n, 64))]
+    groups = [_group(i, response_len) for i in range(min(n, 64 if response_len < 8192 else 8))]
 
     async def go():
         async with ProducerClient(cfg, "bench") as p:
@@ -149,16 +195,16 @@ def _producer(cfg_json: str, response_len: int, n: int, latency: bool, out, take
                     await p.put_group(_renamed(groups[i % len(groups)], i))
                     await loop.run_in_executor(None, taken.get)  # no queueing: one at a time
                 return 0.0
-            sem = asyncio.Semaphore(WINDOW)
+            todo = iter(range(n))
 
-            async def one(i):
-                async with sem:
+            async def worker():  # WINDOW of them: WINDOW puts in flight
+                for i in todo:
                     await p.put_group(_renamed(groups[i % len(groups)], i))
 
-            await asyncio.gather(*(one(i) for i in range(n)))
+            await asyncio.gather(*(worker() for _ in range(WINDOW)))
             return time.process_time() - cpu
 
-    out.put(("producer", asyncio.run(go())))
+    out.put(("producer", _profiled("producer", asyncio.run, go())))
 
 
 def _renamed(group, i):
@@ -172,9 +218,9 @@ def _consumer(cfg_json: str, n: int, latency: bool, out, taken):
     from slime_async.queue.client import ConsumerClient
 
     cfg = BufferConfig.model_validate_json(cfg_json)
-    got, lat = 0, []
-    with ConsumerClient(cfg, "bench") as c:
-        out.put("ready")
+
+    def go(c):
+        got, lat = 0, []
         cpu = time.process_time()
         while got < n:
             b = c.get_batch(num_groups=1 if latency else min(BATCH_GROUPS, n - got), timeout_s=30)
@@ -184,7 +230,12 @@ def _consumer(cfg_json: str, n: int, latency: bool, out, taken):
             lat.extend(now - g[0].enqueued_at for g in b.groups)
             if latency:
                 taken.put(None)
-    out.put((time.perf_counter(), lat, {"consumer": time.process_time() - cpu}))
+        return lat, time.process_time() - cpu
+
+    with ConsumerClient(cfg, "bench") as c:
+        out.put("ready")
+        lat, cpu = _profiled("consumer", go, c)
+    out.put((time.perf_counter(), lat, {"consumer": cpu}))
 
 
 def buffered(response_len: int, n: int, latency: bool, wal_sync: str | None) -> dict:
@@ -212,7 +263,8 @@ def buffered(response_len: int, n: int, latency: bool, wal_sync: str | None) -> 
         p = ctx.Process(target=_producer, args=(cfg.model_dump_json(), response_len, n, latency, out, taken))  # fmt: skip
         p.start()
         t0 = out.get()
-        (t1, lat, cpu), role = _finish(out)
+        got = [out.get(), out.get()]  # the consumer's (end, latencies, cpu), ("producer", cpu)
+        (t1, lat, cpu), role = sorted(got, key=lambda x: len(x) != 3)
         cpu.update([role])
         p.join()
         c.join()
@@ -224,33 +276,49 @@ def buffered(response_len: int, n: int, latency: bool, wal_sync: str | None) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seconds", type=float, default=2.0, help="rough length of each run")
+    ap.add_argument("--seconds", type=float, default=1.5, help="rough length of each run")
     ap.add_argument("--fsync", action="store_true", help="also run with wal_sync=fsync")
+    ap.add_argument("--profile", metavar="DIR", help="cProfile each buffer process into DIR")
+    ap.add_argument("--sizes", default="4,64", help="trajectory sizes in KB, comma-separated")
+    ap.add_argument("--modes", default="", help="only these rows: raw,codec,relay,off,flush,fsync")
     args = ap.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        os.environ["BENCH_PROFILE"] = os.path.abspath(args.profile)  # inherited by the children
     from slime_async.queue.schema import encode_trajectory
 
     modes = [
         ("raw PUSH/PULL", "raw"),
         ("raw + encode/decode", "codec"),
+        ("raw relay, 2 hops", "relay"),
         ("buffer, no WAL", "off"),
         ("buffer, WAL flush", "flush"),
     ]
-    if args.fsync:
+    if args.fsync or "fsync" in args.modes:
         modes.append(("buffer, WAL fsync", "fsync"))
+    if args.modes:  # the ratio column needs the raw row
+        modes = [(a, b) for a, b in modes if b in args.modes.split(",") or b == "raw"]
     print(f"{'payload':>7} | {'path':<19} | {'traj/s':>7} | {'MB/s':>5} | {'ratio':>5} | "
           f"{'p50 ms':>6} | {'p99 ms':>6} | CPU us/traj: producer, buffer, consumer")  # fmt: skip
     print("-" * 118)
-    for target, rate_guess in ((4 << 10, 40000), (64 << 10, 8000)):
+    for kb in (int(k) for k in args.sizes.split(",")):
+        target = kb << 10
         rl = _response_len(target)
         size = len(encode_trajectory(_group(0, rl)[0]))
-        n = max(64, int(rate_guess * args.seconds / GROUP))
         base = None
         for name, mode in modes:
-            if mode in ("raw", "codec"):
-                r, lr = raw(rl, n, False, mode == "codec"), raw(rl, 300, True, mode == "codec")
+            rate_guess = _RATES[mode] if kb <= 4 else _RATES[mode] * 16 // kb
+            n = max(64 if kb <= 256 else 16, int(rate_guess * args.seconds / GROUP))
+            lat_n = 200 if kb <= 64 else 50  # groups sent one at a time for the latency
+            os.environ["BENCH_PROFILE_TAG"] = f"{kb}k-{mode}-"
+            if mode in ("raw", "codec", "relay"):
+                codec, relay = mode == "codec", mode == "relay"
+                r, lr = raw(rl, n, False, codec, relay), raw(rl, lat_n, True, codec, relay)
             else:
                 wal = None if mode == "off" else mode
-                r, lr = buffered(rl, n, False, wal), buffered(rl, 300, True, wal)
+                r = buffered(rl, n, False, wal)
+                os.environ["BENCH_PROFILE_TAG"] += "latency-"
+                lr = buffered(rl, lat_n, True, wal)
             rate = r["trajectories"] / r["seconds"]
             base = base or rate
             q = statistics.quantiles(lr["latency"], n=100)

@@ -3,7 +3,7 @@
 #   push   weight push over NCCL vs a raw NCCL broadcast of the same buckets
 #   e2e    the two-GPU run: embedded engine on GPU 0, learner on GPU 1 (configs/gpu_two_h200.toml)
 #   async  bench_async.py on the same config: sync vs async, same steps
-#   buffer the buffer benchmark on the host's free cores
+#   buffer the buffer benchmark pinned to two of the host's cores (BUFFER_CPUS, default 0,1)
 #   engine the embedded engine on one GPU: its -m gpu tests, the decode kernels, the issue-18
 #          table (1/64/128/256 concurrent vs HF generate); engine_grpo: the GRPO-shaped load with
 #          prompt sharing on and off, and peak memory against engine.mem_fraction
@@ -72,8 +72,10 @@ for part in $SUITE; do
         --json "$OUT/bench_learner.json" >"$OUT/bench_learner.log" 2>&1
       echo "exit $?"; grep -v -i warn "$OUT/bench_learner.log" | grep -v '^ \|^[{}]' | tail -30 ;;
     buffer)
-      echo "== buffer benchmark (host CPUs)"
-      timeout "${BUFFER_S:-100}" python3 bench/bench_buffer.py >"$OUT/buffer.log" 2>&1
+      # Pinned to two cores: a stand-in for the 2-core dev machine (all three processes share them).
+      echo "== buffer benchmark (host CPUs ${BUFFER_CPUS:-0,1})"
+      timeout "${BUFFER_S:-100}" taskset -c "${BUFFER_CPUS:-0,1}" python3 bench/bench_buffer.py \
+        --seconds "${BUFFER_SECONDS:-1.5}" >"$OUT/buffer.log" 2>&1
       echo "exit $?"; tail -16 "$OUT/buffer.log" ;;
   esac
 done

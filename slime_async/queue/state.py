@@ -33,7 +33,14 @@ from slime_async.queue.groups import (
     check_put,
 )
 from slime_async.queue.messages import AckStatus
-from slime_async.queue.schema import SchemaError, Trajectory, decode_trajectory
+from slime_async.queue.schema import (
+    SchemaError,
+    Summary,
+    Trajectory,
+    decode_trajectory,
+    summarize,
+    validate_trajectory,
+)
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +131,7 @@ class BufferState:
             self.admission.set_version(rec["version"], rec["groups_per_step"])
             self.announced = self.announced or rec.get("announced", rec["version"] > 0)
         elif rtype == W.PUT:
-            trajs = [decode_trajectory(b, copy=False) for b in blobs]
-            self._apply_put(rec["p"], rec["s"], blobs, trajs)
+            self._apply_put(rec["p"], rec["s"], blobs, [validate_trajectory(b) for b in blobs])
         elif rtype == W.DELIVER:
             self._apply_deliver(rec["batch"], rec["c"], rec["sess"], rec["g"], rec["rid"])
         elif rtype == W.COMMIT:
@@ -187,8 +193,13 @@ class BufferState:
     def expire_grants(self) -> None:
         self.admission.expire()
 
-    def put(self, pid: str, seq: int, blobs: list, trajs: list[Trajectory]) -> AckStatus:
-        """Store one put; see `AckStatus` for what the answer means. PutRejected: bad input."""
+    def put(
+        self, pid: str, seq: int, blobs: list, trajs: list[Summary] | list[Trajectory]
+    ) -> AckStatus:
+        """Store one put of encoded trajectories `blobs`, described by `trajs` (the summaries of
+        `validate_trajectory`, or the trajectories themselves); see `AckStatus` for what the
+        answer means. PutRejected: bad input."""
+        trajs = [t if type(t) is Summary else summarize(t) for t in trajs]
         st = self._producer(pid)
         if st.seen(seq):
             self.counts["duplicates"] += 1
@@ -202,7 +213,7 @@ class BufferState:
         new_groups = check_put(trajs, self.pending, self.ready, self.cfg.capacity_trajectories)
         if self.announced:
             for t in trajs:
-                newest = int(t.versions.max()) if t.versions.size else 0
+                newest = t.newest
                 if newest > self.version + AHEAD:
                     raise SchemaError(
                         "versions",
@@ -225,17 +236,21 @@ class BufferState:
         self._apply_put(pid, seq, blobs, trajs)
         late = self.drop_fixed_lag()  # buffer.fixed_lag (issue 15): spans versions, or too late
         stale = self.drop_stale([t.group_id for t in trajs])
-        return AckStatus.STALE if stale or set(late) & {t.group_id for t in trajs} else AckStatus.OK
+        if stale or (late and set(late) & {t.group_id for t in trajs}):
+            return AckStatus.STALE
+        return AckStatus.OK
 
-    def _apply_put(self, pid: str, seq: int, blobs: list, trajs: list[Trajectory]) -> None:
+    def _apply_put(self, pid: str, seq: int, blobs: list, trajs: list[Summary]) -> None:
         st = self._ledger(pid)
         if st.seen(seq):
             return
         st.mark(seq)
         self.counts["puts"] += 1
         segment = self.wal.segment if self.wal else 0
+        now = time.monotonic()
+        fixed = self.admission.fixed
+        self.counts["trajectories_in"] += len(trajs)
         for blob, t in zip(blobs, trajs, strict=True):
-            self.counts["trajectories_in"] += 1
             if t.group_id in self._recent_drops:
                 self.dropped["late_member_of_dropped_group"] += 1
                 self.dropped_trajectories["late_member_of_dropped_group"] += 1
@@ -243,23 +258,22 @@ class BufferState:
             g = self.pending.get(t.group_id)
             if g is None:
                 g = self.pending[t.group_id] = Group(t.group_id, t.group_size)
+            size = len(blob)
             g.blobs.append(blob)
-            g.last_put = time.monotonic()
+            g.last_put = now
             g.traj_ids.add(t.id)
-            g.nbytes += len(blob)
+            g.nbytes += size
             g.ntokens += t.num_tokens
-            oldest = t.oldest_version()
-            if oldest is not None:
-                g.oldest = min(g.oldest, oldest)
-            if self.admission.fixed is not None:
-                model = t.versions[t.loss_mask.astype(bool)]
-                newest = int(model.max()) if model.size else None
-                self.admission.fixed.observe(t.group_id, oldest, newest)
+            oldest = t.oldest
+            if oldest is not None and oldest < g.oldest:
+                g.oldest = oldest
+            if fixed is not None:
+                fixed.observe(t.group_id, oldest, t.newest_model)
             if self.wal is not None and segment not in g.segments:
                 g.segments.add(segment)
                 self.wal.retain(segment)
             self.held_trajectories += 1
-            self.held_bytes += len(blob)
+            self.held_bytes += size
             if len(g.blobs) == g.size:
                 del self.pending[g.group_id]
                 if g.oldest == NO_VERSION:
