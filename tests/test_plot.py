@@ -86,6 +86,8 @@ def _write_lag_run(run_dir, lag, steps=6):
                     m.STALENESS_HIST: m.int_histogram([lag] * 8),
                     f"{m.IW_MEAN}/lag_{lag}": 1.0 + 0.01 * lag,
                     f"{m.IW_ESS}/lag_{lag}": 1.0 - 0.02 * lag,
+                    f"{m.CLIP_FRAC}/lag_{lag}": 0.01 * lag,
+                    f"{m.RATIO_OUTSIDE}/lag_{lag}": 0.02 * lag,
                     m.STEP_SECONDS: 1.0,
                 },
             )
@@ -106,7 +108,9 @@ def test_plot_overlays_several_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     names = sorted(p.name for p in out.glob("*.png"))
-    assert names == ["eval_accuracy.png", "iw_by_lag.png", "staleness_hist.png"]
+    assert names == [
+        "eval_accuracy.png", "iw_by_lag.png", "staleness_hist.png", "trust_region_by_lag.png"
+    ]  # fmt: skip
     for name in names:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
     # One run alone still gets its own figures, now with the evaluation in reward.png.
@@ -128,4 +132,4 @@ def test_plot_of_a_sweep_directory_takes_its_finished_runs(tmp_path):
         [sys.executable, "-m", "slime_async", "plot", str(tmp_path)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
-    assert len(list((tmp_path / "plots").glob("*.png"))) == 3
+    assert len(list((tmp_path / "plots").glob("*.png"))) == 4

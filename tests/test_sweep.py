@@ -14,10 +14,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
-from slime_async.launch.sweep import DONE, Point, Sweep, parse_grid, run_summary
+from slime_async.launch.sweep import DONE, Point, Sweep, parse_exclude, parse_grid, run_summary
 from slime_async.metrics import MetricsLogger
 from slime_async.metrics import names as M
 from tests.staleness_runs import LAGS, TIMEOUT_S, run_dir, run_group, shared_sweep
@@ -85,6 +86,22 @@ def test_grid_points_and_their_directory_names():
         parse_grid(["fixed_lag"])
     with pytest.raises(ValueError, match="same name"):
         Sweep(["a.toml"], parse_grid(["buffer.seed=1", "learner.seed=2"]))
+
+
+def test_excluded_points_are_left_out():
+    """--exclude: at lag 0 every loss is the same objective, so the grid runs one of them."""
+    grid = parse_grid(["buffer.fixed_lag=0,8", "algo.loss=ppo_clip,decoupled_ppo,mis"])
+    s = Sweep(
+        ["a.toml"], grid, exclude=parse_exclude(["buffer.fixed_lag=0 algo.loss=decoupled_ppo,mis"])
+    )
+    assert [p.name for p in s.points()] == [
+        "fixed_lag-0__loss-ppo_clip", "fixed_lag-8__loss-ppo_clip",
+        "fixed_lag-8__loss-decoupled_ppo", "fixed_lag-8__loss-mis",
+    ]  # fmt: skip
+    assert s.describe()["exclude"] == [[["buffer.fixed_lag", ["0"]],
+                                        ["algo.loss", ["decoupled_ppo", "mis"]]]]  # fmt: skip
+    with pytest.raises(ValueError, match="not a --grid key"):
+        Sweep(["a.toml"], grid, exclude=parse_exclude(["learner.lr=1e-4"]))
 
 
 def _fake_run(rd, accuracies, tokens=100.0, step_s=1.0):
@@ -203,3 +220,48 @@ def test_sigterm_stops_every_running_point_and_the_sweep(tmp_path, monkeypatch):
     assert len(procs) == 2 and all(p.returncode == -signal.SIGTERM for p in procs)
     assert not list(tmp_path.glob(f"*/*/{DONE}"))
     assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_a_time_limit_stops_the_sweep_and_keeps_what_finished(tmp_path, monkeypatch):
+    """--time-limit on a lent machine: a point that ends in time counts; points still running
+    at the limit are stopped (SIGTERM, left unfinished for a resume) and the rest never start;
+    the sweep returns normally so its summary covers the finished point. A second sweep whose
+    finished run took longer than the time left starts nothing more."""
+    s = Sweep(["a.toml"], parse_grid(["buffer.fixed_lag=0,1,2,4"]), out=tmp_path, jobs=2,
+              time_limit_s=6.0)  # fmt: skip
+    procs = {}
+    sleep = {"fixed_lag-0": 0.2, "fixed_lag-1": 120, "fixed_lag-2": 120, "fixed_lag-4": 120}
+
+    def fake(point, seed, rd, tag, log):
+        if point.name == "fixed_lag-0":
+            _fake_run(rd, [0.1, 0.5, 0.9])
+        else:
+            rd.mkdir(parents=True)
+        code = f"import time; time.sleep({sleep[point.name]})"
+        procs[point.name] = subprocess.Popen([sys.executable, "-c", code])
+        return procs[point.name]
+
+    monkeypatch.setattr(s, "_launch", fake)
+    logged = []
+    t0 = time.time()
+    counts = s.run(log=logged.append)
+    assert 6.0 <= time.time() - t0 < 60
+    assert counts == {"ran": 1, "skipped": 0, "failed": 0, "restarted": 0, "stopped": 2,
+                      "not_started": 1}  # fmt: skip
+    assert sorted(procs) == ["fixed_lag-0", "fixed_lag-1", "fixed_lag-2"]
+    assert procs["fixed_lag-1"].returncode == -signal.SIGTERM
+    assert any("time limit of 6 s reached" in line for line in logged)
+    assert [p.name for p in s.points() if (s.run_dir(p, 0) / DONE).exists()] == ["fixed_lag-0"]
+    assert [r["runs"] for r in s.summarize()["points"]] == [1, 0, 0, 0]
+
+    # resumed with a limit shorter than the finished run: the time left cannot hold another one
+    s2 = Sweep(["a.toml"], parse_grid(["buffer.fixed_lag=0,1,2,4"]), out=tmp_path / "b",
+               time_limit_s=3.0)  # fmt: skip
+    sleep["fixed_lag-0"] = 2.0
+    monkeypatch.setattr(s2, "_launch", fake)
+    logged.clear()
+    counts = s2.run(log=logged.append)
+    assert counts["ran"] == 1 and counts["not_started"] == 3 and counts["stopped"] == 0
+    assert any("3 point(s) not started" in line for line in logged)
+    with pytest.raises(ValueError, match="--time-limit"):
+        Sweep(["a.toml"], parse_grid(["buffer.fixed_lag=0"]), time_limit_s=0)

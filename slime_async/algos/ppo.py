@@ -67,6 +67,8 @@ def surrogate_output(
     stats.count()
     stats.weight("ratio", ratio)
     stats.mean("clip_frac", clipped)
+    # outside the trust region whatever the advantage's sign (the clip cuts about half of them)
+    stats.mean("ratio_outside", (ratio < 1 - eps_low) | (ratio > 1 + eps_high))
     if dual_c is not None:
         stats.mean("dual_clip_frac", dual)
     stats.mean("pg_loss", pg)

@@ -249,7 +249,8 @@ def plot_runs(runs: list[tuple[str, Path]], out_dir: str | Path, metric: str) ->
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     labels = list(dict.fromkeys(label for label, _ in runs))
-    colour = {lab: plt.get_cmap("tab10")(i % 10) for i, lab in enumerate(labels)}
+    cmap, n = (plt.get_cmap("tab10"), 10) if len(labels) <= 10 else (plt.get_cmap("tab20"), 20)
+    colour = {lab: cmap(i % n) for i, lab in enumerate(labels)}
     data = []
     for label, rd in runs:
         by_role = load_run_metrics(rd)
@@ -315,16 +316,7 @@ def plot_runs(runs: list[tuple[str, Path]], out_dir: str | Path, metric: str) ->
         print("plot: no staleness histograms; staleness_hist.png skipped", file=sys.stderr)
 
     # importance weights by lag -----------------------------------------------------------------
-    by_lag: dict[str, dict[int, dict[str, list[float]]]] = {}
-    for label, _rd, learner, _ev, _t0 in data:
-        for r in learner:
-            for key, value in r.items():
-                for stat in (m.IW_MEAN, m.IW_ESS):
-                    prefix = f"{stat}/lag_"
-                    if key.startswith(prefix) and isinstance(value, (int, float)):
-                        lag = int(key[len(prefix) :])
-                        cell = by_lag.setdefault(label, {}).setdefault(lag, {})
-                        cell.setdefault(stat, []).append(float(value))
+    by_lag = _by_lag(data, (m.IW_MEAN, m.IW_ESS))
     if by_lag:
         fig, (w_ax, ess_ax) = plt.subplots(1, 2, figsize=(11, 4))
         for label, lags in by_lag.items():
@@ -342,4 +334,38 @@ def plot_runs(runs: list[tuple[str, Path]], out_dir: str | Path, metric: str) ->
         save(fig, "iw_by_lag.png")
     else:
         print("plot: no per-lag importance weights; iw_by_lag.png skipped", file=sys.stderr)
+
+    # the trust region by lag: naive PPO clips against a far-away mu ------------------------------
+    region = _by_lag(data, (m.CLIP_FRAC, m.RATIO_OUTSIDE))
+    if region:
+        fig, (c_ax, o_ax) = plt.subplots(1, 2, figsize=(11, 4))
+        for label, lags in region.items():
+            xs = sorted(lags)
+            for ax, stat in ((c_ax, m.CLIP_FRAC), (o_ax, m.RATIO_OUTSIDE)):
+                pts = [(x, 100 * sum(v) / len(v)) for x in xs if (v := lags[x].get(stat))]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", color=colour[label], label=label)
+        c_ax.set_ylabel("clip fraction (%)")
+        o_ax.set_ylabel("tokens with the ratio outside [1-eps, 1+eps] (%)")
+        for ax in (c_ax, o_ax):
+            ax.set_xlabel("lag (versions)")
+            ax.grid(alpha=0.3)
+        c_ax.legend(fontsize=7)
+        save(fig, "trust_region_by_lag.png")
+    else:
+        print("plot: no per-lag clip fractions; trust_region_by_lag.png skipped", file=sys.stderr)
     return written
+
+
+def _by_lag(data: list[Any], stats: tuple[str, ...]) -> dict[str, dict[int, dict[str, list]]]:
+    """{label: {lag: {stat: [value per step]}}} from the learner's `<stat>/lag_<k>` metrics."""
+    out: dict[str, dict[int, dict[str, list[float]]]] = {}
+    for label, _rd, learner, _ev, _t0 in data:
+        for r in learner:
+            for key, value in r.items():
+                for stat in stats:
+                    prefix = f"{stat}/lag_"
+                    if key.startswith(prefix) and isinstance(value, (int, float)):
+                        cell = out.setdefault(label, {}).setdefault(int(key[len(prefix) :]), {})
+                        cell.setdefault(stat, []).append(float(value))
+    return out

@@ -2,7 +2,7 @@
 
 Every point of the grid x every seed is one `slime-async run` in its own directory under
 `--out`, on this machine, `--jobs N` at once (default 1: one after another;
-slime_async/launch/sweep.py); a finished point is
+slime_async/launch/sweep.py), within `--time-limit S` seconds if given; a finished point is
 skipped when the same command runs again. Then the summary table (summary.md, summary.json) and
 the overlaid plots (plots/) are written next to the runs. `--summary-only` redoes those alone.
 """
@@ -47,6 +47,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="points run at once on this machine, each its own run (default 1: one after another)",
     )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="'KEY=V1,V2 [KEY=V ...]'",
+        help="leave out the grid points matching every pair (repeatable), e.g. "
+        "'buffer.fixed_lag=0 algo.loss=decoupled_ppo,mis'",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop by S seconds after the start: start no point the longest finished run says "
+        "would end later, stop running points at S (unfinished, resumable); summary of the rest",
+    )
     p.add_argument("--summary-only", action="store_true", help="write table and plots, run nothing")
 
 
@@ -54,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from slime_async.config import ConfigError, load_config, split_cli_args
-    from slime_async.launch.sweep import Sweep, parse_grid
+    from slime_async.launch.sweep import Sweep, parse_exclude, parse_grid
 
     files, overrides = split_cli_args(args.config)
     if not files:
@@ -63,7 +79,8 @@ def main(args: argparse.Namespace) -> int:
         grid = parse_grid(args.grid)
         sweep = Sweep(
             files, grid, args.seeds, Path(args.out), overrides, args.target_accuracy,
-            args.metric, args.seed_base, args.jobs,
+            args.metric, args.seed_base, args.jobs, parse_exclude(args.exclude),
+            args.time_limit,
         )  # fmt: skip
     except ValueError as e:
         raise ConfigError(str(e)) from None

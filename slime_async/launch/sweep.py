@@ -14,6 +14,10 @@ points apart). The summary reads the run directories in grid order, so it is the
 order the points finished in. Running points across a Ray cluster is not built.
 Resumable: a point whose run directory holds `SWEEP_DONE` is not run again; an unfinished one
 (killed sweep) is moved aside to `<dir>.failed-<n>` and started afresh (counted, logged).
+A time limit (`--time-limit S`, for a machine lent for minutes) makes the sweep stop itself: no
+point starts once the runs finished so far say it could not end within S seconds of the sweep's
+start, and points still running at S are stopped (SIGTERM to their supervisors, left unfinished
+for a resume); the summary then covers what finished.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ class Point:
         return [f"{k}={v}" for k, v in self.items]
 
 
+def _matches(point: Point, rule: list[tuple[str, list[str]]]) -> bool:
+    values = dict(point.items)
+    return all(values.get(key) in allowed for key, allowed in rule)
+
+
 def _short(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
@@ -81,6 +90,12 @@ class Sweep:
     seed_base: int = 0
     jobs: int = 1
     """Points run at once on this machine, each its own `slime-async run`."""
+    exclude: list[list[tuple[str, list[str]]]] = field(default_factory=list)
+    """Points left out: one where, for every key of an entry, its value is one of the listed
+    (e.g. lag 0 with all but one loss: at lag 0 every loss is the same objective)."""
+    time_limit_s: float | None = None
+    """Stop the sweep by this many seconds after it started (None: no limit): no point starts
+    that the longest finished run says would end later, running points are stopped at it."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out).absolute()
@@ -94,11 +109,18 @@ class Sweep:
             raise ValueError("--seeds must be >= 1")
         if self.jobs < 1:
             raise ValueError("--jobs must be >= 1")
+        for rule in self.exclude:
+            unknown = [k for k, _ in rule if k not in {key for key, _ in self.grid}]
+            if unknown:
+                raise ValueError(f"--exclude {unknown}: not a --grid key (nothing to leave out)")
+        if self.time_limit_s is not None and self.time_limit_s <= 0:
+            raise ValueError("--time-limit must be > 0 seconds")
 
     def points(self) -> list[Point]:
         keys = [k for k, _ in self.grid]
-        return [Point(tuple(zip(keys, vals, strict=True)))
-                for vals in itertools.product(*(v for _, v in self.grid))]  # fmt: skip
+        every = [Point(tuple(zip(keys, vals, strict=True)))
+                 for vals in itertools.product(*(v for _, v in self.grid))]  # fmt: skip
+        return [p for p in every if not any(_matches(p, rule) for rule in self.exclude)]
 
     def run_dir(self, point: Point, seed: int) -> Path:
         return self.out / point.name / f"seed{seed}"
@@ -113,6 +135,7 @@ class Sweep:
             "grid": [[k, v] for k, v in self.grid],
             "overrides": self.overrides,
             "seeds": self.seed_values(),
+            "exclude": [[[k, v] for k, v in rule] for rule in self.exclude],
         }
 
     def check_resume(self) -> None:
@@ -132,9 +155,11 @@ class Sweep:
 
     def run(self, log: Any = print) -> dict[str, int]:
         """Run every unfinished (point, seed), up to `jobs` at once; return counts: ran, skipped,
-        failed, restarted."""
+        failed, restarted (and with a time limit: stopped at it, not started for it)."""
         self.check_resume()
         counts = {"ran": 0, "skipped": 0, "failed": 0, "restarted": 0}
+        if self.time_limit_s is not None:
+            counts.update(stopped=0, not_started=0)
         # Seed-major: every point once before any point twice (a cut-short sweep still compares).
         todo = [(p, s) for s in self.seed_values() for p in self.points()]
         pending: list[tuple[str, Point, int, Path]] = []
@@ -153,7 +178,10 @@ class Sweep:
                 counts["restarted"] += 1
                 log(f"{tag}: unfinished run directory moved to {rd.name}.failed-{k}; rerunning")
             pending.append((tag, point, seed, rd))
-        for (tag, point, seed, rd), code, t0, t1 in self._run_all(pending, log):
+        for (tag, point, seed, rd), code, t0, t1 in self._run_all(pending, log, counts):
+            if code is None:  # stopped at the time limit: unfinished, resumable
+                counts["stopped"] += 1
+                continue
             if code == 0:
                 counts["ran"] += 1
                 info = {"point": point.name, "overrides": point.overrides, "seed": seed,
@@ -164,17 +192,26 @@ class Sweep:
                 log(f"{tag}: FAILED with exit code {code}; see {rd}.out (left unfinished)")
         return counts
 
-    def _run_all(self, pending: list[tuple[str, Point, int, Path]], log: Any) -> Iterator[Any]:
+    def _run_all(
+        self, pending: list[tuple[str, Point, int, Path]], log: Any, counts: dict[str, int]
+    ) -> Iterator[Any]:
         """Start the runs of `pending` in order, at most `jobs` at a time; yield each one as it
-        ends: (its entry, exit code, start and end time in epoch seconds).
+        ends: (its entry, exit code or None if stopped at the time limit, start and end time in
+        epoch seconds).
 
         One thread per running point only waits for its process and reports to the main thread,
         which starts the next one. SIGTERM to the sweep is passed on to every running point's
         supervisor (which stops its roles), and the sweep stops after they have ended; so does a
-        point killed by a signal (the others are stopped the same way)."""
+        point killed by a signal (the others are stopped the same way). At the time limit the
+        running points are stopped the same way, but the sweep returns normally (its summary
+        covers what finished) and counts what it stopped or never started."""
         done: queue.Queue[tuple[int, int]] = queue.Queue()
         running: dict[int, tuple[subprocess.Popen, Any, float]] = {}
         stopping: list[str] = []
+        t_start = time.time()
+        deadline = None if self.time_limit_s is None else t_start + self.time_limit_s
+        longest = [0.0]  # the longest finished run so far: how long a new one would take
+        timed_out: list[str] = []
 
         def stop_all(reason: str) -> None:
             if not stopping:
@@ -190,6 +227,23 @@ class Sweep:
         waiting = list(enumerate(pending))
         try:
             while waiting or running:
+                if deadline is not None and "hard" not in timed_out:
+                    now = time.time()
+                    if now >= deadline:
+                        timed_out.append("hard")
+                        log(f"sweep: time limit of {self.time_limit_s:.0f} s reached: stopping "
+                            f"{len(running)} running point(s), {len(waiting)} not started")  # fmt: skip
+                        for proc, _, _ in running.values():
+                            if proc.poll() is None:
+                                proc.terminate()
+                    elif waiting and len(running) < self.jobs and now + longest[0] > deadline:
+                        timed_out.append("soft")
+                        log(f"sweep: {len(waiting)} point(s) not started: one takes up to "
+                            f"{longest[0]:.0f} s and {deadline - now:.0f} s of the time limit "
+                            "are left (rerun the same command to resume)")  # fmt: skip
+                if timed_out and waiting:
+                    counts["not_started"] += len(waiting)
+                    waiting.clear()
                 while waiting and len(running) < self.jobs and not stopping:
                     i, (tag, point, seed, rd) = waiting.pop(0)
                     proc = self._launch(point, seed, rd, tag, log)
@@ -208,6 +262,12 @@ class Sweep:
                 t1 = time.time()
                 tag = entry[0]
                 log(f"{tag}: exit {code} after {t1 - t0:.0f}s")
+                if code == 0:
+                    longest[0] = max(longest[0], t1 - t0)
+                if "hard" in timed_out and (code < 0 or code == 128 + signal.SIGTERM):
+                    log(f"{tag}: stopped at the time limit (unfinished; a rerun starts it afresh)")
+                    yield entry, None, t0, t1
+                    continue
                 if code < 0 or code == 128 + signal.SIGTERM:
                     stop_all(f"{tag} was stopped by a signal (exit {code})")
                     continue
@@ -257,6 +317,7 @@ class Sweep:
             "points": rows,
             "runs": runs,
         }
+        self.out.mkdir(parents=True, exist_ok=True)  # --summary-only of a sweep not run yet
         (self.out / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
         (self.out / "summary.md").write_text(markdown_table(out) + "\n")
         return out
@@ -298,6 +359,8 @@ def run_summary(rd: str | Path, metric: str, target: float | None) -> dict[str, 
         ),
         "iw_ess": _mean(learner, M.IW_ESS),
         "clip_frac": _mean(learner, M.CLIP_FRAC),
+        # naive PPO's failure against a far-away mu: ratios outside the trust region
+        "ratio_outside": _mean(learner, M.RATIO_OUTSIDE),
         "lag_min": min((r.get(M.STALENESS_LEARNER_MIN, math.inf) for r in learner), default=None),
         "lag_max": max((r.get(M.STALENESS_LEARNER_MAX, -1) for r in learner), default=None),
         "train_accuracy_last10": _mean(learner[-10:], M.ACCURACY),
@@ -341,7 +404,7 @@ def point_row(point: Point, runs: list[dict[str, Any]], seeds: int) -> dict[str,
                            "runs": len(runs), "seeds": seeds}  # fmt: skip
     for key in ("eval_final", "eval_first", "time_to_target_s", "tokens_to_target",
                 "tokens_per_s", "dropped_share", "masked_share", "iw_mean", "iw_truncated",
-                "iw_ess", "clip_frac", "wall_s"):  # fmt: skip
+                "iw_ess", "clip_frac", "ratio_outside", "wall_s"):  # fmt: skip
         row[key], row[key + "_sd"] = _stats([r.get(key) for r in runs])
     row["reached_target"] = sum(r.get("time_to_target_s") is not None for r in runs)
     row["lag_min"] = min((r["lag_min"] for r in runs if r.get("lag_min") is not None),
@@ -362,7 +425,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
         "point", "runs", f"final {metric} (%)", "first (%)",
         f"time to {'' if target is None else f'{100 * target:.0f}% '}(s)", "tokens to target",
         "trained tok/s", "dropped / masked groups", "IW mean", "IW cut at bound", "IW ESS",
-        "clip frac", "trained lag",
+        "clip frac", "outside trust region", "trained lag",
     ]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in summary["points"]:
@@ -384,6 +447,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
             _fmt(r["iw_truncated"], ".2%"),
             _fmt(r["iw_ess"], ".3f"),
             _fmt(r["clip_frac"], ".2%"),
+            _fmt(r.get("ratio_outside"), ".2%"),
             lag,
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -400,6 +464,17 @@ def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
             raise ValueError(f"--grid {spec!r}: expected section.key=v1,v2,...")
         grid.append((key.strip(), vals))
     return grid
+
+
+def parse_exclude(specs: list[str]) -> list[list[tuple[str, list[str]]]]:
+    """`["buffer.fixed_lag=0 algo.loss=tis,mis"]` -> one rule per spec: its pairs, space-separated."""
+    rules = []
+    for spec in specs:
+        pairs = spec.split()
+        if not pairs:
+            raise ValueError("--exclude '': expected 'section.key=v1,v2 [section.key=v ...]'")
+        rules.append(parse_grid(pairs))
+    return rules
 
 
 def clear_point(sweep: Sweep, point: Point) -> None:

@@ -210,6 +210,10 @@ EVAL_LEARNER_STEP = "eval/learner_step"
 IS_DROPPED_FRAC = "is_dropped_frac"
 """Share of model tokens whose behaviour weight was set to 0 (is_mode "mask", the `mis` loss: the
 weight left [is_low, is_high]; and aipo's drops)."""
+RATIO_OUTSIDE = "ratio_outside"
+"""Share of model tokens whose PPO ratio (pi_theta / mu for naive ppo_clip, pi_theta / pi_prox for
+the decoupled losses) lies outside [1 - eps_clip_low, 1 + eps_clip_high], whatever the advantage's
+sign (clip_frac counts only those whose gradient the clip cut); per lag as `ratio_outside/lag_k`."""
 
 # ----- supervisor records: metrics/supervisor.jsonl, one per role failure -----------------------
 SUP_FAILURES = "supervisor/failures"
