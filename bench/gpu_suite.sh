@@ -12,6 +12,8 @@
 #          Triton log-prob kernels), then bench_learner.py --full (0.51B Qwen3 shape, 8 x 1,024
 #          vs HF; RL lengths auto / packed / padded; plain megatron-core step; recomputation;
 #          the old options; LEARNER_BENCH_ARGS may add --variants and --profile "$OUT")
+#   onegpu the quickstart (4 steps) on one GPU: engine on the CPU, engine on the learner's GPU
+#          (push over gloo, engine.push_backend = auto), and the latter with NCCL forced
 #   SUITE="push e2e" bash bench/gpu_suite.sh [overrides for the e2e/async runs...]
 # The image has torch and transformers but not megatron-core, pyzmq or pydantic: their wheels
 # travel in .whl/ (README, "Development").
@@ -77,5 +79,27 @@ for part in $SUITE; do
       timeout "${BUFFER_S:-100}" taskset -c "${BUFFER_CPUS:-0,1}" python3 bench/bench_buffer.py \
         --seconds "${BUFFER_SECONDS:-1.5}" >"$OUT/buffer.log" 2>&1
       echo "exit $?"; tail -16 "$OUT/buffer.log" ;;
+    onegpu)
+      # The quickstart on a one-GPU machine, off the buffer's cores: the learner on the GPU with
+      # the engine on the CPU (the quickstart as written), the engine on the learner's own GPU
+      # (engine.push_backend = auto chooses gloo for both), and the same with NCCL forced (the
+      # failure auto avoids: NCCL refuses two ranks on one device).
+      echo "== the quickstart on one GPU (host CPUs ${ONEGPU_CPUS:-2-15})"
+      QS="configs/quickstart.toml learner.num_steps=${ONEGPU_STEPS:-4} learner.eval_interval=0
+        learner.save_interval=0 run.progress=plain"
+      ONGPU="engine.device=cuda engine.kv_cache_tokens=16384"
+      for case in "engine_cpu:" "engine_gpu:$ONGPU" "engine_gpu_nccl:$ONGPU engine.push_backend=nccl"; do
+        name=${case%%:*}
+        ( timeout "${ONEGPU_S:-240}" taskset -c "${ONEGPU_CPUS:-2-15}" python3 -m slime_async run \
+            $QS ${case#*:} run.run_dir="/tmp/onegpu_$name" >"$OUT/onegpu_$name.log" 2>&1
+          echo "$name exit $?" >>"$OUT/onegpu_exits.txt"
+          grep -h -E "weight push over|invalid usage|push/" "/tmp/onegpu_$name"/logs/learner*.log \
+            2>/dev/null | head -3 >"$OUT/onegpu_$name.push.txt" ) &
+      done
+      wait
+      for name in engine_cpu engine_gpu engine_gpu_nccl; do
+        echo "-- $name: $(grep "^$name " "$OUT/onegpu_exits.txt")"
+        cat "$OUT/onegpu_$name.push.txt"; tail -4 "$OUT/onegpu_$name.log"
+      done ;;
   esac
 done

@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from slime_async.actors.engine.client import EngineClient, EngineError
 from slime_async.actors.engine.weight_push import WeightPusher, routable_address
+from slime_async.actors.engine.weight_sync import choose_backend
+from slime_async.actors.learner.process import push_backend
 from slime_async.config import LearnerConfig
 from slime_async.testing.models import make_tiny_model
 from slime_async.utils.procs import wait_until
@@ -55,12 +57,46 @@ def engines(started):
 @pytest.fixture(scope="module")
 def pusher(engines, tmp_path_factory):
     state = tmp_path_factory.mktemp("state") / "weight_group.json"
-    p = WeightPusher(engines, master_addr="127.0.0.1", timeout_s=60, state_path=state)
+    # backend "auto", as the learner starts it (engine.push_backend's default)
+    p = WeightPusher(
+        engines, backend="auto", master_addr="127.0.0.1", timeout_s=60, state_path=state
+    )
     p.connect()
     try:
         yield p
     finally:
         p.close()
+
+
+def test_auto_backend_is_gloo_for_engines_on_the_cpu(pusher, engines):
+    """The pusher read each engine's device from /server_info and chose gloo (CPU engines)."""
+    assert pusher.backend == "gloo" and pusher.device == torch.device("cpu")
+    assert {u: (i["device"], i["gpu_uuid"]) for u, i in pusher.infos.items()} == {
+        u: ("cpu", None) for u in engines
+    }
+
+
+def test_push_backend_choice_names_why():
+    """NCCL only where every rank holds a GPU of its own; gloo for an engine on the CPU or one
+    sharing the learner's GPU (NCCL: 'invalid usage'); SGLang reports no gpu_uuid."""
+    own = {"device": "cuda", "gpu_uuid": "GPU-a"}
+    other = {"device": "cuda:0", "gpu_uuid": "GPU-b"}
+    assert choose_backend("GPU-a", {"e1": other, "e2": {"device": "cuda"}})[0] == "nccl"
+    assert choose_backend("GPU-a", {"e1": {}})[0] == "nccl"  # SGLang's default device: cuda
+    assert choose_backend(None, {"e1": other}) == ("gloo", "the learner is not on a GPU")
+    assert choose_backend("GPU-a", {"e1": other, "e2": {"device": "cpu"}}) == (
+        "gloo",
+        "engine e2 is on cpu",
+    )
+    backend, why = choose_backend("GPU-a", {"e1": other, "e2": own})
+    assert backend == "gloo" and "e2 shares the learner's GPU (GPU-a)" in why
+    assert push_backend("auto", learner_on_gpu=False) == "gloo"
+    assert push_backend("auto", learner_on_gpu=True) == "auto"
+    assert push_backend("nccl", learner_on_gpu=True) == "nccl"
+    with pytest.raises(
+        ValueError, match=r"engine.push_backend = 'nccl' needs the learner on a GPU"
+    ):
+        push_backend("nccl", learner_on_gpu=False)
 
 
 def buckets_of(model_dir, bucket_tensors: int = 5) -> list[list[tuple[str, torch.Tensor]]]:

@@ -52,6 +52,11 @@ class EngineConfig(Section):
     while requests run; per-token versions come from the response's spans)."""
     flush_timeout_s: float = Field(60.0, gt=0)
     """Longest wait for an engine's /flush_cache to answer 200 after a pause (polled)."""
+    push_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend of the weight push. auto: NCCL when the learner and every engine
+    are on GPUs of their own, else gloo (an engine on the CPU, or an embedded engine sharing the
+    learner's GPU, where NCCL refuses two ranks on one device); decided at each (re)connect from
+    the engines' /server_info and logged. nccl needs the learner on a GPU."""
     push_timeout_s: float = Field(300.0, gt=0)
     """Longest wait for one weight-push call (pause, one bucket's update, continue) per engine."""
     resync_wait_s: float = Field(60.0, ge=0)

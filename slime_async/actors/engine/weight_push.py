@@ -55,7 +55,12 @@ from typing import Any
 import torch
 
 from slime_async.actors.engine.client import EngineClient, EngineError, EngineRequestError
-from slime_async.actors.engine.weight_sync import WeightGroup, init_weight_group
+from slime_async.actors.engine.weight_sync import (
+    WeightGroup,
+    choose_backend,
+    gpu_uuid,
+    init_weight_group,
+)
 from slime_async.metrics import names as M
 from slime_async.utils.procs import free_port
 
@@ -126,13 +131,19 @@ class WeightPusher:
             raise ValueError("WeightPusher needs at least one engine URL")
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        if backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"backend must be auto, nccl or gloo, got {backend!r}")
         self.urls = [u.rstrip("/") for u in urls]
-        self.backend = backend
+        self.auto_backend = backend == "auto"
+        """Choose the backend at each (re)connect from the engines' /server_info."""
+        self.backend = "gloo" if self.auto_backend else backend
         self.master_addr = master_addr or routable_address()
         self.master_port = master_port
         self.group_prefix = group_prefix
         self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
         self.tp_sizes = dict(zip(self.urls, tp_sizes, strict=True)) if tp_sizes else {}
+        self.infos: dict[str, dict[str, Any]] = {}
+        """Each engine's /server_info as of its last (re)join (its ranks and device)."""
         self.pause_mode = pause_mode
         self.timeout_s = timeout_s
         self.flush_timeout_s = flush_timeout_s
@@ -219,6 +230,12 @@ class WeightPusher:
             self._settle("destroy stale group", self._each(live, "destroy_weights_update_group",
                                                             stale), 30)  # fmt: skip
         ranks = self._ranks(live)
+        if self.auto_backend:
+            if not all(u in self.infos for u in live):
+                self._server_infos([u for u in live if u not in self.infos])
+            self.backend, why = choose_backend(gpu_uuid(), {u: self.infos[u] for u in live})
+            self.device = torch.device("cuda" if self.backend == "nccl" else "cpu")
+            log.info("weight push over %s: %s (engine.push_backend = auto)", self.backend, why)
         world = 1 + sum(ranks)
         port = self.master_port or free_port(self.master_addr)
         name = f"{self.group_prefix}_{uuid.uuid4().hex[:12]}"
@@ -328,10 +345,15 @@ class WeightPusher:
     def _ranks(self, urls: list[str]) -> list[int]:
         missing = [u for u in urls if u not in self.tp_sizes]
         if missing:
-            infos = self._wait("server_info", self._each(missing, "get_server_info"))
-            for u, info in infos.items():
-                self.tp_sizes[u] = engine_ranks(info if isinstance(info, dict) else {})
+            for u, info in self._server_infos(missing).items():
+                self.tp_sizes[u] = engine_ranks(info)
         return [self.tp_sizes[u] for u in urls]
+
+    def _server_infos(self, urls: list[str]) -> dict[str, dict[str, Any]]:
+        infos = self._wait("server_info", self._each(urls, "get_server_info"))
+        for u, info in infos.items():
+            self.infos[u] = info if isinstance(info, dict) else {}
+        return {u: self.infos[u] for u in urls}
 
     def _destroy(self) -> None:
         """Tear the group down here FIRST, then on the members. After a push that failed midway

@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,9 +104,41 @@ def receive_tensors(
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"{name}: unknown dtype {dtype!r}")
         specs.append((name, torch_dtype, [int(s) for s in shape]))
+    # gloo receives into host memory; an engine on a GPU then copies each tensor over (the
+    # push to an engine that shares the learner's GPU, where NCCL cannot run: `choose_backend`).
+    on = group.device if group.backend == "nccl" else torch.device("cpu")
     out = []
     for name, torch_dtype, shape in specs:
-        t = torch.empty(shape, dtype=torch_dtype, device=group.device)
+        t = torch.empty(shape, dtype=torch_dtype, device=on)
         group.broadcast(t)
-        out.append((name, t))
+        out.append((name, t if on == group.device else t.to(group.device)))
     return out
+
+
+def gpu_uuid(device: torch.device | None = None) -> str | None:
+    """The UUID of `device` (default: this process's current GPU); None off the GPU."""
+    if device is not None and device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def choose_backend(learner_gpu: str | None, engines: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """The weight push's backend for `engine.push_backend = "auto"`, and why.
+
+    NCCL when the learner and every engine hold GPUs of their own. gloo when the learner is on
+    the CPU, when an engine says (SGLang's `device` server arg) it is not on a GPU, or when an
+    engine reports the learner's own GPU (`gpu_uuid`, the embedded engine's /server_info field):
+    NCCL refuses two ranks on one device ("invalid usage"). An engine that reports no device is
+    taken to be SGLang on GPUs of its own (SGLang's default device is cuda)."""
+    if learner_gpu is None:
+        return "gloo", "the learner is not on a GPU"
+    for url, info in engines.items():
+        device = str(info.get("device") or "cuda")
+        if not device.startswith("cuda"):
+            return "gloo", f"engine {url} is on {device}"
+        if info.get("gpu_uuid") == learner_gpu:
+            return "gloo", f"engine {url} shares the learner's GPU ({learner_gpu})"
+    return "nccl", "every engine is on a GPU of its own"

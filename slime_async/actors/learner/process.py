@@ -102,6 +102,19 @@ def batch_metrics(groups: Sequence[TrainGroup]) -> dict[str, Any]:
     return out
 
 
+def push_backend(setting: str, learner_on_gpu: bool) -> str:
+    """The weight push's backend as the learner starts: auto stays auto on a GPU (the pusher
+    chooses from the engines' devices at each connect) and is gloo on the CPU."""
+    if learner_on_gpu:
+        return setting
+    if setting == "nccl":
+        raise ValueError(
+            "engine.push_backend = 'nccl' needs the learner on a GPU (this learner sees none): "
+            "use 'auto' or 'gloo'"
+        )
+    return "gloo"
+
+
 class _Rank0:
     """What only learner rank 0 holds: the buffer consumer, the weight pusher, the metrics."""
 
@@ -116,7 +129,6 @@ class _Rank0:
                 backend=backend,
                 master_addr=cfg.learner.weight_master_addr,
                 api_key=ec.api_key,
-                device=None if backend == "gloo" else "cuda",
                 pause_mode=ec.push_pause_mode,
                 timeout_s=ec.push_timeout_s,
                 flush_timeout_s=ec.flush_timeout_s,
@@ -197,7 +209,7 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
         max_staleness=cfg.buffer.max_staleness,
         stale_policy=cfg.buffer.stale_policy,
     )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = push_backend(cfg.engine.push_backend, torch.cuda.is_available())
     rank0 = _Rank0(cfg, run_dir, backend) if learner.is_rank0 else None
     try:
         buffer_version = 0

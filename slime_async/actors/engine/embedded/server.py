@@ -46,7 +46,12 @@ from slime_async.actors.engine.embedded import families
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
 from slime_async.actors.engine.embedded.sampling import GREEDY_TEMPERATURE, SamplingParams
 from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
-from slime_async.actors.engine.weight_sync import WeightGroup, init_weight_group, receive_tensors
+from slime_async.actors.engine.weight_sync import (
+    WeightGroup,
+    gpu_uuid,
+    init_weight_group,
+    receive_tensors,
+)
 from slime_async.config import EngineConfig
 from slime_async.models.tokenizer import load_tokenizer
 
@@ -118,6 +123,9 @@ class EmbeddedEngine:
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # NCCL weight groups use the current device
+        self.gpu_uuid = gpu_uuid(self.device)
+        """This engine's GPU (None on the CPU): the learner pushes over gloo to an engine that
+        shares its own GPU, since NCCL refuses two ranks on one device (`weight_push`)."""
         num_blocks = None
         if cfg.kv_cache_tokens is not None:
             num_blocks = -(-cfg.kv_cache_tokens // cfg.block_size) + 1  # + the scratch block
@@ -514,6 +522,7 @@ class EmbeddedEngine:
                 "version": SGLANG_VERSION,
                 "engine": "slime_async.embedded",
                 "device": str(self.device),
+                "gpu_uuid": self.gpu_uuid,
                 "dtype": self.cfg.dtype,
                 "tp_size": 1,
                 "dp_size": 1,
