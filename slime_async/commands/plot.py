@@ -315,45 +315,32 @@ def plot_runs(runs: list[tuple[str, Path]], out_dir: str | Path, metric: str) ->
     else:
         print("plot: no staleness histograms; staleness_hist.png skipped", file=sys.stderr)
 
-    # importance weights by lag -----------------------------------------------------------------
-    by_lag = _by_lag(data, (m.IW_MEAN, m.IW_ESS))
-    if by_lag:
-        fig, (w_ax, ess_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    # importance weights by lag; the trust region by lag (naive PPO clips against a far-away mu)
+    for stats, ylabels, scale, name, what in (
+        ((m.IW_MEAN, m.IW_ESS), ("importance weight pi_prox/mu, mean", "normalised ESS"), 1,
+         "iw_by_lag.png", "per-lag importance weights"),
+        ((m.CLIP_FRAC, m.RATIO_OUTSIDE),
+         ("clip fraction (%)", "tokens with the ratio outside [1-eps, 1+eps] (%)"), 100,
+         "trust_region_by_lag.png", "per-lag clip fractions"),
+    ):  # fmt: skip
+        by_lag = _by_lag(data, stats)
+        if not by_lag:
+            print(f"plot: no {what}; {name} skipped", file=sys.stderr)
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for label, lags in by_lag.items():
-            xs = sorted(lags)
-            for ax, stat in ((w_ax, m.IW_MEAN), (ess_ax, m.IW_ESS)):
-                pts = [(x, sum(v) / len(v)) for x in xs if (v := lags[x].get(stat))]
+            for ax, stat in zip(axes, stats, strict=True):
+                pts = [
+                    (x, scale * sum(v) / len(v)) for x in sorted(lags) if (v := lags[x].get(stat))
+                ]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), marker="o", color=colour[label], label=label)
-        w_ax.set_ylabel("importance weight pi_prox/mu, mean")
-        ess_ax.set_ylabel("normalised ESS")
-        for ax in (w_ax, ess_ax):
+        for ax, ylabel in zip(axes, ylabels, strict=True):
+            ax.set_ylabel(ylabel)
             ax.set_xlabel("lag (versions)")
             ax.grid(alpha=0.3)
-        w_ax.legend(fontsize=7)
-        save(fig, "iw_by_lag.png")
-    else:
-        print("plot: no per-lag importance weights; iw_by_lag.png skipped", file=sys.stderr)
-
-    # the trust region by lag: naive PPO clips against a far-away mu ------------------------------
-    region = _by_lag(data, (m.CLIP_FRAC, m.RATIO_OUTSIDE))
-    if region:
-        fig, (c_ax, o_ax) = plt.subplots(1, 2, figsize=(11, 4))
-        for label, lags in region.items():
-            xs = sorted(lags)
-            for ax, stat in ((c_ax, m.CLIP_FRAC), (o_ax, m.RATIO_OUTSIDE)):
-                pts = [(x, 100 * sum(v) / len(v)) for x in xs if (v := lags[x].get(stat))]
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", color=colour[label], label=label)
-        c_ax.set_ylabel("clip fraction (%)")
-        o_ax.set_ylabel("tokens with the ratio outside [1-eps, 1+eps] (%)")
-        for ax in (c_ax, o_ax):
-            ax.set_xlabel("lag (versions)")
-            ax.grid(alpha=0.3)
-        c_ax.legend(fontsize=7)
-        save(fig, "trust_region_by_lag.png")
-    else:
-        print("plot: no per-lag clip fractions; trust_region_by_lag.png skipped", file=sys.stderr)
+        axes[0].legend(fontsize=7)
+        save(fig, name)
     return written
 
 
