@@ -39,21 +39,33 @@ def _reference(hidden, weight, labels, temp):
     return logp, ent
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 64])
-@pytest.mark.parametrize("with_entropy", [False, True])
-def test_chunked_logprobs_equal_the_unchunked_math_with_gradients(chunk, with_entropy):
-    gen = torch.Generator().manual_seed(chunk)
-    n, h, v = 13, 8, 50
+def _problem(seed: int, n: int, v: int, h: int = 8):
+    """Hidden states, output weight, labels, per-token temperatures and upstream gradients."""
+    gen = torch.Generator().manual_seed(seed)
     hidden0 = 2 * torch.randn(n, h, generator=gen)
     weight0 = torch.randn(v, h, generator=gen)
     labels = torch.randint(0, v, (n,), generator=gen)
     temp = 0.5 + torch.rand(n, generator=gen)
     g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    return hidden0, weight0, labels, temp, g_lp, g_ent
 
+
+def _chunked_with_grads(problem, with_entropy: bool, chunk: int, **kw):
+    """(logp, entropy, d hidden, d weight) of `chunked_logprobs` on fresh leaf copies."""
+    hidden0, weight0, labels, temp, g_lp, g_ent = problem
     hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
-    logp, ent = chunked_logprobs(hidden, weight, labels, temp, with_entropy, chunk)
+    logp, ent = chunked_logprobs(hidden, weight, labels, temp, with_entropy, chunk, **kw)
     loss = (logp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0.0)
     loss.backward()
+    return logp, ent, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunked_logprobs_equal_the_unchunked_math_with_gradients(chunk, with_entropy):
+    problem = _problem(chunk, n=13, v=50)
+    hidden0, weight0, labels, temp, g_lp, g_ent = problem
+    logp, ent, hidden_grad, weight_grad = _chunked_with_grads(problem, with_entropy, chunk)
 
     rh, rw = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
     ref_lp, ref_ent = _reference(rh, rw, labels, temp)
@@ -65,28 +77,16 @@ def test_chunked_logprobs_equal_the_unchunked_math_with_gradients(chunk, with_en
         torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
     else:
         assert ent is None
-    torch.testing.assert_close(hidden.grad, rh.grad, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(weight.grad, rw.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden_grad, rh.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weight_grad, rw.grad, atol=1e-5, rtol=1e-5)
 
 
 def fused_equals_torch(with_entropy: bool) -> None:
     """The Triton kernels (`logprobs_triton.py`) against the torch path: same log-probs,
     entropy and gradients, with a vocabulary that is no multiple of the kernel's block, a chunk
     that does not divide the tokens, and per-token temperatures (run by the test below)."""
-    gen = torch.Generator().manual_seed(3)
-    n, h, v = 11, 8, 4100
-    hidden0 = 2 * torch.randn(n, h, generator=gen)
-    weight0 = torch.randn(v, h, generator=gen)
-    labels = torch.randint(0, v, (n,), generator=gen)
-    temp = 0.5 + torch.rand(n, generator=gen)
-    g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-    got = []
-    for fused in (False, True):
-        hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
-        logp, ent = chunked_logprobs(hidden, weight, labels, temp, with_entropy, 4, fused=fused)
-        loss = (logp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0.0)
-        loss.backward()
-        got.append((logp, ent, hidden.grad, weight.grad))
+    problem = _problem(3, n=11, v=4100)
+    got = [_chunked_with_grads(problem, with_entropy, 4, fused=fused) for fused in (False, True)]
     for a, b in zip(*got, strict=True):
         if a is None:
             assert b is None
