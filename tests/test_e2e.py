@@ -86,6 +86,10 @@ def test_pipeline_runs_pushes_and_loses_nothing(tiny_setup, mode):
     assert max(r["step"] for r in gen) >= STEPS - 1
     # A healthy engine: no call failed over, none failed for good (both counted in every record).
     assert all(r["gen/engine_failovers"] == 0 and r["gen/engine_errors"] == 0 for r in gen)
+    # the producer client's retries are in the generator's records; the buffer was up all run,
+    # so no send waited on a full queue
+    assert all(r["gen/buffer_send_waits"] == 0 for r in gen), gen[-1]
+    assert all(r["gen/buffer_resends"] >= 0 and r["gen/buffer_busy_replies"] >= 0 for r in gen)
     # The staleness bound held end to end (sync mode: 0), on the buffer's clock (the version
     # the engines hold) and on the learner's own (push_interval = 1: the same bound), which does
     # not depend on the buffer's bookkeeping; no token crossed it, so none was kept over it.

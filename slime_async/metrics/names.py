@@ -89,6 +89,12 @@ GEN_REWARD_RETRIES = "gen/reward_retries"
 """Reward calls that raised or timed out and were made again after a back-off."""
 GEN_PLUGIN_ERROR_RATE = "gen/plugin_error_rate"
 """Share of the last generator.plugin_error_window group attempts that failed (NaN before any)."""
+GEN_BUFFER_RESENDS = "gen/buffer_resends"
+"""Puts and requests the producer client sent again after no answer from the buffer (logged)."""
+GEN_BUFFER_BUSY = "gen/buffer_busy_replies"
+"""Puts the buffer refused as full and the client sent again later (backpressure)."""
+GEN_BUFFER_SEND_WAITS = "gen/buffer_send_waits"
+"""Sends that waited because ZeroMQ's queue to the buffer was full (logged, bounded by give_up_s)."""
 
 # ----- weight push (learner records; counters since the learner started) ------------------------
 PUSH_RESYNCS = "push/resyncs"

@@ -287,8 +287,7 @@ class ProducerClient:
             )
         fut = asyncio.get_running_loop().create_future()
         self._puts[seq] = _Put(frames, fut, time.monotonic())
-        if not self._send_now(frames):
-            await self._send(frames)
+        await self._send(frames)
         try:
             return await fut
         finally:

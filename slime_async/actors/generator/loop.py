@@ -69,6 +69,9 @@ from slime_async.config.generator import GeneratorConfig
 from slime_async.metrics import (
     GEN_ADMISSION_REQUESTS,
     GEN_ADMISSION_WAIT_S,
+    GEN_BUFFER_BUSY,
+    GEN_BUFFER_RESENDS,
+    GEN_BUFFER_SEND_WAITS,
     GEN_ENGINE_ERRORS,
     GEN_ENGINE_FAILOVERS,
     GEN_GROUPS_DROPPED,
@@ -567,6 +570,10 @@ class Generator:
             GEN_ENGINE_ERRORS: self.rollout_stats.engine_errors,
             GEN_ENGINE_FAILOVERS: self._engine_failovers(),
             GEN_PLUGIN_ERROR_RATE: _mean([float(x) for x in self._attempts]),
+            # the producer client's own retries (a sink without them, e.g. in tests, has none)
+            GEN_BUFFER_RESENDS: getattr(self.sink, "resends", 0),
+            GEN_BUFFER_BUSY: getattr(self.sink, "busy_replies", 0),
+            GEN_BUFFER_SEND_WAITS: getattr(self.sink, "send_waits", 0),
         }
         self._window_t0, self._window_tokens = now, self.rollout_stats.tokens
         self._window = {"reward": [], "response_len": []}
