@@ -1,14 +1,17 @@
 """Buffer throughput and latency against raw pyzmq PUSH/PULL of the same bytes, in one run.
 
     .venv/bin/python bench/bench_buffer.py [--seconds 1.5] [--fsync] [--sizes 4,64]
-        [--modes raw,codec,relay,off,flush,fsync] [--profile DIR]
+        [--modes raw,codec,relay,floor,off,flush,fsync] [--profile DIR]
 
 Each row runs in fresh processes: producer -> buffer -> consumer through the real clients
 (`ProducerClient.put_group` from WINDOW tasks, `ConsumerClient.get_batch` + `commit`), or
 producer -> consumer over a bare PUSH/PULL pair carrying the same encoded frames (encoded once,
 ahead of time, never decoded: the transport alone), or the same through a relay process that
 forwards each message by reference ("raw relay, 2 hops": the floor of any broker, which adds a
-hop). Throughput counts trajectories from the producer's first send to the consumer's last
+hop). "buffer protocol only" is the real clients against the buffer process with its trajectory
+checks and bookkeeping taken out (it stores each put's bytes and acknowledges it, forwards them
+in batches, commits anything): what the protocol and the clients cost before the buffer does any
+work of its own. Throughput counts trajectories from the producer's first send to the consumer's last
 receipt; each row sends about `--seconds` worth at the rate this machine reaches. Latency: one
 group at a time, enqueue (send) to delivery. CPU: `time.process_time` of each process (its
 ZeroMQ I/O thread included) per trajectory. `--profile DIR` writes a cProfile file (CPU time)
@@ -33,8 +36,8 @@ import time
 GROUP = 4  # trajectories per put (one group)
 WINDOW = 16  # puts in flight per producer
 BATCH_GROUPS = 8  # groups per consumer batch
-_RATES = {"raw": 100_000, "codec": 20_000, "relay": 30_000, "off": 8_000, "flush": 6_000,
-          "fsync": 2_000}  # fmt: skip
+_RATES = {"raw": 100_000, "codec": 20_000, "relay": 30_000, "floor": 12_000, "off": 8_000,
+          "flush": 6_000, "fsync": 2_000}  # fmt: skip
 """Trajectories/s at 4 KB (a quarter at 64 KB) on the shared 2-core machine: each row sends about
 `--seconds` worth, so that the whole run stays under a minute (a faster machine finishes sooner)."""
 
@@ -166,11 +169,46 @@ def _profiled(role: str, fn, *args):
         prof.dump_stats(os.path.join(where, f"{tag}{role}.prof"))
 
 
-def _serve(cfg_json: str, out, stop):
+def _protocol_only():
+    """The buffer process's class with its trajectory checks and bookkeeping taken out."""
+    from slime_async.queue.messages import BatchReply, Commit, Committed, Put
+    from slime_async.queue.server import Buffer, _payload
+
+    class ProtocolOnly(Buffer):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.held: list[list[memoryview]] = []
+            self.batches = 0
+
+        def _serve(self, msg, ident, blobs):
+            if isinstance(msg, Put):  # stored as received and acknowledged, nothing checked
+                self.held.append(_payload(msg.lengths, blobs, self.cfg.max_frames))
+                self._acks.setdefault((ident, "ok"), []).append(msg.seq)
+                return None
+            if isinstance(msg, Commit):
+                return [Committed(rid=msg.rid, n=1).encode()]
+            return super()._serve(msg, ident, blobs)
+
+        def _try_get(self, msg):
+            n = msg.num_groups
+            if len(self.held) < n:
+                return None
+            groups, self.held[:n] = self.held[:n], []
+            blobs = [b for g in groups for b in g]
+            self.batches += 1
+            header = BatchReply(rid=msg.rid, batch_id=self.batches, sizes=[len(g) for g in groups],
+                                staleness=[0] * n, version=0, lengths=[len(b) for b in blobs])  # fmt: skip
+            return [header.encode(), b"".join(blobs)]
+
+    return ProtocolOnly
+
+
+def _serve(cfg_json: str, out, stop, protocol_only: bool = False):
     from slime_async.config import BufferConfig
     from slime_async.queue.server import Buffer
 
-    buf = Buffer(BufferConfig.model_validate_json(cfg_json))
+    kind = _protocol_only() if protocol_only else Buffer
+    buf = kind(BufferConfig.model_validate_json(cfg_json))
     cpu = time.process_time()
     out.put((buf.producer_endpoint, buf.consumer_endpoint))
     threading.Thread(target=lambda: (stop.wait(), buf.stop()), daemon=True).start()
@@ -238,7 +276,9 @@ def _consumer(cfg_json: str, n: int, latency: bool, out, taken):
     out.put((time.perf_counter(), lat, {"consumer": cpu}))
 
 
-def buffered(response_len: int, n: int, latency: bool, wal_sync: str | None) -> dict:
+def buffered(
+    response_len: int, n: int, latency: bool, wal_sync: str | None, protocol_only: bool = False
+) -> dict:
     from slime_async.config import BufferConfig
 
     ctx = mp.get_context("spawn")
@@ -253,7 +293,7 @@ def buffered(response_len: int, n: int, latency: bool, wal_sync: str | None) -> 
             capacity_trajectories=1 << 20,
             groups_per_step=n,
         )
-        s = ctx.Process(target=_serve, args=(cfg.model_dump_json(), out, stop))
+        s = ctx.Process(target=_serve, args=(cfg.model_dump_json(), out, stop, protocol_only))
         s.start()
         pe, ce = out.get()
         cfg = cfg.model_copy(update={"producer_endpoint": pe, "consumer_endpoint": ce})
@@ -280,7 +320,9 @@ def main() -> None:
     ap.add_argument("--fsync", action="store_true", help="also run with wal_sync=fsync")
     ap.add_argument("--profile", metavar="DIR", help="cProfile each buffer process into DIR")
     ap.add_argument("--sizes", default="4,64", help="trajectory sizes in KB, comma-separated")
-    ap.add_argument("--modes", default="", help="only these rows: raw,codec,relay,off,flush,fsync")
+    ap.add_argument(
+        "--modes", default="", help="only these rows: raw,codec,relay,floor,off,flush,fsync"
+    )
     args = ap.parse_args()
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
@@ -291,6 +333,7 @@ def main() -> None:
         ("raw PUSH/PULL", "raw"),
         ("raw + encode/decode", "codec"),
         ("raw relay, 2 hops", "relay"),
+        ("buffer protocol only", "floor"),
         ("buffer, no WAL", "off"),
         ("buffer, WAL flush", "flush"),
     ]
@@ -298,7 +341,7 @@ def main() -> None:
         modes.append(("buffer, WAL fsync", "fsync"))
     if args.modes:  # the ratio column needs the raw row
         modes = [(a, b) for a, b in modes if b in args.modes.split(",") or b == "raw"]
-    print(f"{'payload':>7} | {'path':<19} | {'traj/s':>7} | {'MB/s':>5} | {'ratio':>5} | "
+    print(f"{'payload':>7} | {'path':<20} | {'traj/s':>7} | {'MB/s':>5} | {'ratio':>5} | "
           f"{'p50 ms':>6} | {'p99 ms':>6} | CPU us/traj: producer, buffer, consumer")  # fmt: skip
     print("-" * 118)
     for kb in (int(k) for k in args.sizes.split(",")):
@@ -315,10 +358,10 @@ def main() -> None:
                 codec, relay = mode == "codec", mode == "relay"
                 r, lr = raw(rl, n, False, codec, relay), raw(rl, lat_n, True, codec, relay)
             else:
-                wal = None if mode == "off" else mode
-                r = buffered(rl, n, False, wal)
+                wal = None if mode in ("off", "floor") else mode
+                r = buffered(rl, n, False, wal, mode == "floor")
                 os.environ["BENCH_PROFILE_TAG"] += "latency-"
-                lr = buffered(rl, lat_n, True, wal)
+                lr = buffered(rl, lat_n, True, wal, mode == "floor")
             rate = r["trajectories"] / r["seconds"]
             base = base or rate
             q = statistics.quantiles(lr["latency"], n=100)
@@ -326,7 +369,7 @@ def main() -> None:
                 f"{r['cpu'][k] / r['trajectories'] * 1e6:.0f}" if k in r["cpu"] else "-"
                 for k in ("producer", "buffer", "consumer")
             )
-            print(f"{size / 1024:>5.1f}KB | {name:<19} | {rate:>7.0f} | {rate * size / 1e6:>5.0f} | "
+            print(f"{size / 1024:>5.1f}KB | {name:<20} | {rate:>7.0f} | {rate * size / 1e6:>5.0f} | "
                   f"{rate / base:>5.2f} | {q[49] * 1e3:>6.2f} | {q[98] * 1e3:>6.2f} | {cpu}",
                   flush=True)  # fmt: skip
     print(f"\n{GROUP} trajectories per put/message, {WINDOW} puts in flight, {BATCH_GROUPS} groups "

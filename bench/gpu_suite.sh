@@ -3,7 +3,8 @@
 #   push   weight push over NCCL vs a raw NCCL broadcast of the same buckets
 #   e2e    the two-GPU run: embedded engine on GPU 0, learner on GPU 1 (configs/gpu_two_h200.toml)
 #   async  bench_async.py on the same config: sync vs async, same steps
-#   buffer the buffer benchmark pinned to two of the host's cores (BUFFER_CPUS, default 0,1)
+#   buffer the buffer benchmark pinned to two of the host's cores (BUFFER_CPUS, default 0,1), then
+#          the trajectory codec's (compiled against reference path)
 #   engine the embedded engine on one GPU: its -m gpu tests, the decode kernels, the issue-18
 #          table (1/64/128/256 concurrent vs HF generate); engine_grpo: the GRPO-shaped load with
 #          prompt sharing on and off, and peak memory against engine.mem_fraction
@@ -78,7 +79,8 @@ for part in $SUITE; do
       echo "== buffer benchmark (host CPUs ${BUFFER_CPUS:-0,1})"
       timeout "${BUFFER_S:-100}" taskset -c "${BUFFER_CPUS:-0,1}" python3 bench/bench_buffer.py \
         --seconds "${BUFFER_SECONDS:-1.5}" >"$OUT/buffer.log" 2>&1
-      echo "exit $?"; tail -16 "$OUT/buffer.log" ;;
+      echo "exit $?"; tail -16 "$OUT/buffer.log"
+      taskset -c "${BUFFER_CPUS:-0,1}" python3 bench/bench_codec.py --sizes 4,64,1024 ;;
     onegpu)
       # The quickstart on a one-GPU machine, off the buffer's cores: the learner on the GPU with
       # the engine on the CPU (the quickstart as written), the engine on the learner's own GPU

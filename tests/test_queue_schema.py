@@ -172,13 +172,18 @@ def test_bad_long_trajectory_names_the_field(mutate, field, words):
     assert e.field == field and words in str(e)
 
 
+def _fast(t):
+    """The summary of the compiled path alone (None: it would hand `t` to the reference path)."""
+    return schema._quick(schema._decoded(encode_trajectory(t)))
+
+
 def test_validate_summarises_without_building_arrays():
     for response_len in (9, 2000):
         t = _traj(response_len)
         blob = encode_trajectory(t)
         s = validate_trajectory(blob)
         assert s == summarize(decode_trajectory(blob))
-        assert schema._quick(_map(t)) == s  # the fast path took it (no fallback to numpy arrays)
+        assert _fast(t) == s  # the compiled path took it (no fallback to the reference checks)
         assert (s.oldest, s.newest, s.newest_model, s.num_tokens) == (3, 4, 4, 5 + response_len)
         t.versions[:] = 7  # one version throughout (the common case, found without numpy)
         assert validate_trajectory(encode_trajectory(t)) == summarize(t)
@@ -188,7 +193,7 @@ def test_validate_summarises_without_building_arrays():
         t.temperature, t.metadata = 0.5, {"a": 1, "b": True, "c": "x", "d": 0.5}
         assert validate_trajectory(encode_trajectory(t)) == summarize(t)
         t.routed_experts = np.arange((t.num_tokens - 1) * 6, dtype=np.int32) % 64  # 3 layers x 2
-        assert schema._quick(_map(t)) == summarize(t)
+        assert _fast(t) == summarize(t)
         t.routed_experts[-1] = -1
         with pytest.raises(SchemaError, match="negative expert id"):
             validate_trajectory(encode_trajectory(t))
@@ -216,14 +221,18 @@ def test_quick_and_full_checks_agree_on_random_corruption():
         else:
             m[key] = values[int(rng.integers(len(values)))]
         blob = msgpack.packb(m, use_bin_type=True)
-        try:
-            full = summarize(decode_trajectory(blob))
+        try:  # the reference path: msgpack and `_checked`
+            full = summarize(schema._checked(schema.unpack_map(blob, "trajectory"), copy=True))
         except SchemaError as e:
             with pytest.raises(SchemaError) as quick:
                 validate_trajectory(blob)
             assert quick.value.field == e.field, (i, key)
+            with pytest.raises(SchemaError) as decoded:
+                decode_trajectory(blob)
+            assert decoded.value.field == e.field, (i, key)
         else:
             assert validate_trajectory(blob) == full, (i, key)
+            assert summarize(decode_trajectory(blob)) == full, (i, key)
 
 
 @pytest.mark.parametrize("blob", [b"\xc1garbage", b"\x92\x01", msgpack.packb([1, 2])])
@@ -256,3 +265,44 @@ def test_trajectories_packed_in_one_buffer_are_each_encode_trajectory():
     payload, lengths = encode_trajectories(group)
     blobs = [encode_trajectory(t) for t in group]
     assert lengths == [len(b) for b in blobs] and bytes(payload) == b"".join(blobs)
+
+
+def test_compiled_codec_packs_the_reference_bytes():
+    """The compiled encoder writes exactly what msgpack writes for the same map (one wire
+    format, SCHEMA_VERSION 1), with and without the optional fields."""
+    t = _traj()
+    for temperature, routed in ((None, None), (0.7, np.arange((t.num_tokens - 1) * 2) % 8)):
+        t.temperature, t.routed_experts = temperature, routed
+        assert msgpack.packb(_map(t), use_bin_type=True) == encode_trajectory(t)
+        empty = _traj(0)
+        payload, lengths = encode_trajectories([t, empty])
+        assert bytes(payload) == encode_trajectory(t) + encode_trajectory(empty)
+        assert lengths == [len(encode_trajectory(t)), len(encode_trajectory(empty))]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"schema": True},  # True == 1 to the reference checks; the compiled decode wants an int
+        {"metadata": {b"raw key": 1}},  # bytes keys: MessagePack allows them, so does _checked
+        {"group_size": 2.0},  # a float: the reference path refuses it by name
+    ],
+)
+def test_maps_the_compiled_path_refuses_are_decided_by_the_reference_path(change):
+    """Whatever the compiled decode does not take goes through msgpack and `_checked`: the same
+    answer as before, for the buffer, the consumer (no checks) and a checked decode."""
+    t = _traj()
+    m = {**_map(t), **change}
+    blob = msgpack.packb(m, use_bin_type=True)
+    assert schema._decoded(blob) is None
+    try:
+        want = summarize(schema._checked(schema.unpack_map(blob, "trajectory"), copy=True))
+    except SchemaError as e:
+        with pytest.raises(SchemaError) as got:
+            validate_trajectory(blob)
+        assert got.value.field == e.field == "group_size"
+        return
+    assert validate_trajectory(blob) == want == summarize(decode_trajectory(blob))
+    back = decode_trajectory(blob, validate=False)  # the consumer's path
+    np.testing.assert_array_equal(back.response_ids, t.response_ids)
+    assert back.metadata == m["metadata"]

@@ -27,6 +27,7 @@ import zmq
 from slime_async.config.buffer import BufferConfig
 from slime_async.queue import security
 from slime_async.queue.messages import (
+    POLLIN,
     Ack,
     Acks,
     AckStatus,
@@ -50,6 +51,7 @@ from slime_async.queue.messages import (
     StatsReply,
     StatsRequest,
     decode_reply,
+    send_frames,
     split,
 )
 from slime_async.queue.schema import (
@@ -62,6 +64,7 @@ from slime_async.utils.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
+_NOBLOCK = int(zmq.NOBLOCK)
 _BUSY_RETRY = RetryPolicy(first_s=0.002, max_s=0.1)  # resending a put refused as busy
 R = TypeVar("R", bound=Reply)
 
@@ -220,7 +223,7 @@ class ProducerClient:
         self._drain_scheduled = False
         sock = self._sock
         for _ in range(256):  # then yield to the loop, and come back
-            if sock is None or sock.closed or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if sock is None or sock.closed or not sock.getsockopt(zmq.EVENTS) & POLLIN:
                 return
             self._on_reply(sock.recv_multipart(zmq.NOBLOCK))
         self._schedule_drain()
@@ -238,11 +241,11 @@ class ProducerClient:
         try:
             # copy=False: ZeroMQ sends the payload from our bytes (kept in `_puts` for resends)
             # instead of copying it first; pyzmq still copies frames below its copy_threshold.
-            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            send_frames(sock, frames, _NOBLOCK)
         except zmq.Again:
             return False
         self._last_sent = time.monotonic()
-        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if sock.getsockopt(zmq.EVENTS) & POLLIN:
             self._schedule_drain()
         return True
 

@@ -56,6 +56,8 @@ from typing import (
 )
 
 import msgpack
+import msgspec
+import zmq
 
 from slime_async.queue.schema import SCHEMA_VERSION, SchemaError, unpack_map
 
@@ -118,6 +120,20 @@ def split(payload: memoryview, lengths: list[int]) -> list[memoryview]:
         raise SchemaError("lengths", f"add up to {sum(lengths)}, the payload has {len(payload)} B")
     ends = list(itertools.accumulate(lengths))
     return [payload[end - n : end] for n, end in zip(lengths, ends, strict=True)]
+
+
+_SNDMORE = int(zmq.SNDMORE)
+POLLIN = int(zmq.POLLIN)
+"""zmq.POLLIN as a plain int: `events & zmq.POLLIN` builds an enum (about 1 us) each time."""
+
+
+def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
+    """`sock.send_multipart(frames, flags, copy=False)` with plain-int flags (pyzmq combines
+    its enum flags per frame, a few us per message on the hot paths); frames below pyzmq's
+    copy_threshold are copied, larger ones sent by reference."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, flags | _SNDMORE if i < last else flags, copy=False)
 
 
 def pack_header(op: str, **fields: Any) -> bytes:
@@ -225,7 +241,7 @@ class Message:
             v = getattr(self, name)
             if v is not None:
                 h[name] = v
-        return msgpack.packb(h, use_bin_type=True)
+        return msgspec.msgpack.encode(h)
 
     @classmethod
     def decode(cls, h: dict[str, Any]) -> Self:

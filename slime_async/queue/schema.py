@@ -11,6 +11,14 @@ Trajectories follow a message's header (frame 0, see `messages.py`). The buffer 
 once with `validate_trajectory` (the checks of `decode_trajectory`, building no arrays: a
 `Summary` is all it keeps besides the bytes), stores and forwards their bytes as they came (never
 re-encoded), and the consumer decodes them without checking again (`validate=False`).
+
+Two codecs, one wire format. The common path is compiled: msgspec packs a `_Wire` struct and
+decodes one, checking every key and type in C and leaving the token arrays as views of the
+received bytes (no copy until the consumer's one). The reference path is msgpack into a dict and
+`_checked`, which names the first bad field: anything the compiled path does not accept at once
+(bad input, or an unusual but valid map, such as a schema of `true`) is decided there, so both
+give the same answer and the same error. Both write the same bytes. `bench/bench_codec.py`
+times one against the other (the README's performance section has the figures).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 
 SCHEMA_VERSION = 1
@@ -57,16 +66,13 @@ _FIELDS = frozenset(
 _OPTIONAL_FIELDS = frozenset({"temperature", "routed_experts"})
 """Fields a trajectory may leave out (older producers); absent means the run's default."""
 _ROUTED = np.dtype("<i4")
+_I4, _F4, _U1 = _ARRAYS["prompt_ids"], _ARRAYS["logprobs"], _ARRAYS["loss_mask"]
 _PACKED = ("prompt_ids", "response_ids", "logprobs", "versions", "loss_mask")
 """The arrays in the order the consumer copies them into one buffer (4-byte ones first)."""
 _PACKED_DTYPES = tuple(_ARRAYS[name] for name in _PACKED)
-_FIELDS_T = _FIELDS | {"temperature"}
-_FIELDS_ALL = _FIELDS | _OPTIONAL_FIELDS
 _SMALL = 4096
 """Responses up to this many bytes per int32 array are checked by byte slicing, longer ones by
 numpy reductions (measured: a 64 KB trajectory validates in ~28 us instead of ~50 us)."""
-_U32 = np.dtype("<u4")
-_SIGN = 1 << 31
 
 
 class SchemaError(ValueError):
@@ -150,49 +156,79 @@ def summarize(t: Trajectory) -> Summary:
     )
 
 
+class _Wire(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """The trajectory map as it travels, for the compiled codec: its fields are the map's keys
+    (in this order when packed; any order decodes), their types checked in C on decode. The
+    arrays decode as views of the received bytes. Optional fields left at None are not sent."""
+
+    schema: int
+    id: str
+    group_id: str
+    group_size: int
+    reward: float
+    reward_parts: dict[str, float]
+    finish_reason: str
+    engine_id: str
+    created_at: float
+    enqueued_at: float
+    metadata: dict[str, str | int | float | bool]
+    prompt_ids: memoryview
+    response_ids: memoryview
+    logprobs: memoryview
+    loss_mask: memoryview
+    versions: memoryview
+    temperature: float | None = None
+    routed_experts: memoryview | None = None
+
+
+_WIRE = msgspec.msgpack.Decoder(_Wire)
+
+
+def _wire(t: Trajectory) -> _Wire:
+    def raw(a: np.ndarray, dtype: np.dtype) -> memoryview:
+        # A view, not tobytes(): the encoder copies its bytes once into the message.
+        return np.ascontiguousarray(a, dtype=dtype).data
+
+    routed = t.routed_experts
+    return _Wire(
+        SCHEMA_VERSION,
+        t.id,
+        t.group_id,
+        int(t.group_size),
+        float(t.reward),
+        {k: float(v) for k, v in t.reward_parts.items()},
+        t.finish_reason,
+        t.engine_id,
+        float(t.created_at),
+        float(t.enqueued_at),
+        dict(t.metadata),
+        raw(t.prompt_ids, _I4),
+        raw(t.response_ids, _I4),
+        raw(t.logprobs, _F4),
+        raw(t.loss_mask, _U1),
+        raw(t.versions, _I4),
+        None if t.temperature is None else float(t.temperature),
+        None if routed is None else raw(routed.reshape(-1), _ROUTED),
+    )
+
+
 def encode_trajectory(t: Trajectory) -> bytes:
     """One trajectory as a MessagePack map with token arrays as raw little-endian bytes."""
-    return msgpack.packb(_as_map(t), use_bin_type=True)
+    return msgspec.msgpack.encode(_wire(t))
 
 
-def encode_trajectories(trajs: list[Trajectory]) -> tuple[memoryview, list[int]]:
+def encode_trajectories(trajs: list[Trajectory]) -> tuple[bytearray, list[int]]:
     """Several trajectories back to back (each exactly `encode_trajectory`'s bytes) in one
     buffer, and the length of each: one payload frame packed in place, with no per-trajectory
     bytes object and no join (each a copy of the payload; measured at 64 KB trajectories)."""
-    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
-    lengths, end = [], 0
+    encoder = msgspec.msgpack.Encoder()  # one per call: an encoder is not shared across threads
+    out = bytearray()
+    lengths = []
     for t in trajs:
-        packer.pack(_as_map(t))
-        with packer.getbuffer() as packed:  # released at once: the next pack may grow it
-            lengths.append(len(packed) - end)
-            end = len(packed)
-    return packer.getbuffer(), lengths
-
-
-def _as_map(t: Trajectory) -> dict[str, Any]:
-    m: dict[str, Any] = {
-        "schema": SCHEMA_VERSION,
-        "id": t.id,
-        "group_id": t.group_id,
-        "group_size": int(t.group_size),
-        "reward": float(t.reward),
-        "reward_parts": {k: float(v) for k, v in t.reward_parts.items()},
-        "finish_reason": t.finish_reason,
-        "engine_id": t.engine_id,
-        "created_at": float(t.created_at),
-        "enqueued_at": float(t.enqueued_at),
-        "metadata": dict(t.metadata),
-    }
-    if t.temperature is not None:
-        m["temperature"] = float(t.temperature)
-    if t.routed_experts is not None:
-        m["routed_experts"] = memoryview(
-            np.ascontiguousarray(t.routed_experts, dtype=_ROUTED).reshape(-1)
-        ).cast("B")
-    for name, dtype in _ARRAYS.items():
-        # A byte view, not tobytes(): msgpack copies it once into the message.
-        m[name] = memoryview(np.ascontiguousarray(getattr(t, name), dtype=dtype)).cast("B")
-    return m
+        end = len(out)
+        encoder.encode_into(_wire(t), out, end)
+        lengths.append(len(out) - end)
+    return out, lengths
 
 
 def _str(m: dict, name: str, allow_empty: bool = True) -> str:
@@ -239,26 +275,33 @@ def unpack_map(blob: bytes | memoryview, what: str) -> dict[str, Any]:
     return m
 
 
-def _trusted(m: dict[str, Any], copy: bool) -> Trajectory:
-    """The trajectory of a map the buffer already validated (no checks: the consumer's path).
+def _arrays(raw: list, copy: bool) -> dict[str, np.ndarray]:
+    """The five token arrays from their bytes in `_PACKED` order, without checks.
 
-    copy=True: the five arrays are copied once, together, into one writable buffer (int32 and
-    float32 ones first, so each stays 4-byte aligned) and viewed from there.
+    copy=True: copied once, together, into one writable buffer (int32 and float32 ones first,
+    so each stays 4-byte aligned) and viewed from there; copy=False: read-only views.
     """
-    if not _LITTLE_ENDIAN_HOST:
-        arrays = {name: _array(m, name, copy) for name in _ARRAYS}
-    else:
-        raw = [m[name] for name in _PACKED]
-        whole = bytearray().join(raw) if copy else None
-        arrays, at = {}, 0
-        for name, dtype, blob in zip(_PACKED, _PACKED_DTYPES, raw, strict=True):
-            n = len(blob)
-            arrays[name] = (
-                np.frombuffer(whole, dtype, n // dtype.itemsize, at)
-                if whole is not None
-                else np.frombuffer(blob, dtype)
-            )
-            at += n
+    if not _LITTLE_ENDIAN_HOST:  # native byte order, so that torch.from_numpy accepts them
+        return {
+            name: np.frombuffer(blob, dtype).astype(dtype.newbyteorder("="))
+            for name, dtype, blob in zip(_PACKED, _PACKED_DTYPES, raw, strict=True)
+        }
+    whole = bytearray().join(raw) if copy else None
+    arrays, at = {}, 0
+    for name, dtype, blob in zip(_PACKED, _PACKED_DTYPES, raw, strict=True):
+        n = len(blob)
+        arrays[name] = (
+            np.frombuffer(whole, dtype, n // dtype.itemsize, at)
+            if whole is not None
+            else np.frombuffer(blob, dtype)
+        )
+        at += n
+    return arrays
+
+
+def _trusted(m: dict[str, Any], copy: bool) -> Trajectory:
+    """The trajectory of a map the buffer already validated (no checks: the consumer's path,
+    when the compiled codec did not take it)."""
     return Trajectory(
         id=m["id"],
         group_id=m["group_id"],
@@ -272,7 +315,27 @@ def _trusted(m: dict[str, Any], copy: bool) -> Trajectory:
         metadata=m["metadata"],
         temperature=m.get("temperature"),
         routed_experts=_routed(m, copy, validate=False),
-        **arrays,
+        **_arrays([m[name] for name in _PACKED], copy),
+    )
+
+
+def _from_wire(w: _Wire, copy: bool) -> Trajectory:
+    """The trajectory of a decoded `_Wire` (checked by `_quick`, or trusted)."""
+    raw = [w.prompt_ids, w.response_ids, w.logprobs, w.versions, w.loss_mask]
+    return Trajectory(
+        id=w.id,
+        group_id=w.group_id,
+        group_size=w.group_size,
+        reward=w.reward,
+        reward_parts=w.reward_parts,
+        finish_reason=w.finish_reason,
+        engine_id=w.engine_id,
+        created_at=w.created_at,
+        enqueued_at=w.enqueued_at,
+        metadata=w.metadata,
+        temperature=w.temperature,
+        routed_experts=None if w.routed_experts is None else _routed_array(w.routed_experts, copy),
+        **_arrays(raw, copy),
     )
 
 
@@ -297,6 +360,10 @@ def _routed(m: dict[str, Any], copy: bool, validate: bool) -> np.ndarray | None:
                 f"{len(raw) // 4} ids is not a multiple of the {routed} routed tokens "
                 "(prompt + response - 1)",
             )
+    return _routed_array(raw, copy)
+
+
+def _routed_array(raw: bytes | memoryview, copy: bool) -> np.ndarray:
     arr = np.frombuffer(raw, dtype=_ROUTED)
     if not _LITTLE_ENDIAN_HOST:
         return arr.astype(_ROUTED.newbyteorder("="))
@@ -314,10 +381,13 @@ def decode_trajectory(
 ) -> Trajectory:
     """Decode and validate one trajectory; raise `SchemaError` naming the bad field.
 
-    copy=False returns read-only arrays (over the decoded map's bytes).
+    copy=False returns read-only arrays (over `blob`'s bytes).
     validate=False skips every check: only for bytes the buffer already validated (the
     consumer's path; the buffer forwards trajectories exactly as it checked them).
     """
+    w = _decoded(blob)
+    if w is not None and (not validate or _quick(w) is not None):
+        return _from_wire(w, copy)
     m = unpack_map(blob, "trajectory")
     return _checked(m, copy) if validate else _trusted(m, copy)
 
@@ -326,95 +396,92 @@ def validate_trajectory(blob: bytes | memoryview) -> Summary:
     """Check one trajectory as `decode_trajectory` does (every field; `SchemaError` naming the
     bad one) and return its `Summary`, building no arrays on the common path (the buffer's).
 
-    `_quick` accepts only maps that `_checked` accepts too; anything it does not accept
-    (a bad field, routed experts, an unusual value) goes through `_checked`, which names the
+    The compiled decode and `_quick` accept only maps that `_checked` accepts too; whatever they
+    do not accept (a bad field, an unusual value) goes through `_checked`, which names the
     field, so both give the same answer and the same error.
     """
-    m = unpack_map(blob, "trajectory")
-    quick = _quick(m)
-    return quick if quick is not None else summarize(_checked(m, copy=False))
+    w = _decoded(blob)
+    quick = _quick(w) if w is not None else None
+    if quick is not None:
+        return quick
+    return summarize(_checked(unpack_map(blob, "trajectory"), copy=False))
 
 
-def _quick(m: dict[str, Any]) -> Summary | None:
-    """The summary of a well-formed trajectory map, in a few C-level passes over its bytes;
-    None where `_checked` must decide (never wrongly accepting what `_checked` refuses)."""
-    keys = m.keys()
-    if keys != _FIELDS and keys != _FIELDS_T and not _FIELDS < keys <= _FIELDS_ALL:
+def _decoded(blob: bytes | memoryview) -> _Wire | None:
+    """`blob` through the compiled codec (keys and types checked, arrays as views of `blob`);
+    None for anything it refuses: the reference path decides those and names the field."""
+    try:
+        return _WIRE.decode(blob)
+    except (msgspec.MsgspecError, RecursionError):
         return None
-    if m["schema"] != SCHEMA_VERSION:
+
+
+def _quick(w: _Wire) -> Summary | None:
+    """The summary of a well-formed trajectory, in a few C-level passes over its bytes; None
+    where `_checked` must decide (never wrongly accepting what `_checked` refuses). Keys and
+    types were checked by the compiled decode; values are checked here."""
+    tid, gid, size = w.id, w.group_id, w.group_size
+    if w.schema != SCHEMA_VERSION or not tid or not gid or size < 1:
         return None
-    tid, gid, size = m["id"], m["group_id"], m["group_size"]
-    if type(tid) is not str or not tid or type(gid) is not str or not gid:
-        return None
-    if type(size) is not int or size < 1:
-        return None
-    if type(m["finish_reason"]) is not str or type(m["engine_id"]) is not str:
-        return None
-    r, c, e = m["reward"], m["created_at"], m["enqueued_at"]
     # A finite sum means finite terms (NaN and infinities propagate); an overflow goes slow.
-    if type(r) is not float or type(c) is not float or type(e) is not float:
+    if not math.isfinite(w.reward + w.created_at + w.enqueued_at):
         return None
-    if not math.isfinite(r + c + e):
+    temperature = w.temperature
+    if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
         return None
-    temperature = m.get("temperature", 1.0)
-    if type(temperature) is not float or not math.isfinite(temperature) or temperature <= 0:
+    parts = w.reward_parts
+    if parts and not math.isfinite(sum(parts.values())):
         return None
-    parts, metadata = m["reward_parts"], m["metadata"]
-    if type(parts) is not dict or type(metadata) is not dict:
-        return None
-    for v in parts.values():
-        if type(v) is not float or not math.isfinite(v):
+    for v in w.metadata.values():
+        if type(v) is float and not math.isfinite(v):
             return None
-    for v in metadata.values():
-        kind = type(v)
-        if kind is float:
-            if not math.isfinite(v):
-                return None
-        elif kind is not str and kind is not int and kind is not bool:
-            return None
-    p, ids, lp, mask, ver = (m["prompt_ids"], m["response_ids"], m["logprobs"], m["loss_mask"],
-                             m["versions"])  # fmt: skip
-    if type(p) is not bytes or type(ids) is not bytes or type(lp) is not bytes:
-        return None
-    if type(mask) is not bytes or type(ver) is not bytes:
-        return None
+    p, ids, lp, mask, ver = w.prompt_ids, w.response_ids, w.logprobs, w.loss_mask, w.versions
     n = len(ids)
     if len(p) % 4 or n % 4 or len(lp) != n or len(ver) != n or len(mask) * 4 != n:
         return None
+    routed = w.routed_experts
+    if routed is not None:  # routing replay: ids of every token but the last (big: numpy)
+        tokens = (len(p) + n) // 4 - 1
+        if len(routed) % 4 or tokens <= 0 or (len(routed) // 4) % tokens:
+            return None
+        if routed and np.frombuffer(routed, _I4).min() < 0:
+            return None
+    tokens = (len(p) + n) // 4
     if n <= _SMALL:
-        # Sign bits of every int32 (token ids and versions) in one pass; values 0/1 of the
-        # mask; a float32 is NaN or infinite only where its top byte is 0x7f or 0xff.
+        # Small arrays as bytes (cheap copies of views): sign bits of every int32 (token ids
+        # and versions) in one pass; values 0/1 of the mask; a float32 is NaN or infinite only
+        # where its top byte is 0x7f or 0xff.
+        p, ids, lp, mask, ver = bytes(p), bytes(ids), bytes(lp), bytes(mask), bytes(ver)
         if not (p[3::4] + ids[3::4] + ver[3::4]).isascii() or mask.translate(None, b"\0\1"):
             return None
         top = lp[3::4]
         if b"\x7f" in top or b"\xff" in top:
             return None
-    elif (
-        np.frombuffer(ids, _U32).max() >= _SIGN
-        or np.frombuffer(ver, _U32).max() >= _SIGN
-        or (p and np.frombuffer(p, _U32).max() >= _SIGN)
-        or np.frombuffer(mask, np.uint8).max() > 1
-        or not math.isfinite(np.frombuffer(lp, _ARRAYS["logprobs"]).sum(dtype=np.float64))
-    ):  # the same checks, one vectorised pass each: cheaper than byte slicing past ~1k tokens
+        if not n:
+            return Summary(tid, gid, size, tokens, None, 0, None)
+        first = ver[:4]
+        if ver == first * (n // 4):  # one policy version for the whole response (the usual case)
+            v = int.from_bytes(first, "little")
+            model = v if b"\x01" in mask else None
+            return Summary(tid, gid, size, tokens, model, v, model)
+    # The same checks as numpy reductions: cheaper than bytes past ~1k tokens. Token ids in
+    # one pass (one copy); a float32 sum is finite only when every term is (an overflow goes
+    # slow); one version throughout is found from the range, without the mask.
+    versions = np.frombuffer(ver, _I4)
+    masked = np.frombuffer(mask, np.uint8)
+    lo, hi, has_model = int(versions.min()), int(versions.max()), int(masked.max())
+    if (
+        lo < 0
+        or has_model > 1
+        or np.frombuffer(b"".join((p, ids)), _I4).min() < 0
+        or not math.isfinite(np.frombuffer(lp, _F4).sum())
+    ):
         return None
-    routed = m.get("routed_experts")
-    if routed is not None:  # routing replay: ids of every token but the last (big: numpy)
-        tokens = (len(p) + n) // 4 - 1
-        if type(routed) is not bytes or len(routed) % 4 or tokens <= 0:
-            return None
-        if (len(routed) // 4) % tokens or (routed and np.frombuffer(routed, _U32).max() >= _SIGN):
-            return None
-    if not n:
-        return Summary(tid, gid, size, len(p) // 4, None, 0, None)
-    first = ver[:4]
-    if ver == first * (n // 4):  # one policy version for the whole response (the usual case)
-        v = int.from_bytes(first, "little")
-        model = v if b"\x01" in mask else None
-        return Summary(tid, gid, size, (len(p) + n) // 4, model, v, model)
-    versions = np.frombuffer(ver, _ARRAYS["versions"])
-    inside = versions[np.frombuffer(mask, np.bool_)]
-    lo, hi = (int(inside.min()), int(inside.max())) if inside.size else (None, None)
-    return Summary(tid, gid, size, (len(p) + n) // 4, lo, int(versions.max()), hi)
+    if lo == hi or not has_model:
+        model = lo if has_model else None
+        return Summary(tid, gid, size, tokens, model, hi, None if model is None else hi)
+    inside = versions[masked.view(np.bool_)]
+    return Summary(tid, gid, size, tokens, int(inside.min()), hi, int(inside.max()))
 
 
 def _checked(m: dict[str, Any], copy: bool) -> Trajectory:

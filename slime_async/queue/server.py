@@ -71,6 +71,7 @@ from slime_async.queue.messages import (
     SetVersion,
     StatsReply,
     StatsRequest,
+    send_frames,
     split,
     unpack_header,
 )
@@ -226,7 +227,7 @@ class Buffer:
                 if wal is not None and self.cfg.wal_sync != "none":
                     wal.sync()
                 for sock, frames in out:
-                    sock.send_multipart(frames, copy=False)  # a batch's payload: by reference
+                    send_frames(sock, frames)  # a batch's payload: by reference
                 if wal is not None:
                     wal.sync()
                     wal.compact()
