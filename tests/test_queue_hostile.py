@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from slime_async.config import BufferConfig
+from slime_async.queue import server
 from slime_async.queue.client import (
     BufferRejected,
     ConsumerClient,
@@ -315,8 +316,9 @@ def test_future_versions_negative_batch_ids_and_huge_sequence_numbers(tmp_path):
 def test_the_buffer_stays_responsive_while_discarding(tmp_path):
     """Frames past max_frames are read in slices: other clients are served meanwhile."""
     with buffer_process(tmp_path, max_frames=16) as (_child, cfg), raw(cfg.producer_endpoint) as r:
+        frames = 10 * server._DISCARD  # ten turns of discarding: the ping is served among them
         r.sock.send_multipart(
-            [pack_header("put", seq=0, producer="x", session="s")] + [b""] * 2_000_000
+            [pack_header("put", seq=0, producer="x", session="s")] + [b""] * frames
         )
         t0 = time.monotonic()
         assert ping(cfg.consumer_endpoint, cfg, timeout_s=5) is not None
