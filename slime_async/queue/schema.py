@@ -441,12 +441,16 @@ def _quick(w: _Wire) -> Summary | None:
         return None
     routed = w.routed_experts
     if routed is not None:  # routing replay: ids of every token but the last (big: numpy)
-        tokens = (len(p) + n) // 4 - 1
-        if len(routed) % 4 or tokens <= 0 or (len(routed) // 4) % tokens:
+        routed_tokens = (len(p) + n) // 4 - 1
+        if len(routed) % 4 or routed_tokens <= 0 or (len(routed) // 4) % routed_tokens:
             return None
         if routed and np.frombuffer(routed, _I4).min() < 0:
             return None
     tokens = (len(p) + n) // 4
+    if not n:
+        if p and np.frombuffer(p, _I4).min() < 0:
+            return None
+        return Summary(tid, gid, size, tokens, None, 0, None)
     if n <= _SMALL:
         # Small arrays as bytes (cheap copies of views): sign bits of every int32 (token ids
         # and versions) in one pass; values 0/1 of the mask; a float32 is NaN or infinite only
@@ -457,30 +461,33 @@ def _quick(w: _Wire) -> Summary | None:
         top = lp[3::4]
         if b"\x7f" in top or b"\xff" in top:
             return None
-        if not n:
-            return Summary(tid, gid, size, tokens, None, 0, None)
         first = ver[:4]
         if ver == first * (n // 4):  # one policy version for the whole response (the usual case)
             v = int.from_bytes(first, "little")
             model = v if b"\x01" in mask else None
             return Summary(tid, gid, size, tokens, model, v, model)
-    # The same checks as numpy reductions: cheaper than bytes past ~1k tokens. Token ids in
-    # one pass (one copy); a float32 sum is finite only when every term is (an overflow goes
-    # slow); one version throughout is found from the range, without the mask.
-    versions = np.frombuffer(ver, _I4)
-    masked = np.frombuffer(mask, np.uint8)
-    lo, hi, has_model = int(versions.min()), int(versions.max()), int(masked.max())
-    if (
-        lo < 0
-        or has_model > 1
-        or np.frombuffer(b"".join((p, ids)), _I4).min() < 0
-        or not math.isfinite(np.frombuffer(lp, _F4).sum())
-    ):
-        return None
-    if lo == hi or not has_model:
-        model = lo if has_model else None
-        return Summary(tid, gid, size, tokens, model, hi, None if model is None else hi)
+        versions, masked = np.frombuffer(ver, _I4), np.frombuffer(mask, np.uint8)
+        hi = int(versions.max())
+    else:
+        # The same checks as numpy reductions: cheaper than bytes past ~1k tokens. Token ids in
+        # one pass (one copy); a float32 sum is finite only when every term is (an overflow goes
+        # slow); one version throughout is found from the range, without the mask.
+        versions, masked = np.frombuffer(ver, _I4), np.frombuffer(mask, np.uint8)
+        lo, hi, has_model = int(versions.min()), int(versions.max()), int(masked.max())
+        if (
+            lo < 0
+            or has_model > 1
+            or np.frombuffer(b"".join((p, ids)), _I4).min() < 0
+            or not math.isfinite(np.frombuffer(lp, _F4).sum())
+        ):
+            return None
+        if lo == hi or not has_model:
+            model = lo if has_model else None
+            return Summary(tid, gid, size, tokens, model, hi, None if model is None else hi)
+    # Versions change inside the response (a weight push mid-generation): the model tokens'.
     inside = versions[masked.view(np.bool_)]
+    if not inside.size:
+        return Summary(tid, gid, size, tokens, None, hi, None)
     return Summary(tid, gid, size, tokens, int(inside.min()), hi, int(inside.max()))
 
 
