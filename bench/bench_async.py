@@ -44,10 +44,18 @@ def start_mode(mode: str, configs: list[str], overrides: list[str], steps: int, 
     shutil.rmtree(run_dir, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     argv = [
-        sys.executable, "-m", "slime_async", "run", *configs,
-        f"run.mode={mode}", f"run.run_dir={run_dir}", f"learner.num_steps={steps}",
-        "run.progress=plain", "run.wandb=disabled", *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "slime_async",
+        "run",
+        *configs,
+        f"run.mode={mode}",
+        f"run.run_dir={run_dir}",
+        f"learner.num_steps={steps}",
+        "run.progress=plain",
+        "run.wandb=disabled",
+        *overrides,
+    ]
     with open(out / f"{mode}.out", "w") as console:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=console, stderr=subprocess.STDOUT)
     t0, ended = time.time(), []
@@ -156,8 +164,10 @@ def main() -> int:
         print(f"{label:44s} {fmt.format(vals[0]):>12s} {fmt.format(vals[1]):>12s}")
     print(f"\nspeedup (sync wall / async wall): {s['wall_s'] / a['wall_s']:.2f}x")
     tok_s = [r["train_tokens"] / r["wall_s"] for r in (s, a)]
-    print(f"trained tokens/s, async / sync: {tok_s[1] / tok_s[0]:.2f}x "
-          f"({tok_s[1]:.0f} / {tok_s[0]:.0f})")  # fmt: skip
+    print(
+        f"trained tokens/s, async / sync: {tok_s[1] / tok_s[0]:.2f}x "
+        f"({tok_s[1]:.0f} / {tok_s[0]:.0f})"
+    )
     results["time_to_accuracy"] = tta = time_to_accuracy(s, a)
     for line in tta["lines"]:
         print(line)
@@ -176,14 +186,18 @@ def time_to_accuracy(s: dict, a: dict) -> dict:
         return {"lines": ["time to accuracy: no evaluation records (learner.eval_interval)"]}
     target = s["eval_curve"][-1][2]
     ts, ta = _first_reach(s["eval_curve"], target), _first_reach(a["eval_curve"], target)
-    curves = [", ".join(f"v{v} {100 * acc:.1f}% @{t:.0f}s" for v, t, acc in r["eval_curve"])
-              for r in (s, a)]  # fmt: skip
+    curves = [
+        ", ".join(f"v{v} {100 * acc:.1f}% @{t:.0f}s" for v, t, acc in r["eval_curve"])
+        for r in (s, a)
+    ]
     lines = [f"evaluation, sync:  {curves[0]}", f"evaluation, async: {curves[1]}"]
     if ta is None:
         lines.append(f"async never reached sync's final accuracy {100 * target:.1f}%")
     else:
-        lines.append(f"time to sync's final accuracy {100 * target:.1f}%: sync {ts:.0f} s, async "
-                     f"{ta:.0f} s: {ts / max(ta, 1e-9):.2f}x")  # fmt: skip
+        lines.append(
+            f"time to sync's final accuracy {100 * target:.1f}%: sync {ts:.0f} s, async "
+            f"{ta:.0f} s: {ts / max(ta, 1e-9):.2f}x"
+        )
     return {"target": target, "sync_s": ts, "async_s": ta, "lines": lines}
 
 

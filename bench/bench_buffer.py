@@ -36,8 +36,15 @@ import time
 GROUP = 4  # trajectories per put (one group)
 WINDOW = 16  # puts in flight per producer
 BATCH_GROUPS = 8  # groups per consumer batch
-_RATES = {"raw": 100_000, "codec": 20_000, "relay": 30_000, "floor": 12_000, "off": 8_000,
-          "flush": 6_000, "fsync": 2_000}  # fmt: skip
+_RATES = {
+    "raw": 100_000,
+    "codec": 20_000,
+    "relay": 30_000,
+    "floor": 12_000,
+    "off": 8_000,
+    "flush": 6_000,
+    "fsync": 2_000,
+}
 """Trajectories/s at 4 KB (a quarter at 64 KB) on the shared 2-core machine: each row sends about
 `--seconds` worth, so that the whole run stays under a minute (a faster machine finishes sooner)."""
 
@@ -196,8 +203,14 @@ def _protocol_only():
             groups, self.held[:n] = self.held[:n], []
             blobs = [b for g in groups for b in g]
             self.batches += 1
-            header = BatchReply(rid=msg.rid, batch_id=self.batches, sizes=[len(g) for g in groups],
-                                staleness=[0] * n, version=0, lengths=[len(b) for b in blobs])  # fmt: skip
+            header = BatchReply(
+                rid=msg.rid,
+                batch_id=self.batches,
+                sizes=[len(g) for g in groups],
+                staleness=[0] * n,
+                version=0,
+                lengths=[len(b) for b in blobs],
+            )
             return [header.encode(), b"".join(blobs)]
 
     return ProtocolOnly
@@ -300,7 +313,9 @@ def buffered(
         c = ctx.Process(target=_consumer, args=(cfg.model_dump_json(), n, latency, out, taken))
         c.start()
         assert out.get() == "ready"
-        p = ctx.Process(target=_producer, args=(cfg.model_dump_json(), response_len, n, latency, out, taken))  # fmt: skip
+        p = ctx.Process(
+            target=_producer, args=(cfg.model_dump_json(), response_len, n, latency, out, taken)
+        )
         p.start()
         t0 = out.get()
         got = [out.get(), out.get()]  # the consumer's (end, latencies, cpu), ("producer", cpu)
@@ -341,8 +356,10 @@ def main() -> None:
         modes.append(("buffer, WAL fsync", "fsync"))
     if args.modes:  # the ratio column needs the raw row
         modes = [(a, b) for a, b in modes if b in args.modes.split(",") or b == "raw"]
-    print(f"{'payload':>7} | {'path':<20} | {'traj/s':>7} | {'MB/s':>5} | {'ratio':>5} | "
-          f"{'p50 ms':>6} | {'p99 ms':>6} | CPU us/traj: producer, buffer, consumer")  # fmt: skip
+    print(
+        f"{'payload':>7} | {'path':<20} | {'traj/s':>7} | {'MB/s':>5} | {'ratio':>5} | "
+        f"{'p50 ms':>6} | {'p99 ms':>6} | CPU us/traj: producer, buffer, consumer"
+    )
     print("-" * 118)
     for kb in (int(k) for k in args.sizes.split(",")):
         target = kb << 10
@@ -369,12 +386,16 @@ def main() -> None:
                 f"{r['cpu'][k] / r['trajectories'] * 1e6:.0f}" if k in r["cpu"] else "-"
                 for k in ("producer", "buffer", "consumer")
             )
-            print(f"{size / 1024:>5.1f}KB | {name:<20} | {rate:>7.0f} | {rate * size / 1e6:>5.0f} | "
-                  f"{rate / base:>5.2f} | {q[49] * 1e3:>6.2f} | {q[98] * 1e3:>6.2f} | {cpu}",
-                  flush=True)  # fmt: skip
-    print(f"\n{GROUP} trajectories per put/message, {WINDOW} puts in flight, {BATCH_GROUPS} groups "
-          "per batch; ratio: against raw PUSH/PULL of the same pre-encoded bytes; "
-          "latency: one group at a time, send to delivery.")  # fmt: skip
+            print(
+                f"{size / 1024:>5.1f}KB | {name:<20} | {rate:>7.0f} | {rate * size / 1e6:>5.0f} | "
+                f"{rate / base:>5.2f} | {q[49] * 1e3:>6.2f} | {q[98] * 1e3:>6.2f} | {cpu}",
+                flush=True,
+            )
+    print(
+        f"\n{GROUP} trajectories per put/message, {WINDOW} puts in flight, {BATCH_GROUPS} groups "
+        "per batch; ratio: against raw PUSH/PULL of the same pre-encoded bytes; "
+        "latency: one group at a time, send to delivery."
+    )
 
 
 if __name__ == "__main__":

@@ -205,9 +205,15 @@ async def grpo_tokens_per_s(url: str, prompts: list[list[int]], n: int, new_toke
         await c.call("POST", "/generate", body)  # warm-up
         t0 = time.perf_counter()
         outs = await asyncio.gather(
-            *(c.call("POST", "/generate", {"input_ids": p, "sampling_params": params,
-                                           "return_logprob": True}) for p in prompts)
-        )  # fmt: skip
+            *(
+                c.call(
+                    "POST",
+                    "/generate",
+                    {"input_ids": p, "sampling_params": params, "return_logprob": True},
+                )
+                for p in prompts
+            )
+        )
         dt = time.perf_counter() - t0
     tokens = sum(len(o["output_ids"]) for group in outs for o in group)
     return tokens / dt, tokens, dt
@@ -229,10 +235,14 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> None:
     rows = []
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.grpo_sharing]
     for sharing in modes:
-        extra = (f"engine.prefix_sharing={str(sharing).lower()}",
-                 f"engine.mem_fraction={args.mem_fraction}", "engine.max_prefill_tokens=16384")  # fmt: skip
-        child, url = start_engine(model_dir, args.device, args.dtype, slots,
-                                  work / f"engine_{sharing}.log", 0, extra)  # fmt: skip
+        extra = (
+            f"engine.prefix_sharing={str(sharing).lower()}",
+            f"engine.mem_fraction={args.mem_fraction}",
+            "engine.max_prefill_tokens=16384",
+        )
+        child, url = start_engine(
+            model_dir, args.device, args.dtype, slots, work / f"engine_{sharing}.log", 0, extra
+        )
         try:
             before = server_info(url)
             tps, tokens, dt = asyncio.run(
@@ -243,10 +253,15 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> None:
             child.stop()
         prefilled = info["prefill_tokens"] - before["prefill_tokens"]
         rows.append((sharing, tps, tokens, dt, prefilled, info))
-        print(f"prefix_sharing={sharing}: {tps:,.0f} tok/s ({tokens} tokens in {dt:.1f} s), "
-              f"prompt tokens prefilled {prefilled}", flush=True)  # fmt: skip
-    print(f"\nGRPO load: {args.grpo_prompts} prompts x {args.grpo_n} samples, prompt "
-          f"{args.grpo_prompt_len}, {args.grpo_new_tokens} new tokens, temperature 1, {args.dtype}")  # fmt: skip
+        print(
+            f"prefix_sharing={sharing}: {tps:,.0f} tok/s ({tokens} tokens in {dt:.1f} s), "
+            f"prompt tokens prefilled {prefilled}",
+            flush=True,
+        )
+    print(
+        f"\nGRPO load: {args.grpo_prompts} prompts x {args.grpo_n} samples, prompt "
+        f"{args.grpo_prompt_len}, {args.grpo_new_tokens} new tokens, temperature 1, {args.dtype}"
+    )
     print(
         "| prompt sharing | tokens/s | prompt tokens prefilled | peak GPU memory | mem_fraction x total |"
     )
@@ -292,11 +307,20 @@ def bench_kernels(args: argparse.Namespace, work: Path) -> None:
             print(f"| {n} | {L} | {tk * 1e3:.1f} | {tg * 1e3:.1f} |", flush=True)
     model_dir = make_model(work / args.model, args.model, dt)
     for attn in ("triton", "gathered"):
-        runner = ModelRunner(model_dir, dev, dt, max_slots=256, max_context_len=1024,
-                             num_blocks=256 * 64 + 1, decode_attention=attn)  # fmt: skip
+        runner = ModelRunner(
+            model_dir,
+            dev,
+            dt,
+            max_slots=256,
+            max_context_len=1024,
+            num_blocks=256 * 64 + 1,
+            decode_attention=attn,
+        )
         runner.capture_cuda_graphs()
-        print(f"\nwhole decode step from its CUDA graph ({attn} attention, fused layers: "
-              f"{type(runner.math).__name__})")  # fmt: skip
+        print(
+            f"\nwhole decode step from its CUDA graph ({attn} attention, fused layers: "
+            f"{type(runner.math).__name__})"
+        )
         print("| requests | context | ms per step | tokens/s |")
         print("| --- | --- | --- | --- |")
         for n in (1, 64, 256):
@@ -424,9 +448,10 @@ def main() -> None:
         "--model", default="tiny", help="tiny, qwen3-0.5b (random init) or an HF model directory"
     )
     ap.add_argument(
-        "--quickstart", action="store_true",
+        "--quickstart",
+        action="store_true",
         help="the quickstart's model and shapes on CPU (prompt 20, 96 new tokens, 1 thread)",
-    )  # fmt: skip
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--batches", default="1,16,64")

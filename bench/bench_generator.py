@@ -80,19 +80,28 @@ def main() -> None:
     engine = Child(
         "engine",
         python_module(
-            "slime_async", "engine", "--model-path", str(model), "--port", str(port),
-            "engine.device=cpu", f"engine.max_running_requests={args.concurrency}",
+            "slime_async",
+            "engine",
+            "--model-path",
+            str(model),
+            "--port",
+            str(port),
+            "engine.device=cpu",
+            f"engine.max_running_requests={args.concurrency}",
         ),
         log_path=work / "engine.log",
-    )  # fmt: skip
+    )
     buffer = Child(
         "buffer",
         python_module(
-            "slime_async", "buffer", f"buffer.producer_endpoint='{buf.producer_endpoint}'",
-            f"buffer.consumer_endpoint='{buf.consumer_endpoint}'", "buffer.max_staleness=10000",
+            "slime_async",
+            "buffer",
+            f"buffer.producer_endpoint='{buf.producer_endpoint}'",
+            f"buffer.consumer_endpoint='{buf.consumer_endpoint}'",
+            "buffer.max_staleness=10000",
         ),
         log_path=work / "buffer.log",
-    )  # fmt: skip
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(

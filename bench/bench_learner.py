@@ -220,8 +220,11 @@ def profile_table(fn, path: Path | None, label: str, trace: bool = False) -> dic
         prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
     if path is not None:
         path.write_text(f"{label}: wall {wall * 1e3:.1f} ms (under the profiler)\n{table}\n")
-    print(f"[bench_learner] profile {label}: wall {wall * 1e3:.1f} ms, device time "
-          f"{kernel_us / 1e3:.1f} ms", flush=True)  # fmt: skip
+    print(
+        f"[bench_learner] profile {label}: wall {wall * 1e3:.1f} ms, device time "
+        f"{kernel_us / 1e3:.1f} ms",
+        flush=True,
+    )
     return {"wall_ms": wall * 1e3, "device_ms": kernel_us / 1e3}
 
 
@@ -284,9 +287,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--full", action="store_true",
-                    help="also: the old options, recomputation, the RL-length batch packed vs "
-                    "padded, and a plain megatron-core step")  # fmt: skip
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help="also: the old options, recomputation, the RL-length batch packed vs "
+        "padded, and a plain megatron-core step",
+    )
     ap.add_argument("--rl-groups", type=int, default=4)
     ap.add_argument("--rl-group-size", type=int, default=8)
     ap.add_argument("--rl-prompt", type=int, default=128)
@@ -297,10 +303,13 @@ def main() -> None:
         help="a folder: torch.profiler tables of one learner step and "
         "one plain megatron step (CUDA kernels by self time) are written there",
     )
-    ap.add_argument("--variants", default="",
-                    help="comma-separated extra learner variants on the 8 x seq batch, each "
-                    "key=value of [learner] (e.g. logprob_kernel=torch;logprob_chunk_tokens=4096"
-                    "), separated by commas, keys of one variant by ';'")  # fmt: skip
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated extra learner variants on the 8 x seq batch, each "
+        "key=value of [learner] (e.g. logprob_kernel=torch;logprob_chunk_tokens=4096"
+        "), separated by commas, keys of one variant by ';'",
+    )
     args = ap.parse_args()
 
     results: dict = Results(
@@ -449,36 +458,69 @@ def print_table(r: dict, args) -> None:
     )
     print(f"{'what':44s} {'tokens/s':>10s} {'peak mem':>10s}   baseline")
     rows = [
-        ("learner RL step (new defaults)", r["learner_tokens_per_s"], r["learner_peak_mem_gb"],
-         f"HF step {r['hf_tokens_per_s']:,.0f}/s: {r['ratio_learner_over_hf']:.2f}x (goal >= 1.2x; "
-         "was 0.57x); memory goal <= 25 GB (was 56.5)"),
+        (
+            "learner RL step (new defaults)",
+            r["learner_tokens_per_s"],
+            r["learner_peak_mem_gb"],
+            f"HF step {r['hf_tokens_per_s']:,.0f}/s: {r['ratio_learner_over_hf']:.2f}x (goal >= 1.2x; "
+            "was 0.57x); memory goal <= 25 GB (was 56.5)",
+        ),
         ("HF transformers step (same work)", r["hf_tokens_per_s"], r.get("hf_peak_mem_gb"), ""),
-    ]  # fmt: skip
+    ]
     if "old_options_tokens_per_s" in r:
         rows += [
-            ("learner, old options (local attn, MasterAdamW)", r["old_options_tokens_per_s"],
-             r["old_options_peak_mem_gb"], "issue 17 measured 28.2k/s, 56.5 GB"),
-            ("plain megatron-core fwd/bwd + optimizer", r["plain_megatron_tokens_per_s"],
-             r["plain_megatron_peak_mem_gb"],
-             f"RL step / plain = {r['ratio_learner_over_plain_megatron']:.2f}x (goal >= 0.9x)"),
-            *[(f"recompute {k}", r[f"recompute_{k}_tokens_per_s"], r[f"recompute_{k}_peak_mem_gb"],
-               "vs the new defaults above")
-              for k in ("selective", "full") if f"recompute_{k}_tokens_per_s" in r],
-            (f"RL lengths, packed ({r['rl_batch']['tokens']:,} real tokens)",
-             r["rl_packed_tokens_per_s"], r["rl_packed_peak_mem_gb"],
-             f"padded: {r['rl_padded_tokens_per_s']:,.0f}/s: packed "
-             f"{r['rl_packed_tokens_per_s'] / r['rl_padded_tokens_per_s']:.2f}x"),
-            ("RL lengths, padded (real tokens/s)", r["rl_padded_tokens_per_s"],
-             r["rl_padded_peak_mem_gb"], f"padding {r['rl_padded_padding_frac']:.0%}"),
-            ("RL lengths, default (auto packing)", r["rl_default_tokens_per_s"],
-             r["rl_default_peak_mem_gb"],
-             f"{r['rl_default_packed_micro_batches']:.0f} packed micro-batches"),
-        ]  # fmt: skip
+            (
+                "learner, old options (local attn, MasterAdamW)",
+                r["old_options_tokens_per_s"],
+                r["old_options_peak_mem_gb"],
+                "issue 17 measured 28.2k/s, 56.5 GB",
+            ),
+            (
+                "plain megatron-core fwd/bwd + optimizer",
+                r["plain_megatron_tokens_per_s"],
+                r["plain_megatron_peak_mem_gb"],
+                f"RL step / plain = {r['ratio_learner_over_plain_megatron']:.2f}x (goal >= 0.9x)",
+            ),
+            *[
+                (
+                    f"recompute {k}",
+                    r[f"recompute_{k}_tokens_per_s"],
+                    r[f"recompute_{k}_peak_mem_gb"],
+                    "vs the new defaults above",
+                )
+                for k in ("selective", "full")
+                if f"recompute_{k}_tokens_per_s" in r
+            ],
+            (
+                f"RL lengths, packed ({r['rl_batch']['tokens']:,} real tokens)",
+                r["rl_packed_tokens_per_s"],
+                r["rl_packed_peak_mem_gb"],
+                f"padded: {r['rl_padded_tokens_per_s']:,.0f}/s: packed "
+                f"{r['rl_packed_tokens_per_s'] / r['rl_padded_tokens_per_s']:.2f}x",
+            ),
+            (
+                "RL lengths, padded (real tokens/s)",
+                r["rl_padded_tokens_per_s"],
+                r["rl_padded_peak_mem_gb"],
+                f"padding {r['rl_padded_padding_frac']:.0%}",
+            ),
+            (
+                "RL lengths, default (auto packing)",
+                r["rl_default_tokens_per_s"],
+                r["rl_default_peak_mem_gb"],
+                f"{r['rl_default_packed_micro_batches']:.0f} packed micro-batches",
+            ),
+        ]
     rows += [
-        (k[len("variant_") : -len("_tokens_per_s")][:44], v, r.get(k[: -len("_tokens_per_s")] + "_peak_mem_gb"),
-         f"vs the new defaults {r['learner_tokens_per_s']:,.0f}/s: {v / r['learner_tokens_per_s']:.2f}x")
-        for k, v in r.items() if k.startswith("variant_") and k.endswith("_tokens_per_s")
-    ]  # fmt: skip
+        (
+            k[len("variant_") : -len("_tokens_per_s")][:44],
+            v,
+            r.get(k[: -len("_tokens_per_s")] + "_peak_mem_gb"),
+            f"vs the new defaults {r['learner_tokens_per_s']:,.0f}/s: {v / r['learner_tokens_per_s']:.2f}x",
+        )
+        for k, v in r.items()
+        if k.startswith("variant_") and k.endswith("_tokens_per_s")
+    ]
     for what, tps, mem, note in rows:
         print(f"{what:44s} {tps:>10,.0f} {gb(mem):>10s}   {note}")
     a = r["learner_vs_hf_bf16"]

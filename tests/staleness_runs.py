@@ -44,9 +44,23 @@ def write_config(root: Path, model: Path, data: Path, evals: Path) -> Path:
 
 def sweep_argv(cfg: Path, out: Path) -> list[str]:
     grid = "buffer.fixed_lag=" + ",".join(map(str, LAGS))
-    return [sys.executable, "-m", "slime_async", "sweep", str(cfg), "--grid", grid,
-            "--seeds", "1", "--out", str(out), "--target-accuracy", "0.0",
-            "--jobs", "2"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "slime_async",
+        "sweep",
+        str(cfg),
+        "--grid",
+        grid,
+        "--seeds",
+        "1",
+        "--out",
+        str(out),
+        "--target-accuracy",
+        "0.0",
+        "--jobs",
+        "2",
+    ]
 
 
 def shared_sweep(tmp_path_factory) -> dict:
@@ -74,10 +88,18 @@ def shared_sweep(tmp_path_factory) -> dict:
         finally:
             if "proc" in _CACHE:
                 proc = _CACHE["proc"]
-                record.write_text(json.dumps({
-                    "out": str(_CACHE["out"]), "cfg": str(_CACHE["cfg"]), "argv": _CACHE["argv"],
-                    "rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
-                }))  # fmt: skip
+                record.write_text(
+                    json.dumps(
+                        {
+                            "out": str(_CACHE["out"]),
+                            "cfg": str(_CACHE["cfg"]),
+                            "argv": _CACHE["argv"],
+                            "rc": proc.returncode,
+                            "stdout": proc.stdout,
+                            "stderr": proc.stderr,
+                        }
+                    )
+                )
     return _CACHE
 
 
@@ -111,8 +133,14 @@ def _run_sweep(tmp_path_factory) -> dict:
 def run_group(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     """Run `argv` in its own process group; on timeout SIGTERM the group (the sweep and the
     run's supervisor, which stops its roles), then SIGKILL: nothing is left behind."""
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except BaseException as e:  # our timeout, or the test's (pytest-timeout), or Ctrl-C

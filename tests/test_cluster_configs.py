@@ -18,10 +18,20 @@ CLUSTER = REPO / "configs" / "cluster" / "qwen3_4b.toml"
 @pytest.fixture()
 def curve_toml(tmp_path) -> Path:
     out = subprocess.run(
-        [sys.executable, "-m", "slime_async", "keygen", str(tmp_path / "keys"),
-         "--clients", "generator", "learner"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "slime_async",
+            "keygen",
+            str(tmp_path / "keys"),
+            "--clients",
+            "generator",
+            "learner",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     path = tmp_path / "curve.toml"
     path.write_text(out)
     return path

@@ -51,7 +51,9 @@ def test_run_dir_under_uses_the_same_rule(tmp_path):
 
 
 def test_generate_urls_router_then_engines_then_embedded():
-    assert load_config([], ["engine.urls=['http://a:1']", "engine.router_url='http://r:2'"]).generate_urls() == ["http://r:2"]  # fmt: skip
+    assert load_config(
+        [], ["engine.urls=['http://a:1']", "engine.router_url='http://r:2'"]
+    ).generate_urls() == ["http://r:2"]
     assert load_config([], ["engine.urls=['http://a:1', 'http://b:1']"]).generate_urls() == [
         "http://a:1",
         "http://b:1",
@@ -104,8 +106,11 @@ def test_run_refuses_inputs_that_do_not_exist_before_starting_anything(tmp_path)
     assert missing_inputs(cfg) == [missing]  # the engine serves learner.model_path (unset here)
     proc = subprocess.run(
         [sys.executable, "-m", "slime_async", "run", str(cfg_path)],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert missing in proc.stderr
     assert "relative to the config file" in proc.stderr

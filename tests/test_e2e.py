@@ -155,8 +155,11 @@ def test_interrupted_run_resumes_without_loss_or_repeat(tiny_setup):
 
     again = subprocess.run(
         [sys.executable, "-m", "slime_async", "run", "--resume", str(run_dir)],
-        cwd=REPO, capture_output=True, text=True, timeout=420,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     learner = read_metrics(metrics)  # a step trained twice keeps its last record
     assert [r["step"] for r in learner] == list(range(1, total + 1))

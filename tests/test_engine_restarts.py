@@ -136,8 +136,11 @@ def test_learner_sigkill_run_finishes_without_resume(tiny):
     log = (run_dir / "logs" / "learner.log").read_text()
     assert "resumed at step" in log
     # The new learner's group has a fresh name; the dead one's was destroyed first.
-    names = {line.split("weight-update group ")[1].split()[0]
-             for line in log.splitlines() if "weight-update group slime_async" in line}  # fmt: skip
+    names = {
+        line.split("weight-update group ")[1].split()[0]
+        for line in log.splitlines()
+        if "weight-update group slime_async" in line
+    }
     assert len(names) >= 2, names
     _assert_nothing_lost_nothing_twice(run_dir, steps)
 

@@ -140,10 +140,11 @@ def test_a_push_broken_by_a_dead_engine_leaves_the_other_engine_free(models, log
     could only time out (30 s) and the rebuilt group waited for it. The learner now closes its
     end first: the survivor leaves the broadcast at once and answers destroy and init."""
     caplog.set_level("WARNING", logger="slime_async.actors.engine.weight_push")
-    (doomed, doomed_url), = start_engines(1, models[0], logs, "engine.max_context_len=256")  # fmt: skip
+    ((doomed, doomed_url),) = start_engines(1, models[0], logs, "engine.max_context_len=256")
     survivor = engines[0][1]
-    sd = list(AutoModelForCausalLM.from_pretrained(models[0], local_files_only=True)
-              .state_dict().items())  # fmt: skip
+    sd = list(
+        AutoModelForCausalLM.from_pretrained(models[0], local_files_only=True).state_dict().items()
+    )
     pusher = WeightPusher([survivor, doomed_url], master_addr="127.0.0.1", timeout_s=60)
     try:
         pusher.connect()
@@ -157,8 +158,11 @@ def test_a_push_broken_by_a_dead_engine_leaves_the_other_engine_free(models, log
         assert pusher.resync_needed()
         again = pusher.push([sd], "after")
         assert again["failed"] == 0.0 and again["engines"] == 1.0
-        stuck = [r.getMessage() for r in caplog.records if survivor in r.getMessage()
-                 and "destroy_weights_update_group" in r.getMessage()]  # fmt: skip
+        stuck = [
+            r.getMessage()
+            for r in caplog.records
+            if survivor in r.getMessage() and "destroy_weights_update_group" in r.getMessage()
+        ]
         assert stuck == [], stuck  # its destroy call was answered, not timed out
         info = asyncio.run(_server_info(survivor))
         assert info["weight_groups"] == [pusher.group_name] and info["weight_version"] == "after"
@@ -177,8 +181,9 @@ def test_a_handshake_that_cannot_complete_names_the_engine_and_why(models, logs)
     failure names the engine whose init call had not returned and what it says of itself. Here
     the learner counts one rank too many for it (tp_sizes=[2] for a 1-rank engine), so the
     rendezvous can never complete (the engine waits in it longer than the learner: 30 s, 4 s)."""
-    (child, url), = start_engines(1, models[0], logs, "engine.max_context_len=256",
-                                  "engine.weight_sync_timeout_s=30")  # fmt: skip
+    ((child, url),) = start_engines(
+        1, models[0], logs, "engine.max_context_len=256", "engine.weight_sync_timeout_s=30"
+    )
     pusher = WeightPusher([url], master_addr="127.0.0.1", timeout_s=4, tp_sizes=[2])
     try:
         with pytest.raises(PushError) as e:

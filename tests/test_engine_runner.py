@@ -32,16 +32,17 @@ def qwen3(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "family,math_path", [("llama", "hf"), ("qwen2", "hf"), ("qwen3", "hf"), ("qwen3", "fused"),
-                         ("qwen2", "fused")],
-)  # fmt: skip
+    "family,math_path",
+    [("llama", "hf"), ("qwen2", "hf"), ("qwen3", "hf"), ("qwen3", "fused"), ("qwen2", "fused")],
+)
 def test_packed_prefill_and_paged_decode_match_hf(tmp_path, family, math_path):
     d = make_tiny_model(
         tmp_path / family, family=family, seed=3, tie_word_embeddings=family == "qwen2"
     )
     # block_size 4: prompts span several blocks, handed out in an interleaved order.
-    runner = ModelRunner(d, max_slots=8, max_context_len=64, block_size=4,
-                         fused=math_path == "fused", compile=False)  # fmt: skip
+    runner = ModelRunner(
+        d, max_slots=8, max_context_len=64, block_size=4, fused=math_path == "fused", compile=False
+    )
     runner.pool.allocate(3)  # tables do not start at block 1
     hf = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
     toks, lps = greedy_with_runner(runner, PROMPTS, 12)
@@ -199,8 +200,10 @@ def test_packed_prefill_padding_rows_leave_token_zero_alone(qwen3):
         return runner.prefill([(toks[c:], c, t) for (toks, c), t in zip(seqs, tables, strict=True)])
 
     alone_a, alone_b = prefill((a, 8))[0], prefill((b, 0))[0]
-    for seqs, refs in (([(a, 8), (b, 0)], [alone_a, alone_b]),
-                       ([(b, 0), (a, 8)], [alone_b, alone_a])):  # fmt: skip
+    for seqs, refs in (
+        ([(a, 8), (b, 0)], [alone_a, alone_b]),
+        ([(b, 0), (a, 8)], [alone_b, alone_a]),
+    ):
         got = prefill(*seqs)
         for row, ref in zip(got, refs, strict=True):
             torch.testing.assert_close(row, ref, atol=1e-5, rtol=0)
@@ -331,8 +334,10 @@ def test_gpu_many_concurrent_equal_one_at_a_time(tmp_path):
     sched = Scheduler(runner)
     sched.start()
     g = torch.Generator().manual_seed(0)
-    prompts = [[2, *torch.randint(5, 60, (int(n),), generator=g).tolist()]
-               for n in torch.randint(1, 30, (64,), generator=g)]  # fmt: skip
+    prompts = [
+        [2, *torch.randint(5, 60, (int(n),), generator=g).tolist()]
+        for n in torch.randint(1, 30, (64,), generator=g)
+    ]
     prompts[1] = prompts[0]  # a shared prompt too
     lengths = [int(n) for n in torch.randint(1, 40, (64,), generator=g)]
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
@@ -343,5 +348,6 @@ def test_gpu_many_concurrent_equal_one_at_a_time(tmp_path):
         sched.stop()
     for a, b in zip(together, alone, strict=True):
         assert a.output_ids == b.output_ids
-        torch.testing.assert_close(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs),
-                                   atol=1e-4, rtol=0)  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-4, rtol=0
+        )

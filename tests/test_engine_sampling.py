@@ -124,10 +124,22 @@ def test_sampling_params_defaults_and_sglang_names():
 def test_sampling_seed_gives_the_same_tokens_whatever_the_batch():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(8))
     ones, k, p = torch.ones(4), torch.full((4,), -1), torch.ones(4)
-    a, _ = sample(logits, ones, k, p, torch.Generator().manual_seed(1),
-                  [torch.Generator().manual_seed(42), None, None, None])  # fmt: skip
-    b, _ = sample(logits, ones, k, p, torch.Generator().manual_seed(99),
-                  [torch.Generator().manual_seed(42), None, None, None])  # fmt: skip
+    a, _ = sample(
+        logits,
+        ones,
+        k,
+        p,
+        torch.Generator().manual_seed(1),
+        [torch.Generator().manual_seed(42), None, None, None],
+    )
+    b, _ = sample(
+        logits,
+        ones,
+        k,
+        p,
+        torch.Generator().manual_seed(99),
+        [torch.Generator().manual_seed(42), None, None, None],
+    )
     assert a[0].item() == b[0].item()
 
 

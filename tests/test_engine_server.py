@@ -328,15 +328,32 @@ async def test_client_requests_use_sglang_fields():
             # SGLang 0.5.23's shape: spans over the output tokens, end exclusive (as SGLang's
             # utils/weight_versions.py builds them); weight_version is the last span's.
             return web.json_response(
-                {"text": "xyz", "meta_info": {"finish_reason": {"type": "length", "length": 5}, "weight_version": "12",
-                 "weight_versions": [{"version": "10", "start": 0, "end": 2}, {"version": "12", "start": 2, "end": 5}],
-                 "output_token_logprobs": [[-0.1, 4, None]] * 5}}
-            )  # fmt: skip
+                {
+                    "text": "xyz",
+                    "meta_info": {
+                        "finish_reason": {"type": "length", "length": 5},
+                        "weight_version": "12",
+                        "weight_versions": [
+                            {"version": "10", "start": 0, "end": 2},
+                            {"version": "12", "start": 2, "end": 5},
+                        ],
+                        "output_token_logprobs": [[-0.1, 4, None]] * 5,
+                    },
+                }
+            )
         if request.path == "/generate":
             return web.json_response(
-                {"text": "x", "meta_info": {"finish_reason": {"type": "stop", "matched": 1}, "weight_version": "7",
-                 "prompt_tokens": 2, "completion_tokens": 2, "output_token_logprobs": [[-0.5, 4, None], [-0.25, 1, None]]}}
-            )  # fmt: skip
+                {
+                    "text": "x",
+                    "meta_info": {
+                        "finish_reason": {"type": "stop", "matched": 1},
+                        "weight_version": "7",
+                        "prompt_tokens": 2,
+                        "completion_tokens": 2,
+                        "output_token_logprobs": [[-0.5, 4, None], [-0.25, 1, None]],
+                    },
+                }
+            )
         if request.path == "/model_info":
             return web.json_response({"model_path": "/m", "weight_version": "7"})
         return web.json_response({"success": True, "message": ""})
@@ -387,15 +404,27 @@ async def test_client_requests_use_sglang_fields():
     assert seen["/abort_request"] == {"abort_all": False, "rid": "r"}
     assert seen["/flush_cache"] == {}
     assert seen["/init_weights_update_group"] == {
-        "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2, "group_name": "g", "backend": "gloo",
-    }  # fmt: skip
+        "master_address": "127.0.0.1",
+        "master_port": 1234,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "g",
+        "backend": "gloo",
+    }
     assert seen["/update_weights_from_distributed"] == {
-        "names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]], "group_name": "g", "flush_cache": False, "weight_version": "8",
-    }  # fmt: skip
+        "names": ["w"],
+        "dtypes": ["bfloat16"],
+        "shapes": [[2, 3]],
+        "group_name": "g",
+        "flush_cache": False,
+        "weight_version": "8",
+    }
     assert seen["/destroy_weights_update_group"] == {"group_name": "g"}
     assert seen["/update_weights_from_disk"] == {
-        "model_path": "/ckpt", "flush_cache": False, "weight_version": "9"
-    }  # fmt: skip
+        "model_path": "/ckpt",
+        "flush_cache": False,
+        "weight_version": "9",
+    }
 
 
 @contextlib.asynccontextmanager

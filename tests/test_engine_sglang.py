@@ -81,8 +81,10 @@ def _hf_logp(hf, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
 
 async def test_n_samples_share_one_prefill(engine):
     before = (await _info(engine))["prefill_tokens"]
-    body = {"input_ids": PROMPT, "sampling_params": {"n": 3, "max_new_tokens": 6,
-            "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"n": 3, "max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+    }
     out = await _generate(engine, body)
     assert isinstance(out, list) and len(out) == 3  # SGLang answers a list of n results
     assert len({tuple(o["output_ids"]) for o in out}) == 1  # greedy: the same n times
@@ -94,8 +96,12 @@ async def test_n_samples_share_one_prefill(engine):
 
 
 async def test_stream_is_sse_with_cumulative_chunks_then_done(engine):
-    body = {"input_ids": PROMPT, "stream": True, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": PROMPT,
+        "stream": True,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+    }
     async with aiohttp.ClientSession() as s, s.post(engine + "/generate", json=body) as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
         raw = (await r.read()).decode()
@@ -112,8 +118,12 @@ async def test_stream_is_sse_with_cumulative_chunks_then_done(engine):
 
 
 async def test_prompt_logprobs_and_max_new_tokens_zero(engine, hf):
-    body = {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 0}}  # fmt: skip
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 0},
+    }
     out = await _generate(engine, body)
     meta = out["meta_info"]
     assert out["output_ids"] == [] and meta["completion_tokens"] == 0
@@ -131,9 +141,13 @@ async def test_prompt_logprobs_and_max_new_tokens_zero(engine, hf):
 
 
 async def test_top_logprobs_num_and_text_in_logprobs(engine, hf):
-    body = {"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 3,
-            "return_text_in_logprobs": True,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+        "return_text_in_logprobs": True,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+    }
     meta = (await _generate(engine, body))["meta_info"]
     tops = meta["output_top_logprobs"]
     assert len(tops) == 4 and all(len(t) == 3 for t in tops)
@@ -154,8 +168,13 @@ async def test_text_input_goes_through_the_models_tokenizer(engine, model_dir):
 
 
 async def test_sampling_seed_and_spaces_between_special_tokens(engine):
-    params = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 1234, "ignore_eos": True,
-              "spaces_between_special_tokens": False}  # fmt: skip
+    params = {
+        "max_new_tokens": 8,
+        "temperature": 1.0,
+        "sampling_seed": 1234,
+        "ignore_eos": True,
+        "spaces_between_special_tokens": False,
+    }
     # The same seed gives the same tokens, alone or among other requests.
     alone = await _generate(engine, {"input_ids": PROMPT, "sampling_params": params})
     noise = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
@@ -168,13 +187,21 @@ async def test_sampling_seed_and_spaces_between_special_tokens(engine):
 
 async def test_unknown_top_level_keys_are_logged_and_ignored(engine):
     before = (await _info(engine))["ignored_fields"]
-    out = await _generate(engine, {"input_ids": PROMPT, "frobnicate": 1, "bootstrap_room": 3,
-                                   "sampling_params": {"max_new_tokens": 2}})  # fmt: skip
+    out = await _generate(
+        engine,
+        {
+            "input_ids": PROMPT,
+            "frobnicate": 1,
+            "bootstrap_room": 3,
+            "sampling_params": {"max_new_tokens": 2},
+        },
+    )
     assert len(out["output_ids"]) <= 2
     assert (await _info(engine))["ignored_fields"] == before + 1
     # Unknown sampling_params keys stay refused, as SGLang refuses them.
-    status, raw = await _post(engine, "/generate", {"input_ids": PROMPT,
-                              "sampling_params": {"warp": 1}})  # fmt: skip
+    status, raw = await _post(
+        engine, "/generate", {"input_ids": PROMPT, "sampling_params": {"warp": 1}}
+    )
     assert status == 400 and b"warp" in raw
 
 
@@ -189,13 +216,19 @@ async def test_string_versions_and_weight_calls_answer_as_sglang(engine, other_m
         )
         assert out["meta_info"]["weight_version"] == "v-abc"
         # A bad path: success false, 400, the version untouched (applied only on success).
-        status, raw = await _post(engine, "/update_weights_from_disk",
-                                  {"model_path": "/nonexistent", "weight_version": "bad"})  # fmt: skip
+        status, raw = await _post(
+            engine,
+            "/update_weights_from_disk",
+            {"model_path": "/nonexistent", "weight_version": "bad"},
+        )
         body = json.loads(raw)
         assert status == 400 and body["success"] is False and "num_paused_requests" in body
         assert (await c.call("GET", "/model_info"))["weight_version"] == "v-abc"
-        status, raw = await _post(engine, "/update_weights_from_disk",
-                                  {"model_path": str(other_model), "weight_version": "step-7"})  # fmt: skip
+        status, raw = await _post(
+            engine,
+            "/update_weights_from_disk",
+            {"model_path": str(other_model), "weight_version": "step-7"},
+        )
         assert status == 200 and json.loads(raw)["success"] is True
         assert (await c.call("GET", "/get_weight_version"))["weight_version"] == "step-7"
         await c.update_weights_from_disk(str(model_dir), weight_version="default")  # back
@@ -205,10 +238,29 @@ async def test_string_versions_and_weight_calls_answer_as_sglang(engine, other_m
 
 async def test_min_new_tokens_does_not_crash_the_step(engine):
     """It did: an in-place write on an inference tensor aborted EVERY running request."""
-    others = [asyncio.create_task(_generate(engine, {"input_ids": PROMPT[:3], "sampling_params": {
-        "max_new_tokens": 30, "ignore_eos": True}})) for _ in range(2)]  # fmt: skip
-    out = await _generate(engine, {"input_ids": PROMPT, "sampling_params": {
-        "max_new_tokens": 20, "min_new_tokens": 10, "stop_token_ids": list(range(3, 120))}})  # fmt: skip
+    others = [
+        asyncio.create_task(
+            _generate(
+                engine,
+                {
+                    "input_ids": PROMPT[:3],
+                    "sampling_params": {"max_new_tokens": 30, "ignore_eos": True},
+                },
+            )
+        )
+        for _ in range(2)
+    ]
+    out = await _generate(
+        engine,
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 20,
+                "min_new_tokens": 10,
+                "stop_token_ids": list(range(3, 120)),
+            },
+        },
+    )
     assert len(out["output_ids"]) >= 10 and out["meta_info"]["finish_reason"]["type"] != "abort"
     for o in await asyncio.gather(*others):
         assert o["meta_info"]["finish_reason"] == {"type": "length", "length": 30}
@@ -216,18 +268,19 @@ async def test_min_new_tokens_does_not_crash_the_step(engine):
 
 async def test_behaviour_logprobs_are_full_vocab_log_softmax_before_top_k_top_p(engine, hf):
     """Found 6: the engine reports log_softmax(logits / T) before filtering, as SGLang does."""
-    params = {"max_new_tokens": 8, "temperature": 0.7, "top_k": 3, "top_p": 0.9,
-              "ignore_eos": True}  # fmt: skip
-    out = await _generate(engine, {"input_ids": PROMPT, "return_logprob": True,
-                                   "sampling_params": params})  # fmt: skip
+    params = {"max_new_tokens": 8, "temperature": 0.7, "top_k": 3, "top_p": 0.9, "ignore_eos": True}
+    out = await _generate(
+        engine, {"input_ids": PROMPT, "return_logprob": True, "sampling_params": params}
+    )
     ids = PROMPT + out["output_ids"]
     ref = _hf_logp(hf, ids, 0.7)
     for i, (lp, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
         assert lp == pytest.approx(ref[len(PROMPT) - 1 + i, tok].item(), abs=1e-4)
     # Greedy reports at T = 1.0.
     params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-    out = await _generate(engine, {"input_ids": PROMPT, "return_logprob": True,
-                                   "sampling_params": params})  # fmt: skip
+    out = await _generate(
+        engine, {"input_ids": PROMPT, "return_logprob": True, "sampling_params": params}
+    )
     ref = _hf_logp(hf, PROMPT + out["output_ids"], 1.0)
     for i, (lp, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
         assert lp == pytest.approx(ref[len(PROMPT) - 1 + i, tok].item(), abs=1e-4)
@@ -294,8 +347,9 @@ async def test_rank_layout_from_server_info_with_dp_size():
 
 def test_version_spans_follow_sglang():
     assert version_spans(["1", "1", "2"], "2") == [
-        {"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 3}
-    ]  # fmt: skip
+        {"version": "1", "start": 0, "end": 2},
+        {"version": "2", "start": 2, "end": 3},
+    ]
     assert version_spans([], "7") == [{"version": "7", "start": 0, "end": 0}]
 
 
@@ -341,8 +395,9 @@ async def test_flush_is_polled_until_200_and_its_timeout_is_named():
     async def flush(request: web.Request) -> web.Response:
         answers["n"] += 1
         ok = answers["ok_after"] is not None and answers["n"] > answers["ok_after"]
-        return web.Response(text="Cache flushed.\n" if ok else "not flushed\n",
-                            status=200 if ok else 400)  # fmt: skip
+        return web.Response(
+            text="Cache flushed.\n" if ok else "not flushed\n", status=200 if ok else 400
+        )
 
     async def serve_flush(ok_after):
         app = web.Application()

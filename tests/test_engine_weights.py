@@ -261,8 +261,9 @@ async def test_restarted_learner_recreates_its_group_with_every_engine(engines, 
     old = pusher.group_name
     state = json.loads(pusher.state_path.read_text())
     assert state["group_name"] == old
-    second = WeightPusher(engines, master_addr="127.0.0.1", timeout_s=60,
-                          state_path=pusher.state_path)  # fmt: skip
+    second = WeightPusher(
+        engines, master_addr="127.0.0.1", timeout_s=60, state_path=pusher.state_path
+    )
     try:
         second.connect()
         assert second.group_name != old

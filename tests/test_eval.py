@@ -42,8 +42,9 @@ class ScriptedEngine:
         answer = 2 * index + 1 + (0 if right else 1)  # records are "i+(i+1)"
         ids = self.tok.encode(f"#### {answer}", add_special_tokens=False)
         vs = self.versions(rid, len(ids))
-        return GenerateOutput(ids, [-0.1] * len(ids), vs, "stop", vs[-1], len(input_ids),
-                              len(ids), "http://engine")  # fmt: skip
+        return GenerateOutput(
+            ids, [-0.1] * len(ids), vs, "stop", vs[-1], len(input_ids), len(ids), "http://engine"
+        )
 
 
 def _evaluator(tmp_path, versions, **cfg):

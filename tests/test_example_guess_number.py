@@ -18,8 +18,11 @@ from slime_async.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
-HINTS = {"<user>higher<eos><assistant>", "<user>lower<eos><assistant>",
-         "<user>a number please<eos><assistant>"}  # fmt: skip
+HINTS = {
+    "<user>higher<eos><assistant>",
+    "<user>lower<eos><assistant>",
+    "<user>a number please<eos><assistant>",
+}
 
 
 def test_judge_scores_the_final_guess():
@@ -34,19 +37,31 @@ def test_judge_scores_the_final_guess():
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("guess") / "run"
     cmd = [
-        sys.executable, "-m", "slime_async", "run", "examples/guess_number/config.toml",
-        f"run.run_dir={str(out)!r}", "run.progress=plain", "run.ready_timeout_s=240",
-        f"learner.num_steps={STEPS}", "learner.groups_per_step=2", "learner.save_interval=0",
+        sys.executable,
+        "-m",
+        "slime_async",
+        "run",
+        "examples/guess_number/config.toml",
+        f"run.run_dir={str(out)!r}",
+        "run.progress=plain",
+        "run.ready_timeout_s=240",
+        f"learner.num_steps={STEPS}",
+        "learner.groups_per_step=2",
+        "learner.save_interval=0",
         "generator.max_inflight=16",
-    ]  # fmt: skip
+    ]
     # A flaky judge: every 7th call answers 503, as a real judge under load sometimes does.
     env = {**os.environ, game.JUDGE_ARGS_ENV: "--fail-every 7"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=540, env=env)
     logs = out / "logs"
-    tails = "\n".join(
-        f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
-        for p in sorted(logs.glob("*.log"))
-    ) if logs.exists() else ""  # fmt: skip
+    tails = (
+        "\n".join(
+            f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
+            for p in sorted(logs.glob("*.log"))
+        )
+        if logs.exists()
+        else ""
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + tails
     return out
 
@@ -54,8 +69,11 @@ def run_dir(tmp_path_factory):
 def _inspect(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "slime_async", "inspect", str(run_dir), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_example_runs_through_a_flaky_judge_that_lives_as_long_as_the_generator(run_dir):

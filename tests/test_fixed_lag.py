@@ -54,8 +54,13 @@ def test_admission_grants_one_batch_per_version_and_k_plus_1_at_the_start():
     assert state.admit("p", 100) == G
     assert state.admit("p", 1) == 0
     assert state.stats()["fixed_lag"] == {
-        "k": 2, "version": 1, "target": 0, "quota": G, "granted": G, "arrived": 0,
-    }  # fmt: skip
+        "k": 2,
+        "version": 1,
+        "target": 0,
+        "quota": G,
+        "granted": G,
+        "arrived": 0,
+    }
 
 
 def test_delivery_takes_only_the_groups_of_version_minus_k():
@@ -96,11 +101,13 @@ def test_late_and_version_spanning_groups_are_dropped_with_their_reason():
     ("overrides", "needle"),
     [
         (["buffer.fixed_lag=2", "buffer.max_staleness=1"], "buffer.max_staleness >= 2"),
-        (["buffer.fixed_lag=1", "learner.push_interval=2", "buffer.max_staleness=4"],
-         "learner.push_interval = 1"),
+        (
+            ["buffer.fixed_lag=1", "learner.push_interval=2", "buffer.max_staleness=4"],
+            "learner.push_interval = 1",
+        ),
         (["buffer.fixed_lag=1", "run.mode=sync"], "run.mode = 'sync'"),
     ],
-)  # fmt: skip
+)
 def test_impossible_fixed_lag_configs_are_refused_naming_the_keys(overrides, needle):
     with pytest.raises(ConfigError, match=r"buffer\.fixed_lag") as e:
         load_config([], overrides)

@@ -329,13 +329,25 @@ def test_through_sglang_router_to_two_engines(engine, second_engine, buffer, tok
     router = Child(
         "router",
         [
-            sys.executable, "-m", "sglang_router.launch_router",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--worker-urls", engine, url2, "--policy", "round_robin",
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--worker-urls",
+            engine,
+            url2,
+            "--policy",
+            "round_robin",
         ],
         log_path=tmp_path / "router.log",
-    )  # fmt: skip
+    )
     try:
         wait_until(lambda: router_ready(router_url, [engine, url2]), 60, "router", child=router)
         steps0 = [asyncio.run(_decode_steps(u)) for u in (engine, url2)]
@@ -407,14 +419,20 @@ def test_generator_restart_duplicates_nothing(engine, model_dir, buffer, tmp_pat
     )
     state = tmp_path / "gen_state.json"
     args = [
-        f"generator.dataset={data}", f"generator.state_path={state}",
-        f"generator.tokenizer_path={model_dir}", f"engine.urls=['{engine}']",
-        "generator.group_size=2", "generator.max_inflight=2", "generator.num_epochs=1",
-        "generator.sampling.max_new_tokens=24", "run.wandb=disabled",
-        f"run.run_dir={tmp_path / 'run'}", "generator.log_interval_s=600",
+        f"generator.dataset={data}",
+        f"generator.state_path={state}",
+        f"generator.tokenizer_path={model_dir}",
+        f"engine.urls=['{engine}']",
+        "generator.group_size=2",
+        "generator.max_inflight=2",
+        "generator.num_epochs=1",
+        "generator.sampling.max_new_tokens=24",
+        "run.wandb=disabled",
+        f"run.run_dir={tmp_path / 'run'}",
+        "generator.log_interval_s=600",
         f"buffer.producer_endpoint={buf.producer_endpoint}",
         f"buffer.consumer_endpoint={buf.consumer_endpoint}",
-    ]  # fmt: skip
+    ]
 
     def acked() -> int:
         return json.loads(state.read_text())["next"] if state.exists() else 0
@@ -544,8 +562,11 @@ def test_startup_contract_errors_name_the_plugin(engine, model_dir, tmp_path):
     for override, problem in cases:
         r = subprocess.run(
             python_module("slime_async", "generator", *common, override),
-            capture_output=True, text=True, timeout=120, cwd=REPO,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         assert r.returncode == 2, r.stderr
         assert problem in r.stderr and override.split("=")[1] in r.stderr
 
@@ -571,8 +592,10 @@ def test_a_second_generator_under_a_live_producer_id_exits_with_one_line(
         async with ProducerClient(buf, "gen0"):
             child = await asyncio.create_subprocess_exec(
                 *python_module("slime_async", "generator", *overrides),
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
-            )  # fmt: skip
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=REPO,
+            )
             _, err = await asyncio.wait_for(child.communicate(), 120)
             return child.returncode, err.decode()
 

@@ -229,9 +229,16 @@ def test_a_failing_reward_is_retried_with_back_off_and_counted(tok, tmp_path, ca
 
 def test_a_reward_that_times_out_is_retried(tok, tmp_path):
     cfg = config(
-        tmp_path, n_prompts=1, group_size=1, reward=f"{MOD}:hangs", reward_timeout_s=0.05,
-        reward_retries=1, group_redos=0, max_plugin_errors=5, plugin_error_window=5,
-    )  # fmt: skip
+        tmp_path,
+        n_prompts=1,
+        group_size=1,
+        reward=f"{MOD}:hangs",
+        reward_timeout_s=0.05,
+        reward_retries=1,
+        group_redos=0,
+        max_plugin_errors=5,
+        plugin_error_window=5,
+    )
     _, stats, sink = run(cfg, tok)
     assert stats["reward_retries"] == 1 and stats["groups_dropped"] == 1 and not sink.groups
 
@@ -261,9 +268,17 @@ def test_the_error_budget_is_a_rate_over_a_recent_window(tok, tmp_path):
     BAD_ROWS.clear()
     BAD_ROWS.update({0, 5, 10})
     cfg = config(
-        tmp_path, n_prompts=12, group_size=1, max_inflight=1, reward=f"{MOD}:some_rows_fail",
-        reward_retries=0, group_redos=0, max_plugin_errors=2, plugin_error_window=4, seed=0,
-    )  # fmt: skip
+        tmp_path,
+        n_prompts=12,
+        group_size=1,
+        max_inflight=1,
+        reward=f"{MOD}:some_rows_fail",
+        reward_retries=0,
+        group_redos=0,
+        max_plugin_errors=2,
+        plugin_error_window=4,
+        seed=0,
+    )
     gen = Generator(cfg, Engine(tok), tok)
     order = [gen.stream.at(k).row for k in range(12)]  # one group at a time: in this order
     BAD_ROWS.clear()
@@ -284,9 +299,16 @@ def test_the_stop_message_counts_what_it_says(tok, tmp_path, caplog):
     BAD_ROWS.clear()
     BAD_ROWS.update(range(10))
     cfg = config(
-        tmp_path, n_prompts=10, group_size=1, max_inflight=1, reward=f"{MOD}:some_rows_fail",
-        reward_retries=0, group_redos=0, max_plugin_errors=3, plugin_error_window=10,
-    )  # fmt: skip
+        tmp_path,
+        n_prompts=10,
+        group_size=1,
+        max_inflight=1,
+        reward=f"{MOD}:some_rows_fail",
+        reward_retries=0,
+        group_redos=0,
+        max_plugin_errors=3,
+        plugin_error_window=10,
+    )
     with (
         caplog.at_level(logging.ERROR, logger="slime_async.generator"),
         pytest.raises(GeneratorError),
@@ -331,9 +353,13 @@ def test_trajectories_record_the_temperature_of_their_generate_calls(tok, tmp_pa
 
 def test_mixed_temperatures_in_one_transcript_are_refused_naming_the_plugin(tok, tmp_path):
     cfg = config(
-        tmp_path, n_prompts=1, rollout=f"{MOD}:two_temperatures", group_redos=0,
-        max_plugin_errors=1, plugin_error_window=1,
-    )  # fmt: skip
+        tmp_path,
+        n_prompts=1,
+        rollout=f"{MOD}:two_temperatures",
+        group_redos=0,
+        max_plugin_errors=1,
+        plugin_error_window=1,
+    )
     with pytest.raises(GeneratorError, match="different temperatures") as e:
         run(cfg, tok)
     assert f"{MOD}:two_temperatures" in str(e.value)
@@ -354,9 +380,11 @@ def test_a_stale_ack_counts_as_dropped_not_pushed(tok, tmp_path):
 def test_lifecycle_sets_up_once_hands_state_to_plugins_and_tears_down(tok, tmp_path):
     EVENTS.clear()
     cfg = config(
-        tmp_path, rollout=f"{MOD}:uses_state", reward=f"{MOD}:reward_with_state",
+        tmp_path,
+        rollout=f"{MOD}:uses_state",
+        reward=f"{MOD}:reward_with_state",
         lifecycle=f"{MOD}:Judge",
-    )  # fmt: skip
+    )
     _, stats, _ = run(cfg, tok)
     assert stats["groups_pushed"] == 4
     assert EVENTS[0] == ("setup", "gen0") and EVENTS[-1] == ("teardown",)
@@ -367,9 +395,13 @@ def test_lifecycle_sets_up_once_hands_state_to_plugins_and_tears_down(tok, tmp_p
 def test_lifecycle_teardown_runs_when_the_generator_fails(tok, tmp_path):
     EVENTS.clear()
     cfg = config(
-        tmp_path, rollout=f"{MOD}:two_temperatures", lifecycle=f"{MOD}:Judge", group_redos=0,
-        max_plugin_errors=1, plugin_error_window=1,
-    )  # fmt: skip
+        tmp_path,
+        rollout=f"{MOD}:two_temperatures",
+        lifecycle=f"{MOD}:Judge",
+        group_redos=0,
+        max_plugin_errors=1,
+        plugin_error_window=1,
+    )
     with pytest.raises(GeneratorError):
         run(cfg, tok)
     assert EVENTS == [("setup", "gen0"), ("teardown",)]

@@ -52,8 +52,14 @@ def test_placement_check_names_missing_resources():
     )
     slots = slots_of(cfg)
     assert [s.name for s in slots] == [
-        "buffer", "engine0", "engine1", "engine2", "router", "generator0", "learner.rank0",
-    ]  # fmt: skip
+        "buffer",
+        "engine0",
+        "engine1",
+        "engine2",
+        "router",
+        "generator0",
+        "learner.rank0",
+    ]
     bundles = [bundle_of(s, cfg.run.ray) for s in slots]
     assert bundles[1] == {"CPU": 1.0, "GPU": 1.0, "engine": 0.001}
     assert bundles[0] == {"CPU": 1.0, HEAD_RESOURCE: 0.001}  # CPU roles on the head
@@ -96,9 +102,17 @@ def test_table_takes_each_roles_node_address(tmp_path):
     )
     roles = {s.name: s for stage in plan_roles(cfg, run_dir, where) for s in stage}
     assert roles["engine1"].argv(False)[1:] == [
-        "-m", "sglang.launch_server", "--host", "10.0.0.3", "--port", "30001", "--tp-size", "1",
-        "--model-path", "/models/m",
-    ]  # fmt: skip
+        "-m",
+        "sglang.launch_server",
+        "--host",
+        "10.0.0.3",
+        "--port",
+        "30001",
+        "--tp-size",
+        "1",
+        "--model-path",
+        "/models/m",
+    ]
     router = roles["router"].argv(False)
     assert router[router.index("--host") + 1] == "10.0.0.1"
     assert router[router.index("--worker-urls") + 1 : router.index("--policy")] == [
@@ -228,8 +242,14 @@ def cluster(tmp_path_factory):
         ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
         model = make_tiny_model(root / "model", "qwen3", seed=0)
         data = make_dataset(root / "train.jsonl", 300, seed=0)
-        yield {"ray": ray, "address": c.address, "nodes": nodes, "root": root,
-               "model": model, "data": data}  # fmt: skip
+        yield {
+            "ray": ray,
+            "address": c.address,
+            "nodes": nodes,
+            "root": root,
+            "model": model,
+            "data": data,
+        }
     finally:
         ray.shutdown()
         c.shutdown()
@@ -304,10 +324,16 @@ def _nothing_left(cl: dict, run_dir: Path) -> None:
     prefix = run_dir.name + "/"
     deadline = time.monotonic() + 30
     while True:
-        actors = [a["Name"] for a in state.actors().values()
-                  if a["Name"].startswith(prefix) and a["State"] != "DEAD"]  # fmt: skip
-        groups = [g for g in cl["ray"].util.placement_group_table().values()
-                  if g["name"] == run_dir.name and g["state"] != "REMOVED"]  # fmt: skip
+        actors = [
+            a["Name"]
+            for a in state.actors().values()
+            if a["Name"].startswith(prefix) and a["State"] != "DEAD"
+        ]
+        groups = [
+            g
+            for g in cl["ray"].util.placement_group_table().values()
+            if g["name"] == run_dir.name and g["state"] != "REMOVED"
+        ]
         procs = []
         for p in psutil.process_iter(["cmdline"]):
             cmd = " ".join(p.info["cmdline"] or [])

@@ -104,9 +104,13 @@ def test_fused_triton_chunks_equal_the_torch_chunks(repo_root):
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run(
-        [sys.executable, "-c", code], cwd=repo_root, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stderr[-4000:]
 
 
@@ -190,7 +194,8 @@ def test_packing_and_sdpa_equal_padded_megatron_attention(qwen3_dir):
         got = _step_and_logprobs(qwen3_dir, **kw)
         assert got[3] == kw["pack_sequences"] and got[4] == "sdpa"
         for a, b in zip(got[0] + got[2], base[0] + base[2], strict=True):
-            assert (a - b).abs().max().item() < 1e-5, kw
+            # fp32 after one update: a few ulps of log-probs up to ~10 in magnitude
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-5, msg=str(kw))
         assert got[1] == pytest.approx(base[1], rel=1e-5), kw
 
 

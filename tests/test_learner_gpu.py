@@ -155,9 +155,13 @@ def test_megatron_optimizer_checkpoint_resumes_the_loss_sequence(sharp_dir, tmp_
     from slime_async.actors.learner.trainer import Learner
 
     cfg = learner_cfg(
-        None, load=str(ckpt), clip_grad=0.05, micro_batch_tokens=40, optimizer="megatron",
+        None,
+        load=str(ckpt),
+        clip_grad=0.05,
+        micro_batch_tokens=40,
+        optimizer="megatron",
         dtype="bfloat16",
-    )  # fmt: skip
+    )
     learner = Learner(cfg, algo_cfg(entropy_coef=0.01))
     try:
         resumed = [learner.train_step(make_groups(step, 4))["loss"] for step in (2, 3)]

@@ -366,11 +366,17 @@ def test_trajectory_carries_routed_experts_compactly():
 
     def traj(routed):
         return Trajectory(
-            id="t", group_id="g", group_size=1, prompt_ids=np.array([2, 5, 6], np.int32),
-            response_ids=np.array([7, 8], np.int32), logprobs=np.zeros(2, np.float32),
-            loss_mask=np.ones(2, np.uint8), versions=np.zeros(2, np.int32), reward=1.0,
+            id="t",
+            group_id="g",
+            group_size=1,
+            prompt_ids=np.array([2, 5, 6], np.int32),
+            response_ids=np.array([7, 8], np.int32),
+            logprobs=np.zeros(2, np.float32),
+            loss_mask=np.ones(2, np.uint8),
+            versions=np.zeros(2, np.int32),
+            reward=1.0,
             routed_experts=routed,
-        )  # fmt: skip
+        )
 
     routed = np.arange(4 * 3 * 2, dtype=np.int32).reshape(4, 3, 2)  # [P + R - 1, layers, k]
     blob = encode_trajectory(traj(routed))
@@ -475,15 +481,23 @@ def test_tiny_moe_run_with_routing_replay_trains_and_pushes(tmp_path):
         engine={"max_running_requests": 8},
         generator={"max_inflight": 8},
         generator__sampling={"max_new_tokens": 8},
-        learner={"lr": 1e-3, "num_steps": 2, "save_interval": None, "routing_replay": True,
-                 "moe_aux_loss_coeff": 0.01},
+        learner={
+            "lr": 1e-3,
+            "num_steps": 2,
+            "save_interval": None,
+            "routing_replay": True,
+            "moe_aux_loss_coeff": 0.01,
+        },
         algo={"mini_batches": 1},
-    )  # fmt: skip
+    )
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
         [sys.executable, "-m", "slime_async", "run", str(cfg)],
-        cwd=repo, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_metrics(tmp_path / "run" / "metrics" / "learner.jsonl")
     assert [r["step"] for r in records] == [1, 2]

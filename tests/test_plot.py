@@ -109,8 +109,11 @@ def test_plot_overlays_several_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     names = sorted(p.name for p in out.glob("*.png"))
     assert names == [
-        "eval_accuracy.png", "iw_by_lag.png", "staleness_hist.png", "trust_region_by_lag.png"
-    ]  # fmt: skip
+        "eval_accuracy.png",
+        "iw_by_lag.png",
+        "staleness_hist.png",
+        "trust_region_by_lag.png",
+    ]
     for name in names:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
     # One run alone still gets its own figures, now with the evaluation in reward.png.

@@ -118,9 +118,12 @@ def test_prepare_writes_only_to_its_own_cache(tmp_path, monkeypatch, capsys):
 
 def _cli(*args, cwd=REPO, timeout=120):
     return subprocess.run(
-        python_module("slime_async", *args), capture_output=True, text=True, cwd=cwd,
+        python_module("slime_async", *args),
+        capture_output=True,
+        text=True,
+        cwd=cwd,
         timeout=timeout,
-    )  # fmt: skip
+    )
 
 
 def test_config_command_imports_and_checks_every_plugin(project, tmp_path):
@@ -140,10 +143,13 @@ def test_run_checks_plugins_before_starting_any_process(project, tmp_path):
     """Found 8: a bad signature used to show only after the buffer and engines had started."""
     run_dir = tmp_path / "run"
     r = _cli(
-        "run", str(project / "run.toml"), f"run.run_dir={str(run_dir)!r}",
-        "generator.rollout=guess_plugin:sync_rollout_by_mistake", "run.progress=plain",
+        "run",
+        str(project / "run.toml"),
+        f"run.run_dir={str(run_dir)!r}",
+        "generator.rollout=guess_plugin:sync_rollout_by_mistake",
+        "run.progress=plain",
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert r.returncode == 2
     assert "rollout 'guess_plugin:sync_rollout_by_mistake'" in r.stderr
     assert "started" not in r.stdout  # no buffer, engine, generator or learner

@@ -304,7 +304,9 @@ def test_staleness_drop_order_and_histogram():
 
 def test_freshest_first_order_and_token_batches():
     with running(order="freshest_first") as (_buf, cfg):
-        groups = [synthetic_group(f"v{v}", 2, prompt_len=10, response_len=20, version=v) for v in range(4)]  # fmt: skip
+        groups = [
+            synthetic_group(f"v{v}", 2, prompt_len=10, response_len=20, version=v) for v in range(4)
+        ]
         asyncio.run(_put_all(cfg, groups))
         with ConsumerClient(cfg, "learner") as c:
             c.set_version(3, 1)
@@ -349,7 +351,10 @@ def test_backpressure_waits_instead_of_dropping(caplog):
 
         async def go():
             async with ProducerClient(cfg, "p") as p:
-                puts = [asyncio.create_task(p.put_group(synthetic_group(f"g{i}", 2, seed=i))) for i in range(4)]  # fmt: skip
+                puts = [
+                    asyncio.create_task(p.put_group(synthetic_group(f"g{i}", 2, seed=i)))
+                    for i in range(4)
+                ]
                 await asyncio.sleep(0.3)
                 assert sum(t.done() for t in puts) == 2  # the other two wait for room
                 s = await p.stats()
@@ -499,8 +504,14 @@ def test_batched_acks_settle_each_put_once_and_old_clients_get_one_ack_each(tmp_
             frames = []
             for seq in range(n):
                 blob = encode_trajectory(synthetic_group(f"g{seq}", 1)[0])
-                head = pack_header("put", seq=seq, producer="raw", session="raw-session",
-                                   lengths=[len(blob)], batch_ack=True)  # fmt: skip
+                head = pack_header(
+                    "put",
+                    seq=seq,
+                    producer="raw",
+                    session="raw-session",
+                    lengths=[len(blob)],
+                    batch_ack=True,
+                )
                 frames.append([head, blob])
             frames.append(frames[3])  # a resend of seq 3
             for f in frames:  # sent before the first reply: the buffer drains them in few turns
@@ -521,7 +532,11 @@ def test_batched_acks_settle_each_put_once_and_old_clients_get_one_ack_each(tmp_
             assert buf.stats()["trajectories_held"] == n
             # A put without the flag: one ack of its own, as before.
             assert raw.put(100, synthetic_group("solo", 1)) == {
-                "v": SCHEMA_VERSION, "op": "ack", "seq": 100, "status": "ok"}  # fmt: skip
+                "v": SCHEMA_VERSION,
+                "op": "ack",
+                "seq": 100,
+                "status": "ok",
+            }
         finally:
             raw.close()
 

@@ -111,9 +111,13 @@ def _consume_all(cfg, n_groups, consumer="learner"):
 def test_unbounded_timeouts_and_bad_versions_are_refused_naming_the_field(tmp_path):
     with buffer_process(tmp_path) as (_child, cfg), raw(cfg.consumer_endpoint) as r:
         base = {"consumer": "learner", "session": "s1"}
-        for timeout, words in ((float("inf"), "finite"), (float("nan"), "finite"),
-                               (1e300, "max_get_wait_s"), (-1.0, "max_get_wait_s"),
-                               ("soon", "expected a number")):  # fmt: skip
+        for timeout, words in (
+            (float("inf"), "finite"),
+            (float("nan"), "finite"),
+            (1e300, "max_get_wait_s"),
+            (-1.0, "max_get_wait_s"),
+            ("soon", "expected a number"),
+        ):
             h, _ = r.ask(pack_header("get", rid="g", num_groups=1, timeout_s=timeout, **base))
             assert h["op"] == "error" and "timeout_s" in h["error"], h
             assert words in h["error"] and h["rid"] == "g"
@@ -306,8 +310,10 @@ def test_future_versions_negative_batch_ids_and_huge_sequence_numbers(tmp_path):
             assert c.get_batch(num_groups=1, timeout_s=5).staleness == [-1]
         with raw(cfg.producer_endpoint) as r:
             g = synthetic_group("g", 1)
-            h, _ = r.ask(pack_header("put", seq=2**64 - 1, producer="q", session="s"),
-                         encode_trajectory(g[0]))  # fmt: skip
+            h, _ = r.ask(
+                pack_header("put", seq=2**64 - 1, producer="q", session="s"),
+                encode_trajectory(g[0]),
+            )
             assert h["op"] == "error" and "seq" in h["error"], h
             h, _ = r.ask(pack_header("hello", rid="h", producer="q", session="s"))
             assert h["op"] == "hello" and h["next_seq"] == 0, h

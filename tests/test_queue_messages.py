@@ -131,8 +131,15 @@ def test_bad_field_is_named(kind, fields, field, words):
 
 
 def test_nil_optional_fields_and_unknown_keys_are_accepted():
-    h = {"v": SCHEMA_VERSION, "op": "get", "rid": None, "consumer": "c", "session": "s",
-         "num_groups": None, "future_field": 1}  # fmt: skip
+    h = {
+        "v": SCHEMA_VERSION,
+        "op": "get",
+        "rid": None,
+        "consumer": "c",
+        "session": "s",
+        "num_groups": None,
+        "future_field": 1,
+    }
     assert Get.decode(h) == Get(consumer="c", session="s")
 
 

@@ -34,11 +34,26 @@ def _map(t: Trajectory) -> dict:
 def test_round_trip_keeps_every_field():
     t = _traj()
     back = decode_trajectory(encode_trajectory(t))
-    for name in ("id", "group_id", "group_size", "reward", "reward_parts", "finish_reason",
-                 "engine_id", "created_at", "enqueued_at", "metadata"):  # fmt: skip
+    for name in (
+        "id",
+        "group_id",
+        "group_size",
+        "reward",
+        "reward_parts",
+        "finish_reason",
+        "engine_id",
+        "created_at",
+        "enqueued_at",
+        "metadata",
+    ):
         assert getattr(back, name) == getattr(t, name), name
-    for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32),
-                        ("logprobs", np.float32), ("loss_mask", np.uint8), ("versions", np.int32)):  # fmt: skip
+    for name, dtype in (
+        ("prompt_ids", np.int32),
+        ("response_ids", np.int32),
+        ("logprobs", np.float32),
+        ("loss_mask", np.uint8),
+        ("versions", np.int32),
+    ):
         arr = getattr(back, name)
         assert arr.dtype == dtype and arr.flags.writeable, name
         np.testing.assert_array_equal(arr, getattr(t, name))
@@ -212,8 +227,25 @@ def test_quick_and_full_checks_agree_on_random_corruption():
     """Random single-field corruptions: the buffer's validation and the full decode accept the
     same maps, and name the same field for the ones they refuse."""
     rng = np.random.default_rng(0)
-    values = [None, 0, -1, 1.5, math.nan, math.inf, "", "x", True, b"", b"\x00" * 4,
-              b"\xff" * 8, [1], {"k": 1.0}, {"k": math.nan}, {"k": [1]}, 2**40]  # fmt: skip
+    values = [
+        None,
+        0,
+        -1,
+        1.5,
+        math.nan,
+        math.inf,
+        "",
+        "x",
+        True,
+        b"",
+        b"\x00" * 4,
+        b"\xff" * 8,
+        [1],
+        {"k": 1.0},
+        {"k": math.nan},
+        {"k": [1]},
+        2**40,
+    ]
     for i in range(400):
         t = _traj(int(rng.choice([0, 9, 1500])))
         m = _map(t)

@@ -83,6 +83,12 @@ def test_the_plugin_reference_documents_every_object_and_field():
         assert f"`{name}" in docs, f"RolloutContext.{name} is not documented"
     for key in ("full_text", "finish_reason", "turns", "response_length", "state"):
         assert f"`{key}`" in docs  # the reward's info
-    for rule in ("relative to the config file", "imported from the working directory",
-                 "`correct`", "last model turn only", "setup(ctx)", "teardown()"):  # fmt: skip
+    for rule in (
+        "relative to the config file",
+        "imported from the working directory",
+        "`correct`",
+        "last model turn only",
+        "setup(ctx)",
+        "teardown()",
+    ):
         assert rule in docs, rule

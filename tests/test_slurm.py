@@ -31,8 +31,9 @@ def _slurm(tmp_path: Path, config: Path, *args: str):
     os.chdir(tmp_path)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(["slurm", str(config), f'run.runs_dir="{tmp_path / "runs"}"',
-                         "--python", PY, *args])  # fmt: skip
+            code = main(
+                ["slurm", str(config), f'run.runs_dir="{tmp_path / "runs"}"', "--python", PY, *args]
+            )
     finally:
         os.chdir(cwd)
     return code, out.getvalue(), err.getvalue()
@@ -107,9 +108,18 @@ def test_two_node_script_line_by_line(tmp_path):
 
 def test_sixteen_node_script_line_by_line(tmp_path):
     code, out, err = _slurm(
-        tmp_path, SIXTEEN, "--nodes", "16", "--partition", "gpu", "--time", "48:00:00",
-        "--account", "rl", "--dry-run",
-    )  # fmt: skip
+        tmp_path,
+        SIXTEEN,
+        "--nodes",
+        "16",
+        "--partition",
+        "gpu",
+        "--time",
+        "48:00:00",
+        "--account",
+        "rl",
+        "--dry-run",
+    )
     assert code == 0, err
     got = Path(out.strip()).read_text().splitlines()
     extra = ["#SBATCH --partition=gpu", "#SBATCH --time=48:00:00", "#SBATCH --account=rl"]

@@ -110,9 +110,11 @@ def test_completes_when_learner_exits_0_and_stops_others_in_reverse(env):
     learner_go = run_dir.ready_file("generator0")  # the learner finishes once the generator is up
     stages = [
         [role(env, "buffer", "--port", str(port)), role(env, "engine0")],
-        [role(env, "generator0", on_exit_0="expected"),
-         role(env, "learner", "--exit-when", str(learner_go), on_exit_0="ends_run")],
-    ]  # fmt: skip
+        [
+            role(env, "generator0", on_exit_0="expected"),
+            role(env, "learner", "--exit-when", str(learner_go), on_exit_0="ends_run"),
+        ],
+    ]
     err = io.StringIO()
     sup = Supervisor(run_dir, stages, stop_grace_s=5, poll_interval_s=0.05, err=err)
     assert sup.run() == 0
@@ -169,10 +171,20 @@ def test_role_is_restarted_with_resume_then_run_completes(env):
     go = run_dir.path / "go"
     stages = [
         # engine0 fails once the learner is up; started again (with --resumed) it stays up.
-        [role(env, "engine0", "--exit-when", str(run_dir.ready_file("learner")), "--exit-code", "7",
-              "--fail-first", resume_flag=True)],
+        [
+            role(
+                env,
+                "engine0",
+                "--exit-when",
+                str(run_dir.ready_file("learner")),
+                "--exit-code",
+                "7",
+                "--fail-first",
+                resume_flag=True,
+            )
+        ],
         [role(env, "learner", "--exit-when", str(go), on_exit_0="ends_run")],
-    ]  # fmt: skip
+    ]
     err = io.StringIO()
     sup = Supervisor(
         run_dir, stages, restart_failed=1, stop_grace_s=5, poll_interval_s=0.05, err=err
@@ -188,9 +200,13 @@ def test_role_is_restarted_with_resume_then_run_completes(env):
     assert sup.run() == 0, err.getvalue()
     t.join(5)
     assert events(record) == [
-        ["start", "engine0"], ["start", "learner"], ["exit", "engine0"],
-        ["start-resumed", "engine0"], ["exit", "learner"], ["stop", "engine0"],
-    ]  # fmt: skip
+        ["start", "engine0"],
+        ["start", "learner"],
+        ["exit", "engine0"],
+        ["start-resumed", "engine0"],
+        ["exit", "learner"],
+        ["stop", "engine0"],
+    ]
     assert "engine0" in err.getvalue() and "exited with code 7" in err.getvalue()
     assert "restarting engine0 (0 restarts left" in run_dir.log("supervisor").read_text()
     # Counted, not only logged: one failure, one restart of engine0, with its exit code.
@@ -205,11 +221,18 @@ def test_a_generator_may_finish_but_a_server_may_not(env):
     sup_log = run_dir.log("supervisor")
     stages = [
         [role(env, "buffer")],
-        [role(env, "generator0", "--exit-when", str(run_dir.ready_file("learner")),
-              on_exit_0="expected"),
-         # Exits 0 once the supervisor has handled the generator's exit; not an ends_run role.
-         role(env, "learner", "--exit-when", f"{sup_log}::finished its work")],
-    ]  # fmt: skip
+        [
+            role(
+                env,
+                "generator0",
+                "--exit-when",
+                str(run_dir.ready_file("learner")),
+                on_exit_0="expected",
+            ),
+            # Exits 0 once the supervisor has handled the generator's exit; not an ends_run role.
+            role(env, "learner", "--exit-when", f"{sup_log}::finished its work"),
+        ],
+    ]
     err = io.StringIO()
     sup = Supervisor(run_dir, stages, stop_grace_s=5, poll_interval_s=0.05, err=err)
     assert sup.run() == 1

@@ -189,9 +189,12 @@ def test_real_router_in_front_of_standin_engines(tmp_path, api_key):
 
     def standin(spec, script):  # the same overrides, a stand-in program
         return RoleSpec(
-            spec.name, lambda resume: [py, str(script), *spec.argv(resume)[4:]], spec.ready,
-            spec.ready_what, spec.on_exit_0,
-        )  # fmt: skip
+            spec.name,
+            lambda resume: [py, str(script), *spec.argv(resume)[4:]],
+            spec.ready,
+            spec.ready_what,
+            spec.on_exit_0,
+        )
 
     stages[0] = [standin(s, tmp_path / "engine.py") for s in stages[0][1:]]  # no buffer here
     gen, learner = stages[2][0], stages[2][1]
@@ -243,8 +246,16 @@ def test_run_command_run_dir_config_progress_and_resume(tmp_path, monkeypatch, c
 
     def fake_plan(cfg, run_dir):  # the real table would start the real roles
         argv = [sys.executable, str(tmp_path / "learner.py"), str(run_dir.config_json)]
-        return [[RoleSpec("learner", lambda resume: argv + ["--resumed"] * resume,
-                          ready_file_exists, on_exit_0="ends_run")]]  # fmt: skip
+        return [
+            [
+                RoleSpec(
+                    "learner",
+                    lambda resume: argv + ["--resumed"] * resume,
+                    ready_file_exists,
+                    on_exit_0="ends_run",
+                )
+            ]
+        ]
 
     monkeypatch.setattr(launch, "plan_roles", fake_plan)
     toml = tmp_path / "c.toml"

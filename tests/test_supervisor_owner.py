@@ -29,8 +29,11 @@ def _alive(pid):
 
 def _watchdog(supervisor_pid: int) -> psutil.Process:
     """The supervisor's watchdog: its child that runs `slime_async.utils.procs`."""
-    found = [c for c in psutil.Process(supervisor_pid).children()
-             if "slime_async.utils.procs" in c.cmdline()]  # fmt: skip
+    found = [
+        c
+        for c in psutil.Process(supervisor_pid).children()
+        if "slime_async.utils.procs" in c.cmdline()
+    ]
     assert len(found) == 1, found
     return found[0]
 
@@ -85,8 +88,19 @@ def test_sigkill_of_the_supervisor_leaves_no_orphan_and_one_owner_at_a_time(env,
 def test_a_new_owner_stops_what_a_dead_one_left(env, tmp_path):
     """Leftovers the watchdog could not stop (it was killed too): `run --resume` stops them."""
     script, record, run_dir = env
-    leftover = Child("left", [sys.executable, str(script), "--name", "left", "--record",
-                              str(record), "--ignore-term", "--no-ready"])  # fmt: skip
+    leftover = Child(
+        "left",
+        [
+            sys.executable,
+            str(script),
+            "--name",
+            "left",
+            "--record",
+            str(record),
+            "--ignore-term",
+            "--no-ready",
+        ],
+    )
     try:
         run_dir.write_children({"buffer": (leftover.pid, leftover.started_at)})
         owner = RunDir(run_dir.path)
@@ -117,17 +131,26 @@ def test_sigkill_of_a_real_run_then_resume_finishes_with_nothing_lost_or_trained
     cfg = _config(tmp_path, model, data, "async")
     run_dir = RunDir(tmp_path / "killed")
     total = 8
-    overrides = [f"learner.num_steps={total}", "learner.save_interval=2",
-                 f"run.run_dir={run_dir.path}"]  # fmt: skip
+    overrides = [
+        f"learner.num_steps={total}",
+        "learner.save_interval=2",
+        f"run.run_dir={run_dir.path}",
+    ]
     first = subprocess.Popen(
         [sys.executable, "-m", "slime_async", "run", str(cfg), *overrides],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     metrics = run_dir.metrics_dir / "learner.jsonl"
     try:
         deadline = time.monotonic() + 300
-        while not ((run_dir.checkpoints_dir / "step_2").is_dir() and metrics.exists()
-                   and len(metrics.read_text().splitlines()) >= 3):  # fmt: skip
+        while not (
+            (run_dir.checkpoints_dir / "step_2").is_dir()
+            and metrics.exists()
+            and len(metrics.read_text().splitlines()) >= 3
+        ):
             assert first.poll() is None and time.monotonic() < deadline, "first run ended early"
             time.sleep(0.1)  # polling the run's files: the readiness signal here
         roles = run_dir.read_children()
@@ -147,8 +170,11 @@ def test_sigkill_of_a_real_run_then_resume_finishes_with_nothing_lost_or_trained
 
     again = subprocess.run(
         [sys.executable, "-m", "slime_async", "run", "--resume", str(run_dir.path)],
-        cwd=REPO, capture_output=True, text=True, timeout=420,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     learner = read_metrics(
         metrics
@@ -215,8 +241,12 @@ def test_watchdog_waits_for_the_lock_of_a_dying_supervisor(tmp_path, clean):
 
     script = tmp_path / "owner.py"
     script.write_text(DYING_OWNER)
-    owner = subprocess.Popen([sys.executable, str(script), str(tmp_path), "clean" if clean else "died"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    owner = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), "clean" if clean else "died"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     left = dog = None
     try:
         left, dog = map(int, owner.stdout.readline().split())

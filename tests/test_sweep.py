@@ -77,9 +77,11 @@ def test_grid_points_and_their_directory_names():
     s = Sweep(["a.toml"], grid, seeds=2)
     names = [p.name for p in s.points()]
     assert names == [
-        "fixed_lag-0__loss-ppo_clip", "fixed_lag-0__loss-decoupled_ppo",
-        "fixed_lag-8__loss-ppo_clip", "fixed_lag-8__loss-decoupled_ppo",
-    ]  # fmt: skip
+        "fixed_lag-0__loss-ppo_clip",
+        "fixed_lag-0__loss-decoupled_ppo",
+        "fixed_lag-8__loss-ppo_clip",
+        "fixed_lag-8__loss-decoupled_ppo",
+    ]
     assert all("=" not in n for n in names)  # "=" would read as an override on a command line
     assert Point((("learner.lr", "1e-4"),)).overrides == ["learner.lr=1e-4"]
     with pytest.raises(ValueError, match=r"section\.key=v1,v2"):
@@ -95,11 +97,14 @@ def test_excluded_points_are_left_out():
         ["a.toml"], grid, exclude=parse_exclude(["buffer.fixed_lag=0 algo.loss=decoupled_ppo,mis"])
     )
     assert [p.name for p in s.points()] == [
-        "fixed_lag-0__loss-ppo_clip", "fixed_lag-8__loss-ppo_clip",
-        "fixed_lag-8__loss-decoupled_ppo", "fixed_lag-8__loss-mis",
-    ]  # fmt: skip
-    assert s.describe()["exclude"] == [[["buffer.fixed_lag", ["0"]],
-                                        ["algo.loss", ["decoupled_ppo", "mis"]]]]  # fmt: skip
+        "fixed_lag-0__loss-ppo_clip",
+        "fixed_lag-8__loss-ppo_clip",
+        "fixed_lag-8__loss-decoupled_ppo",
+        "fixed_lag-8__loss-mis",
+    ]
+    assert s.describe()["exclude"] == [
+        [["buffer.fixed_lag", ["0"]], ["algo.loss", ["decoupled_ppo", "mis"]]]
+    ]
     with pytest.raises(ValueError, match="not a --grid key"):
         Sweep(["a.toml"], grid, exclude=parse_exclude(["learner.lr=1e-4"]))
 
@@ -107,9 +112,19 @@ def test_excluded_points_are_left_out():
 def _fake_run(rd, accuracies, tokens=100.0, step_s=1.0):
     with MetricsLogger(rd, "learner", wandb_mode="disabled") as log:
         for step in range(1, 7):
-            log.log(step, {M.TOKENS: tokens, M.GROUPS_GIVEN: 4.0, M.STEP_SECONDS: step_s,
-                           M.IW_MEAN: 1.0, M.IW_ESS: 0.9, M.BUFFER_DROPPED_ALL: 1.0,
-                           M.STALENESS_LEARNER_MIN: 2, M.STALENESS_LEARNER_MAX: 2})  # fmt: skip
+            log.log(
+                step,
+                {
+                    M.TOKENS: tokens,
+                    M.GROUPS_GIVEN: 4.0,
+                    M.STEP_SECONDS: step_s,
+                    M.IW_MEAN: 1.0,
+                    M.IW_ESS: 0.9,
+                    M.BUFFER_DROPPED_ALL: 1.0,
+                    M.STALENESS_LEARNER_MIN: 2,
+                    M.STALENESS_LEARNER_MAX: 2,
+                },
+            )
     with MetricsLogger(rd, "eval", wandb_mode="disabled") as log:
         for v, acc in zip((0, 3, 6), accuracies, strict=True):
             log.log(v, {M.EVAL_ACC_GREEDY: acc})
@@ -166,11 +181,17 @@ def test_jobs_run_points_at_once_and_the_summary_keeps_grid_order(tmp_path, monk
     summary still lists the points in grid order."""
     s = Sweep(["a.toml"], parse_grid(["buffer.fixed_lag=0,1,2,4"]), out=tmp_path, jobs=3)
     release = tmp_path / "released"
-    wait = (f"import pathlib, time; t = time.time() + 120\n"
-            f"while not pathlib.Path({str(release)!r}).exists():\n"
-            f"    assert time.time() < t, 'the fourth point never ran'; time.sleep(0.05)")  # fmt: skip
-    code = {"fixed_lag-0": wait, "fixed_lag-1": "pass", "fixed_lag-2": "pass",
-            "fixed_lag-4": "pass"}  # fmt: skip
+    wait = (
+        f"import pathlib, time; t = time.time() + 120\n"
+        f"while not pathlib.Path({str(release)!r}).exists():\n"
+        f"    assert time.time() < t, 'the fourth point never ran'; time.sleep(0.05)"
+    )
+    code = {
+        "fixed_lag-0": wait,
+        "fixed_lag-1": "pass",
+        "fixed_lag-2": "pass",
+        "fixed_lag-4": "pass",
+    }
     logged = []
 
     def log(text):
@@ -227,8 +248,9 @@ def test_a_time_limit_stops_the_sweep_and_keeps_what_finished(tmp_path, monkeypa
     at the limit are stopped (SIGTERM, left unfinished for a resume) and the rest never start;
     the sweep returns normally so its summary covers the finished point. A second sweep whose
     finished run took longer than the time left starts nothing more."""
-    s = Sweep(["a.toml"], parse_grid(["buffer.fixed_lag=0,1,2,4"]), out=tmp_path, jobs=2,
-              time_limit_s=6.0)  # fmt: skip
+    s = Sweep(
+        ["a.toml"], parse_grid(["buffer.fixed_lag=0,1,2,4"]), out=tmp_path, jobs=2, time_limit_s=6.0
+    )
     procs = {}
     sleep = {"fixed_lag-0": 0.2, "fixed_lag-1": 120, "fixed_lag-2": 120, "fixed_lag-4": 120}
 
@@ -246,8 +268,14 @@ def test_a_time_limit_stops_the_sweep_and_keeps_what_finished(tmp_path, monkeypa
     t0 = time.time()
     counts = s.run(log=logged.append)
     assert 6.0 <= time.time() - t0 < 60
-    assert counts == {"ran": 1, "skipped": 0, "failed": 0, "restarted": 0, "stopped": 2,
-                      "not_started": 1}  # fmt: skip
+    assert counts == {
+        "ran": 1,
+        "skipped": 0,
+        "failed": 0,
+        "restarted": 0,
+        "stopped": 2,
+        "not_started": 1,
+    }
     assert sorted(procs) == ["fixed_lag-0", "fixed_lag-1", "fixed_lag-2"]
     assert procs["fixed_lag-1"].returncode == -signal.SIGTERM
     assert any("time limit of 6 s reached" in line for line in logged)
@@ -255,8 +283,9 @@ def test_a_time_limit_stops_the_sweep_and_keeps_what_finished(tmp_path, monkeypa
     assert [r["runs"] for r in s.summarize()["points"]] == [1, 0, 0, 0]
 
     # resumed with a limit shorter than the finished run: the time left cannot hold another one
-    s2 = Sweep(["a.toml"], parse_grid(["buffer.fixed_lag=0,1,2,4"]), out=tmp_path / "b",
-               time_limit_s=3.0)  # fmt: skip
+    s2 = Sweep(
+        ["a.toml"], parse_grid(["buffer.fixed_lag=0,1,2,4"]), out=tmp_path / "b", time_limit_s=3.0
+    )
     sleep["fixed_lag-0"] = 2.0
     monkeypatch.setattr(s2, "_launch", fake)
     logged.clear()

@@ -219,10 +219,11 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
 def _print_traj(r: dict, tokens: bool) -> None:
     parts = ", ".join(f"{k} {v:g}" for k, v in r["reward_parts"].items())
     print(
-        f"  trajectory {r['id']}: reward {r['reward']:.3f}" + (f" ({parts})" if parts else "")
+        f"  trajectory {r['id']}: reward {r['reward']:.3f}"
+        + (f" ({parts})" if parts else "")
         + f", finish {r['finish_reason']}, temperature {_fmt(r['temperature'], 'g')}, "
         f"{r['model_tokens']} model + {r['env_tokens']} env tokens"
-    )  # fmt: skip
+    )
     print(f"    [prompt, {r['prompt_tokens']} tokens] {r['prompt']!r}")
     for s in r["segments"]:
         n = s["end"] - s["start"]
@@ -274,8 +275,10 @@ def main(args: argparse.Namespace) -> int:
             print(json.dumps(rec, indent=2))
             return 0
         trained = f"trained at step {rec['step']}" if step is not None else "not delivered"
-        print(f"group {args.group}: {trained}, staleness {_fmt(rec['staleness'], 'd')}"
-              + (f", dropped ({rec['dropped']})" if rec["dropped"] else ""))  # fmt: skip
+        print(
+            f"group {args.group}: {trained}, staleness {_fmt(rec['staleness'], 'd')}"
+            + (f", dropped ({rec['dropped']})" if rec["dropped"] else "")
+        )
         for r in rec["trajectories"]:
             _print_traj(r, tokens=True)
         return 0

@@ -305,8 +305,13 @@ def plot_runs(runs: list[tuple[str, Path]], out_dir: str | Path, metric: str) ->
         for i, (label, h) in enumerate(hist.items()):
             n = sum(h.values()) or 1
             xs = sorted(h)
-            ax.bar([x + i * width for x in xs], [h[x] / n for x in xs], width=width,
-                   color=colour[label], label=label)  # fmt: skip
+            ax.bar(
+                [x + i * width for x in xs],
+                [h[x] / n for x in xs],
+                width=width,
+                color=colour[label],
+                label=label,
+            )
         ax.set_xlabel("staleness of trained trajectories (versions)")
         ax.set_ylabel("share of trajectories")
         ax.legend(fontsize=7)
@@ -317,12 +322,21 @@ def plot_runs(runs: list[tuple[str, Path]], out_dir: str | Path, metric: str) ->
 
     # importance weights by lag; the trust region by lag (naive PPO clips against a far-away mu)
     for stats, ylabels, scale, name, what in (
-        ((m.IW_MEAN, m.IW_ESS), ("importance weight pi_prox/mu, mean", "normalised ESS"), 1,
-         "iw_by_lag.png", "per-lag importance weights"),
-        ((m.CLIP_FRAC, m.RATIO_OUTSIDE),
-         ("clip fraction (%)", "tokens with the ratio outside [1-eps, 1+eps] (%)"), 100,
-         "trust_region_by_lag.png", "per-lag clip fractions"),
-    ):  # fmt: skip
+        (
+            (m.IW_MEAN, m.IW_ESS),
+            ("importance weight pi_prox/mu, mean", "normalised ESS"),
+            1,
+            "iw_by_lag.png",
+            "per-lag importance weights",
+        ),
+        (
+            (m.CLIP_FRAC, m.RATIO_OUTSIDE),
+            ("clip fraction (%)", "tokens with the ratio outside [1-eps, 1+eps] (%)"),
+            100,
+            "trust_region_by_lag.png",
+            "per-lag clip fractions",
+        ),
+    ):
         by_lag = _by_lag(data, stats)
         if not by_lag:
             print(f"plot: no {what}; {name} skipped", file=sys.stderr)

@@ -43,8 +43,10 @@ def main(args: argparse.Namespace) -> int:
             raise ConfigError(str(e)) from None
         left = cleanup_leftovers(run_dir, grace_s=WATCHDOG_GRACE_S)
         if left:
-            print(f"[slime-async] stopped processes the previous supervisor left: pids {left}",
-                  flush=True)  # fmt: skip
+            print(
+                f"[slime-async] stopped processes the previous supervisor left: pids {left}",
+                flush=True,
+            )
         cfg = load_config([run_dir.config_json], overrides)
         _check_launcher(cfg)
     else:
@@ -69,8 +71,10 @@ def main(args: argparse.Namespace) -> int:
 
         missing = missing_inputs(cfg)
         if missing:
-            raise ConfigError("inputs not found (a relative path is relative to the config file "
-                              "that sets it):\n  " + "\n  ".join(missing))  # fmt: skip
+            raise ConfigError(
+                "inputs not found (a relative path is relative to the config file "
+                "that sets it):\n  " + "\n  ".join(missing)
+            )
     cfg.run.run_dir = str(run_dir.path)  # every role finds the run directory here
     cfg.write_json(run_dir.config_json)
     print(f"[slime-async] run directory {run_dir.path}", flush=True)

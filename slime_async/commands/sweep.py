@@ -78,10 +78,18 @@ def main(args: argparse.Namespace) -> int:
     try:
         grid = parse_grid(args.grid)
         sweep = Sweep(
-            files, grid, args.seeds, Path(args.out), overrides, args.target_accuracy,
-            args.metric, args.seed_base, args.jobs, parse_exclude(args.exclude),
+            files,
+            grid,
+            args.seeds,
+            Path(args.out),
+            overrides,
+            args.target_accuracy,
+            args.metric,
+            args.seed_base,
+            args.jobs,
+            parse_exclude(args.exclude),
             args.time_limit,
-        )  # fmt: skip
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     # Every point's config must load before the first one runs (a typo fails now, not later).

@@ -119,8 +119,16 @@ class EngineConfig(Section):
                 used.append("engine.strict_sglang")
             if self.initial_weight_version != "default":
                 used.append("engine.initial_weight_version")
-            cache_keys = ("mem_fraction", "block_size", "kv_cache_tokens", "max_prefill_tokens",
-                          "prefix_sharing", "decode_attention", "compile", "overlap_schedule")  # fmt: skip
+            cache_keys = (
+                "mem_fraction",
+                "block_size",
+                "kv_cache_tokens",
+                "max_prefill_tokens",
+                "prefix_sharing",
+                "decode_attention",
+                "compile",
+                "overlap_schedule",
+            )
             used += [f"engine.{k}" for k in cache_keys if getattr(self, k) != _default(k)]
             if used:
                 raise ValueError(

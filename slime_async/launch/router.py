@@ -31,13 +31,19 @@ def router_argv(
         raise ValueError("sglang-router needs at least one worker URL")
     argv = python_module(
         "sglang_router.launch_router",
-        "--host", host,
-        "--port", str(port),
-        "--prometheus-host", host,
-        "--prometheus-port", str(prometheus_port),
-        "--worker-urls", *worker_urls,
-        "--policy", policy,
-    )  # fmt: skip
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(prometheus_port),
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        policy,
+    )
     if api_key:
         argv += ["--api-key", api_key]
     return argv

@@ -101,8 +101,9 @@ class Sweep:
         self.out = Path(self.out).absolute()
         shorts = [_short(k) for k, _ in self.grid]
         if len(set(shorts)) != len(shorts):
-            raise ValueError(f"--grid keys {shorts}: two end in the same name (run directories "
-                             "are named by it)")  # fmt: skip
+            raise ValueError(
+                f"--grid keys {shorts}: two end in the same name (run directories are named by it)"
+            )
         if len({k for k, _ in self.grid}) != len(self.grid):
             raise ValueError("--grid: a key is given twice")
         if self.seeds < 1:
@@ -118,8 +119,10 @@ class Sweep:
 
     def points(self) -> list[Point]:
         keys = [k for k, _ in self.grid]
-        every = [Point(tuple(zip(keys, vals, strict=True)))
-                 for vals in itertools.product(*(v for _, v in self.grid))]  # fmt: skip
+        every = [
+            Point(tuple(zip(keys, vals, strict=True)))
+            for vals in itertools.product(*(v for _, v in self.grid))
+        ]
         return [p for p in every if not any(_matches(p, rule) for rule in self.exclude)]
 
     def run_dir(self, point: Point, seed: int) -> Path:
@@ -184,8 +187,14 @@ class Sweep:
                 continue
             if code == 0:
                 counts["ran"] += 1
-                info = {"point": point.name, "overrides": point.overrides, "seed": seed,
-                        "seconds": t1 - t0, "started": t0, "finished": t1}  # fmt: skip
+                info = {
+                    "point": point.name,
+                    "overrides": point.overrides,
+                    "seed": seed,
+                    "seconds": t1 - t0,
+                    "started": t0,
+                    "finished": t1,
+                }
                 (rd / DONE).write_text(json.dumps(info) + "\n")
             else:
                 counts["failed"] += 1
@@ -231,16 +240,20 @@ class Sweep:
                     now = time.time()
                     if now >= deadline:
                         timed_out.append("hard")
-                        log(f"sweep: time limit of {self.time_limit_s:.0f} s reached: stopping "
-                            f"{len(running)} running point(s), {len(waiting)} not started")  # fmt: skip
+                        log(
+                            f"sweep: time limit of {self.time_limit_s:.0f} s reached: stopping "
+                            f"{len(running)} running point(s), {len(waiting)} not started"
+                        )
                         for proc, _, _ in running.values():
                             if proc.poll() is None:
                                 proc.terminate()
                     elif waiting and len(running) < self.jobs and now + longest[0] > deadline:
                         timed_out.append("soft")
-                        log(f"sweep: {len(waiting)} point(s) not started: one takes up to "
+                        log(
+                            f"sweep: {len(waiting)} point(s) not started: one takes up to "
                             f"{longest[0]:.0f} s and {deadline - now:.0f} s of the time limit "
-                            "are left (rerun the same command to resume)")  # fmt: skip
+                            "are left (rerun the same command to resume)"
+                        )
                 if timed_out and waiting:
                     counts["not_started"] += len(waiting)
                     waiting.clear()
@@ -250,8 +263,9 @@ class Sweep:
                     running[i] = (proc, pending[i], time.time())
                     threading.Thread(
                         target=lambda i=i, p=proc: done.put((i, p.wait())),
-                        name=f"sweep-wait-{i}", daemon=True,
-                    ).start()  # fmt: skip
+                        name=f"sweep-wait-{i}",
+                        daemon=True,
+                    ).start()
                 if not running:
                     break  # stopping: nothing left to wait for
                 try:
@@ -290,9 +304,17 @@ class Sweep:
         """Start one point's `slime-async run` (its own supervisor, ports and run directory)."""
         rd.parent.mkdir(parents=True, exist_ok=True)
         argv = [
-            sys.executable, "-m", "slime_async", "run", *self.configs, *self.overrides,
-            *point.overrides, f"run.seed={seed}", f"run.run_dir={rd}", "run.progress=plain",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "slime_async",
+            "run",
+            *self.configs,
+            *self.overrides,
+            *point.overrides,
+            f"run.seed={seed}",
+            f"run.run_dir={rd}",
+            "run.progress=plain",
+        ]
         log(f"{tag}: {' '.join(argv[3:])}")
         with open(rd.with_name(rd.name + ".out"), "w") as out:
             return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
@@ -400,17 +422,31 @@ def _stats(xs: list[Any]) -> tuple[float | None, float | None]:
 
 
 def point_row(point: Point, runs: list[dict[str, Any]], seeds: int) -> dict[str, Any]:
-    row: dict[str, Any] = {"point": point.name, "overrides": point.overrides,
-                           "runs": len(runs), "seeds": seeds}  # fmt: skip
-    for key in ("eval_final", "eval_first", "time_to_target_s", "tokens_to_target",
-                "tokens_per_s", "dropped_share", "masked_share", "iw_mean", "iw_truncated",
-                "iw_ess", "clip_frac", "ratio_outside", "wall_s"):  # fmt: skip
+    row: dict[str, Any] = {
+        "point": point.name,
+        "overrides": point.overrides,
+        "runs": len(runs),
+        "seeds": seeds,
+    }
+    for key in (
+        "eval_final",
+        "eval_first",
+        "time_to_target_s",
+        "tokens_to_target",
+        "tokens_per_s",
+        "dropped_share",
+        "masked_share",
+        "iw_mean",
+        "iw_truncated",
+        "iw_ess",
+        "clip_frac",
+        "ratio_outside",
+        "wall_s",
+    ):
         row[key], row[key + "_sd"] = _stats([r.get(key) for r in runs])
     row["reached_target"] = sum(r.get("time_to_target_s") is not None for r in runs)
-    row["lag_min"] = min((r["lag_min"] for r in runs if r.get("lag_min") is not None),
-                         default=None)  # fmt: skip
-    row["lag_max"] = max((r["lag_max"] for r in runs if r.get("lag_max") is not None),
-                         default=None)  # fmt: skip
+    row["lag_min"] = min((r["lag_min"] for r in runs if r.get("lag_min") is not None), default=None)
+    row["lag_max"] = max((r["lag_max"] for r in runs if r.get("lag_max") is not None), default=None)
     return row
 
 
@@ -422,18 +458,33 @@ def markdown_table(summary: dict[str, Any]) -> str:
     target = summary.get("target_accuracy")
     metric = summary["metric"]
     head = [
-        "point", "runs", f"final {metric} (%)", "first (%)",
-        f"time to {'' if target is None else f'{100 * target:.0f}% '}(s)", "tokens to target",
-        "trained tok/s", "dropped / masked groups", "IW mean", "IW cut at bound", "IW ESS",
-        "clip frac", "outside trust region", "trained lag",
-    ]  # fmt: skip
+        "point",
+        "runs",
+        f"final {metric} (%)",
+        "first (%)",
+        f"time to {'' if target is None else f'{100 * target:.0f}% '}(s)",
+        "tokens to target",
+        "trained tok/s",
+        "dropped / masked groups",
+        "IW mean",
+        "IW cut at bound",
+        "IW ESS",
+        "clip frac",
+        "outside trust region",
+        "trained lag",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in summary["points"]:
         reached = f" ({r['reached_target']}/{r['runs']})" if target is not None else ""
-        lag = "-" if r["lag_min"] is None else (
-            f"{r['lag_min']:.0f}" if r["lag_min"] == r["lag_max"]
-            else f"{r['lag_min']:.0f}-{r['lag_max']:.0f}"
-        )  # fmt: skip
+        lag = (
+            "-"
+            if r["lag_min"] is None
+            else (
+                f"{r['lag_min']:.0f}"
+                if r["lag_min"] == r["lag_max"]
+                else f"{r['lag_min']:.0f}-{r['lag_max']:.0f}"
+            )
+        )
         cells = [
             f"`{r['point']}`",
             f"{r['runs']}/{r['seeds']}",

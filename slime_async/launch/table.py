@@ -287,8 +287,16 @@ def plan_roles(
         if ckpt is not None:
             args.append(_arg("learner.load", str(ckpt)))
         if cfg.run.learner_procs > 1 and where is None:
-            launcher = [py, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(cfg.run.learner_procs), "-m", "slime_async"]  # fmt: skip
+            launcher = [
+                py,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(cfg.run.learner_procs),
+                "-m",
+                "slime_async",
+            ]
         else:
             launcher = python_module("slime_async")
         return [*launcher, "learner", config, *args]

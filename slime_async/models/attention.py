@@ -127,9 +127,12 @@ def _build_class():
                 return kernel(query, k, v, cu, cu, m, m, **scale).reshape(t, -1)
             mask = block_causal_mask(cu, t)  # [t, t] True = attend
             out = F.scaled_dot_product_attention(
-                query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                attn_mask=mask, scale=self.scale,
-            )  # fmt: skip
+                query.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=mask,
+                scale=self.scale,
+            )
             return out.transpose(0, 1).reshape(t, -1)
 
     return SDPAttention
@@ -173,9 +176,11 @@ def varlen_works(device_index: int = 0) -> str | None:
         out = kernel(q, k, v, cu, cu, 31, 31, **kw).float()
         mask = block_causal_mask(cu, t)
         ref = F.scaled_dot_product_attention(
-            q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
+            q.float().transpose(0, 1),
+            k.float().transpose(0, 1),
+            v.float().transpose(0, 1),
             attn_mask=mask,
-        ).transpose(0, 1)  # fmt: skip
+        ).transpose(0, 1)
         err = float((out - ref).abs().max())
     except Exception as e:  # any failure: the kernel is not usable here
         return f"varlen_attn failed: {type(e).__name__}: {e}"

@@ -255,8 +255,11 @@ class ProducerClient:
             return
         self.send_waits += 1
         if self.send_waits == 1 or self.send_waits % 1000 == 0:
-            log.warning("the send queue to the buffer at %s is full: waiting (%d sends so far)",
-                        self.cfg.producer_endpoint, self.send_waits)  # fmt: skip
+            log.warning(
+                "the send queue to the buffer at %s is full: waiting (%d sends so far)",
+                self.cfg.producer_endpoint,
+                self.send_waits,
+            )
         give_up = time.monotonic() + self.cfg.give_up_s
         while not self._send_now(frames):
             if time.monotonic() > give_up:
@@ -279,8 +282,13 @@ class ProducerClient:
         seq = self._seq
         self._seq += 1
         payload, lengths = encode_trajectories(trajs)  # one frame: cheaper than several
-        header = Put(seq=seq, producer=self.producer_id, session=self.session, lengths=lengths,
-                     batch_ack=True)  # fmt: skip
+        header = Put(
+            seq=seq,
+            producer=self.producer_id,
+            session=self.session,
+            lengths=lengths,
+            batch_ack=True,
+        )
         frames = [header.encode(), payload]
         size = sum(len(f) for f in frames)
         if size > self.cfg.max_message_bytes:  # far above it ZeroMQ would just drop the link
@@ -392,9 +400,12 @@ class ProducerClient:
                 self.resends += len(self._puts) + len(self._calls)
                 log.warning(
                     "no answer from the buffer at %s for %.1fs: reconnecting, resending %d puts "
-                    "and %d requests", self.cfg.producer_endpoint, now - min(waiting),
-                    len(self._puts), len(self._calls),
-                )  # fmt: skip
+                    "and %d requests",
+                    self.cfg.producer_endpoint,
+                    now - min(waiting),
+                    len(self._puts),
+                    len(self._calls),
+                )
                 self._connect()
                 for p in list(self._puts.values()):
                     p.sent_at = now
@@ -455,8 +466,9 @@ class ConsumerClient:
             self.resends += 1
             log.warning(
                 "no answer from the buffer at %s within %.1fs: reconnecting and resending",
-                self.cfg.consumer_endpoint, wait_s + self.cfg.request_timeout_s,
-            )  # fmt: skip
+                self.cfg.consumer_endpoint,
+                wait_s + self.cfg.request_timeout_s,
+            )
             self._sock.close(0)  # a fresh connection after a buffer restart
             self._sock = _socket(self._ctx, self.cfg, self.cfg.consumer_endpoint)
 

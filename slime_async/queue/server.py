@@ -372,8 +372,12 @@ class Buffer:
                     return
                 if isinstance(msg, Hello):  # a new client: it numbers from next_seq on
                     n = self.state.producer_session(msg.producer)
-                    log.info("producer %r: new session %s (puts continue at %d)",
-                             msg.producer, msg.session[:12], n)  # fmt: skip
+                    log.info(
+                        "producer %r: new session %s (puts continue at %d)",
+                        msg.producer,
+                        msg.session[:12],
+                        n,
+                    )
                 else:  # a client of before a buffer restart: its resends may fill gaps
                     log.info("producer %r: session %s is back", msg.producer, msg.session[:12])
             case Get() | Commit() | SetVersion():
@@ -416,8 +420,11 @@ class Buffer:
                 self.state.check_version(msg.version, msg.groups_per_step, not live)
                 if msg.version < self.state.version:
                     self.state.counts[m.BUF_VERSION_REWINDS] += 1
-                    log.warning("version goes back from %d to %d (a new learner session)",
-                                self.state.version, msg.version)  # fmt: skip
+                    log.warning(
+                        "version goes back from %d to %d (a new learner session)",
+                        self.state.version,
+                        msg.version,
+                    )
                 self._version_session = msg.session
                 self.state.set_version(msg.version, msg.groups_per_step)
                 return [Ok(rid=msg.rid).encode()]

@@ -297,12 +297,14 @@ class BufferState:
         or start from anywhere after a buffer restart without a log)."""
         jump, cap, v = self.cfg.max_version_jump, self.cfg.capacity_trajectories, self.version
         problem = (
-            f"{version} exceeds {MAX_VERSION} (versions are int32)" if version > MAX_VERSION
+            f"{version} exceeds {MAX_VERSION} (versions are int32)"
+            if version > MAX_VERSION
             else f"{version} goes back from {v}, announced by this learner"
             if not rewind_ok and version < v
             else f"{version} jumps more than buffer.max_version_jump={jump} ahead of {v}"
-            if not rewind_ok and version > v + jump else None
-        )  # fmt: skip
+            if not rewind_ok and version > v + jump
+            else None
+        )
         if problem:
             raise SchemaError("version", problem)
         if groups_per_step > cap:
@@ -343,13 +345,19 @@ class BufferState:
         late = [
             g.group_id
             for g in [*self.ready, *self.pending.values()]
-            if g.oldest != NO_VERSION and fixed.is_late(g.oldest, self.version)
+            if g.oldest != NO_VERSION
+            and fixed.is_late(g.oldest, self.version)
             and g.group_id not in spans
-        ]  # fmt: skip
+        ]
         for why, gids in ((FIXED_LAG_SPANS, spans), (FIXED_LAG_LATE, late)):
             if gids:
-                log.warning("dropping %d group(s), e.g. %r (%s, buffer.fixed_lag = %d)",
-                            len(gids), gids[0], why, fixed.k)  # fmt: skip
+                log.warning(
+                    "dropping %d group(s), e.g. %r (%s, buffer.fixed_lag = %d)",
+                    len(gids),
+                    gids[0],
+                    why,
+                    fixed.k,
+                )
                 self._log(W.DROP, {"g": gids, "why": why})
                 self._apply_drop(gids, why)
                 out += gids
@@ -487,8 +495,13 @@ class BufferState:
         old = [gid for gid, g in self.pending.items() if g.last_put < horizon]
         if old:
             why = m.BUF_INCOMPLETE_TIMEOUT
-            log.warning("dropping %d incomplete group(s), e.g. %r, silent for %.0fs (%s)",
-                        len(old), old[0], self.cfg.group_timeout_s, why)  # fmt: skip
+            log.warning(
+                "dropping %d incomplete group(s), e.g. %r, silent for %.0fs (%s)",
+                len(old),
+                old[0],
+                self.cfg.group_timeout_s,
+                why,
+            )
             self._log(W.DROP, {"g": old, "why": why})
             self._apply_drop(old, why)
         return old

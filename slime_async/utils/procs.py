@@ -331,8 +331,9 @@ def watch_parent(fd: int, lock_path: str, children_path: str, grace_s: float) ->
     os.replace(tmp, children_path)
     if pids:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        print(f"{stamp} watchdog: the supervisor died; stopped what it left: pids {pids}",
-              flush=True)  # fmt: skip
+        print(
+            f"{stamp} watchdog: the supervisor died; stopped what it left: pids {pids}", flush=True
+        )
     os.close(lock)
 
 

@@ -227,8 +227,9 @@ class WeightPusher:
         self._destroy()
         stale = self._previous_group_name()
         if stale:  # a dead learner's group: its engines would keep the name (and its ranks)
-            self._settle("destroy stale group", self._each(live, "destroy_weights_update_group",
-                                                            stale), 30)  # fmt: skip
+            self._settle(
+                "destroy stale group", self._each(live, "destroy_weights_update_group", stale), 30
+            )
         ranks = self._ranks(live)
         if self.auto_backend:
             if not all(u in self.infos for u in live):
@@ -263,9 +264,15 @@ class WeightPusher:
         self.group_name, self.members = name, live
         self._write_state()
         left_out = sorted(set(self.urls) - set(live))
-        log.info("weight-update group %s at %s:%d: %d engines, world size %d%s", name,
-                 self.master_addr, port, len(live), world,
-                 f"; down, left out: {left_out}" if left_out else "")  # fmt: skip
+        log.info(
+            "weight-update group %s at %s:%d: %d engines, world size %d%s",
+            name,
+            self.master_addr,
+            port,
+            len(live),
+            world,
+            f"; down, left out: {left_out}" if left_out else "",
+        )
 
     def _host_group(self, port: int, world: int, name: str, futs) -> WeightGroup:
         """Host rank 0 of the group while the engines join; an engine whose init call fails ends
@@ -276,8 +283,18 @@ class WeightPusher:
 
         def host() -> None:
             try:
-                result.set_result(init_weight_group(self.master_addr, port, 0, world, name,
-                                                    self.backend, self.device, self.timeout_s))  # fmt: skip
+                result.set_result(
+                    init_weight_group(
+                        self.master_addr,
+                        port,
+                        0,
+                        world,
+                        name,
+                        self.backend,
+                        self.device,
+                        self.timeout_s,
+                    )
+                )
             except BaseException as e:  # handed to the waiting thread
                 result.set_exception(e)
 
@@ -292,24 +309,37 @@ class WeightPusher:
             except Exception as e:  # the rendezvous here failed or timed out
                 waiting = [u for u, f in futs.items() if not f.done()]
                 why = "; ".join(f"{u}: {self._why_not_joined(u, name)}" for u in waiting)
-                raise PushError(",".join(waiting) or ",".join(futs), "init_weights_update_group",
-                                f"group {name} at {self.master_addr}:{port} not formed after "
-                                f"{time.monotonic() - t0:.0f}s ({e}); did not join: "
-                                f"{why or 'none (every engine answered)'}") from e  # fmt: skip
+                raise PushError(
+                    ",".join(waiting) or ",".join(futs),
+                    "init_weights_update_group",
+                    f"group {name} at {self.master_addr}:{port} not formed after "
+                    f"{time.monotonic() - t0:.0f}s ({e}); did not join: "
+                    f"{why or 'none (every engine answered)'}",
+                ) from e
             for url, f in futs.items():
                 if f.done() and f.exception() is not None:
-                    raise PushError(url, "init_weights_update_group",
-                                    f"{f.exception()} (group store at {self.master_addr}:{port}; "
-                                    "learner.weight_master_addr must be reachable from the "
-                                    "engine's node); did not join: "
-                                    f"{url}: {self._why_not_joined(url, name)}")  # fmt: skip
+                    raise PushError(
+                        url,
+                        "init_weights_update_group",
+                        f"{f.exception()} (group store at {self.master_addr}:{port}; "
+                        "learner.weight_master_addr must be reachable from the "
+                        "engine's node); did not join: "
+                        f"{url}: {self._why_not_joined(url, name)}",
+                    )
             now = time.monotonic()
             if now - last_log >= 10:
                 last_log = now
                 waiting = [u for u, f in futs.items() if not f.done()]
                 why = "; ".join(f"{u}: {self._why_not_joined(u, name)}" for u in waiting)
-                log.warning("weight-update group %s: waited %.0fs of %.0fs at %s:%d for %s",
-                            name, now - t0, self.timeout_s, self.master_addr, port, why)  # fmt: skip
+                log.warning(
+                    "weight-update group %s: waited %.0fs of %.0fs at %s:%d for %s",
+                    name,
+                    now - t0,
+                    self.timeout_s,
+                    self.master_addr,
+                    port,
+                    why,
+                )
 
     def _why_not_joined(self, url: str, name: str) -> str:
         """What an engine that has not answered its init call says of itself (GET /server_info
@@ -320,8 +350,9 @@ class WeightPusher:
         async def one() -> str:
             c = self.clients[url]
             try:
-                info = await c.call("GET", "/server_info", timeout_s=self.probe_timeout_s,
-                                    max_retries=0)  # fmt: skip
+                info = await c.call(
+                    "GET", "/server_info", timeout_s=self.probe_timeout_s, max_retries=0
+                )
             except EngineError as e:
                 return f"does not answer GET /server_info ({e})"
             if not isinstance(info, dict):
@@ -334,8 +365,9 @@ class WeightPusher:
                 busy.append(f"still holds groups {groups}")
             if info.get("running"):
                 busy.append(f"{info['running']} requests running")
-            return ("its init call is queued or blocked on its scheduler thread"
-                    + (f" ({', '.join(busy)})" if busy else ""))  # fmt: skip
+            return "its init call is queued or blocked on its scheduler thread" + (
+                f" ({', '.join(busy)})" if busy else ""
+            )
 
         try:
             return self._submit(one()).result(timeout=self.probe_timeout_s + 5)
@@ -413,8 +445,13 @@ class WeightPusher:
                 log.warning("engine %s is back: it rejoins the weight group", u)
                 return True
             if u in self.members and self.pushed_version is not None and v != self.pushed_version:
-                log.warning("engine %s serves version %r, not %r: it restarted; it rejoins the "
-                            "weight group and gets the current weights", u, v, self.pushed_version)  # fmt: skip
+                log.warning(
+                    "engine %s serves version %r, not %r: it restarted; it rejoins the "
+                    "weight group and gets the current weights",
+                    u,
+                    v,
+                    self.pushed_version,
+                )
                 return True
         return False
 
@@ -461,16 +498,19 @@ class WeightPusher:
         stats = {"bytes": 0.0, "buckets": 0.0, "tensors": 0.0}
         members = list(self.members)
         try:
-            self._wait("pause_generation", self._each(members, "pause_generation",
-                                                      self.pause_mode))  # fmt: skip
+            self._wait("pause_generation", self._each(members, "pause_generation", self.pause_mode))
             if self.pause_mode in ("abort", "retract"):
                 self._flush(members)
             self._send(buckets, str(version), members, stats)
         except BaseException as e:
             self._broken = True
             self.counters["failed_pushes"] += 1
-            log.error("weight push of version %s failed; engines stay paused until the group is "
-                      "rebuilt and the weights pushed again: %s", version, e)  # fmt: skip
+            log.error(
+                "weight push of version %s failed; engines stay paused until the group is "
+                "rebuilt and the weights pushed again: %s",
+                version,
+                e,
+            )
             stats.update(seconds=time.perf_counter() - t0, bytes_per_s=0.0, failed=1.0)
             stats["engines"] = float(len(members))
             if isinstance(e, PushError | EngineError | RuntimeError):
@@ -495,9 +535,13 @@ class WeightPusher:
         )
         log.info(
             "pushed version %s to %d engines: %.1f MB in %d buckets, %.3f s, %.2f GB/s",
-            version, len(members), stats["bytes"] / 1e6, stats["buckets"], seconds,
+            version,
+            len(members),
+            stats["bytes"] / 1e6,
+            stats["buckets"],
+            seconds,
             stats["bytes_per_s"] / 1e9,
-        )  # fmt: skip
+        )
         return stats
 
     def _flush(self, members: list[str]) -> None:
@@ -513,8 +557,12 @@ class WeightPusher:
             if not pending:
                 return
             if time.monotonic() > deadline:
-                raise PushError(pending[0], "flush_cache", f"still refused (400: requests running) "
-                                f"after {self.flush_timeout_s:.0f}s (engine.flush_timeout_s)")  # fmt: skip
+                raise PushError(
+                    pending[0],
+                    "flush_cache",
+                    f"still refused (400: requests running) "
+                    f"after {self.flush_timeout_s:.0f}s (engine.flush_timeout_s)",
+                )
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
@@ -559,8 +607,7 @@ class WeightPusher:
         if self.state_path is not None and self.state_path.is_file():
             self.state_path.unlink(missing_ok=True)
         if self._thread.is_alive():
-            self._settle("close", {u: self._submit(c.close()) for u, c in self.clients.items()},
-                         10)  # fmt: skip
+            self._settle("close", {u: self._submit(c.close()) for u, c in self.clients.items()}, 10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
 

@@ -71,19 +71,35 @@ def init_weight_group(
         raise ValueError(f"a weight-update group named {group_name!r} already exists here")
     timeout = timedelta(seconds=timeout_s)
     t0 = time.monotonic()
-    log.info("weight-update group %s: rank %d/%d joining the store at %s:%d", group_name, rank,
-             world_size, master_address, master_port)  # fmt: skip
+    log.info(
+        "weight-update group %s: rank %d/%d joining the store at %s:%d",
+        group_name,
+        rank,
+        world_size,
+        master_address,
+        master_port,
+    )
     store = dist.TCPStore(
         master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout
     )
-    log.info("weight-update group %s: rank %d/%d store up after %.2fs", group_name, rank,
-             world_size, time.monotonic() - t0)  # fmt: skip
+    log.info(
+        "weight-update group %s: rank %d/%d store up after %.2fs",
+        group_name,
+        rank,
+        world_size,
+        time.monotonic() - t0,
+    )
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
     )
-    log.info("weight-update group %s: rank %d/%d joined after %.2fs", group_name, rank,
-             world_size, time.monotonic() - t0)  # fmt: skip
+    log.info(
+        "weight-update group %s: rank %d/%d joined after %.2fs",
+        group_name,
+        rank,
+        world_size,
+        time.monotonic() - t0,
+    )
     # Group-local ranks are the global ranks of this private group (used by broadcast's src).
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return WeightGroup(pg, group_name, rank, world_size, backend, torch.device(device))

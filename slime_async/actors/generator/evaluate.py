@@ -101,19 +101,31 @@ class Evaluator:
             result = {"version": version, "status": "done", "metrics": rec}
             log.info(
                 "eval v%d: greedy %.3f, sampled %.3f, pass@%d %.3f (%d records, %.1fs)",
-                version, rec.get(M.EVAL_ACC_GREEDY, float("nan")),
-                rec.get(M.EVAL_ACC_SAMPLED, float("nan")), self.cfg.samples,
-                rec.get(M.EVAL_PASS_AT_K, float("nan")), len(self.records), rec[M.EVAL_SECONDS],
-            )  # fmt: skip
+                version,
+                rec.get(M.EVAL_ACC_GREEDY, float("nan")),
+                rec.get(M.EVAL_ACC_SAMPLED, float("nan")),
+                self.cfg.samples,
+                rec.get(M.EVAL_PASS_AT_K, float("nan")),
+                len(self.records),
+                rec[M.EVAL_SECONDS],
+            )
         except asyncio.CancelledError:
             raise
         except Exception as e:  # VersionLeft, or an engine that kept failing: never a hang
             self.discarded += 1
-            log.warning("eval v%d discarded: %s: %s (eval/discarded = %d)", version,
-                        type(e).__name__, e, self.discarded,
-                        exc_info=None if isinstance(e, VersionLeft) else e)  # fmt: skip
-            rec = {M.EVAL_DISCARDED: self.discarded, M.EVAL_RERUNS: self.reruns,
-                   M.EVAL_SECONDS: time.perf_counter() - t0}  # fmt: skip
+            log.warning(
+                "eval v%d discarded: %s: %s (eval/discarded = %d)",
+                version,
+                type(e).__name__,
+                e,
+                self.discarded,
+                exc_info=None if isinstance(e, VersionLeft) else e,
+            )
+            rec = {
+                M.EVAL_DISCARDED: self.discarded,
+                M.EVAL_RERUNS: self.reruns,
+                M.EVAL_SECONDS: time.perf_counter() - t0,
+            }
             result = {"version": version, "status": "discarded", "reason": str(e), "metrics": rec}
         if self.metrics is not None:
             self.metrics.log(version, rec)
@@ -179,12 +191,23 @@ class Evaluator:
             if all(v == version for v in out.versions):
                 break
             self.reruns += 1  # an engine still on an older version: generate it again
-            log.warning("eval v%d: answer %d/%s held versions %s; rerun %d", version, i, kind,
-                        sorted(set(out.versions)), attempt + 1)  # fmt: skip
+            log.warning(
+                "eval v%d: answer %d/%s held versions %s; rerun %d",
+                version,
+                i,
+                kind,
+                sorted(set(out.versions)),
+                attempt + 1,
+            )
         else:
             raise VersionLeft(f"answer {i}/{kind} never came wholly from version {version}")
         text = ctx.decode(out.token_ids)
-        info = {"full_text": text, "finish_reason": out.finish_reason, "turns": 1,
-                "response_length": len(out.token_ids), "state": None}  # fmt: skip
+        info = {
+            "full_text": text,
+            "finish_reason": out.finish_reason,
+            "turns": 1,
+            "response_length": len(out.token_ids),
+            "state": None,
+        }
         reward, parts = await self.reward(sample, text, info)
         return i, kind, bool(parts.get("correct", reward > 0)), len(out.token_ids)

@@ -267,8 +267,10 @@ class Generator:
             if watch is not None and next_item is None and not self._stop.is_set():
                 # The dataset is done; the learner may still ask for its last evaluation.
                 with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([watch, asyncio.ensure_future(self._stop.wait())],
-                                       return_when="FIRST_COMPLETED")  # fmt: skip
+                    await asyncio.wait(
+                        [watch, asyncio.ensure_future(self._stop.wait())],
+                        return_when="FIRST_COMPLETED",
+                    )
             await self._shutdown(inflight)
             logger.cancel()
             if watch is not None:
@@ -342,8 +344,9 @@ class Generator:
                     return
                 if redo < redos:
                     self._totals["groups_redone"] += 1
-                    log.warning("group %s: redone from its prompt (redo %d of %d)",
-                                gid, redo + 1, redos)  # fmt: skip
+                    log.warning(
+                        "group %s: redone from its prompt (redo %d of %d)", gid, redo + 1, redos
+                    )
                     continue
                 self._drop(item, gid, f"failed {redo + 1} time(s), last: {_first_leaf(e)}")
                 return
@@ -406,9 +409,12 @@ class Generator:
         for n, (sample, tr) in enumerate(transcripts):
             tr.metadata.update(_scalars(metadata))
             tr.metadata.update(
-                epoch=item.epoch, offset=item.offset, row=item.row,
-                sample_index=sample.sample_index, turns=tr.turns,
-            )  # fmt: skip
+                epoch=item.epoch,
+                offset=item.offset,
+                row=item.row,
+                sample_index=sample.sample_index,
+                turns=tr.turns,
+            )
             trajs.append(tr.to_trajectory(f"{gid}/{n}", gid, len(transcripts), created_at))
         return trajs
 
@@ -442,8 +448,12 @@ class Generator:
             self._totals["rollout_retries"] += 1
             log.warning(
                 "rollout %s/%d: %s; retry %d in %.1fs",
-                sample.group_id, sample.sample_index, e, n, delay,
-            )  # fmt: skip
+                sample.group_id,
+                sample.sample_index,
+                e,
+                n,
+                delay,
+            )
 
         try:
             return await retry_async(attempt, self.retry, retry_on=EngineFailure, on_retry=on_retry)
@@ -490,9 +500,15 @@ class Generator:
             self._totals["reward_retries"] += 1
             log.warning(
                 "%s on sample %s: %s: %s; retry %d of %d in %.1fs",
-                name, sample.id, type(e).__name__, e, n, self.cfg.reward_retries, delay,
+                name,
+                sample.id,
+                type(e).__name__,
+                e,
+                n,
+                self.cfg.reward_retries,
+                delay,
                 exc_info=(type(e), e, e.__traceback__),
-            )  # fmt: skip
+            )
 
         try:
             tr.reward, tr.reward_parts = await retry_async(
@@ -514,9 +530,15 @@ class Generator:
         log.error(
             "group %s, attempt %d of %d: %s (%d of the last %d group attempts failed; the "
             "generator stops at %d)",
-            gid, redo + 1, self.cfg.group_redos + 1, err, n, window, limit,
+            gid,
+            redo + 1,
+            self.cfg.group_redos + 1,
+            err,
+            n,
+            window,
+            limit,
             exc_info=(type(cause), cause, cause.__traceback__),
-        )  # fmt: skip
+        )
         if n >= limit:
             self._fatal = GeneratorError(
                 f"{n} of the last {window} group attempts failed (generator.max_plugin_errors = "
@@ -584,10 +606,16 @@ class Generator:
         log.info(
             "v%d pushed %d groups | %.0f tok/s | idle %.0f%% | in flight %d | reward %.3f | "
             "len %.1f | dropped %d | retries %d",
-            self.version, rec[GEN_GROUPS_PUSHED], rec[GEN_TOKENS_PER_S],
-            rec[GENERATOR_IDLE_PCT], rec[GEN_INFLIGHT], rec[GEN_REWARD_MEAN],
-            rec[GEN_RESPONSE_LEN_MEAN], rec[GEN_GROUPS_DROPPED], rec[GEN_ROLLOUT_RETRIES],
-        )  # fmt: skip
+            self.version,
+            rec[GEN_GROUPS_PUSHED],
+            rec[GEN_TOKENS_PER_S],
+            rec[GENERATOR_IDLE_PCT],
+            rec[GEN_INFLIGHT],
+            rec[GEN_REWARD_MEAN],
+            rec[GEN_RESPONSE_LEN_MEAN],
+            rec[GEN_GROUPS_DROPPED],
+            rec[GEN_ROLLOUT_RETRIES],
+        )
         if self.metrics is not None:
             self.metrics.log(self.version, rec)
 

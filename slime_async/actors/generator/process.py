@@ -77,10 +77,16 @@ async def _run(cfg: SlimeConfig, gen_cfg, urls: list[str], tok_path: str) -> int
 
                 eval_metrics = MetricsLogger(cfg.run.run_dir, "eval", wandb_mode="disabled")
                 gen.evaluator = Evaluator(
-                    cfg.eval, gen_cfg.sampling, pool, tokenizer, gen.reward, cfg.run.run_dir,
+                    cfg.eval,
+                    gen_cfg.sampling,
+                    pool,
+                    tokenizer,
+                    gen.reward,
+                    cfg.run.run_dir,
                     prompt_key=gen_cfg.prompt_key,
-                    apply_chat_template=gen_cfg.apply_chat_template, metrics=eval_metrics,
-                )  # fmt: skip
+                    apply_chat_template=gen_cfg.apply_chat_template,
+                    metrics=eval_metrics,
+                )
         try:
             # The hello is sent on entry: a producer id held by a live session (IdInUse) or a
             # buffer that never answers ends the generator here with one line, not a traceback.
@@ -88,8 +94,12 @@ async def _run(cfg: SlimeConfig, gen_cfg, urls: list[str], tok_path: str) -> int
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, gen.stop)
-                log.info("engines %s, buffer %s, state %s", urls, cfg.buffer.producer_endpoint,
-                         gen_cfg.state_path)  # fmt: skip
+                log.info(
+                    "engines %s, buffer %s, state %s",
+                    urls,
+                    cfg.buffer.producer_endpoint,
+                    gen_cfg.state_path,
+                )
                 # The buffer answered our hello: tell `slime-async run` (if it started us).
                 announce_ready(f"generator {gen_cfg.producer_id}")
                 stats = await gen.run(producer)

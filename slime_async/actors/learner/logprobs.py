@@ -188,9 +188,14 @@ class ChunkedLogprobs(torch.autograd.Function):
             b = min(n, a + ctx.chunk)
             if ctx.fused:  # the chunk's logits, overwritten by their gradient in place
                 gz = logprobs_triton.grad_in_place(
-                    hidden[a:b] @ weight.t(), local_all[a:b], temperature[a:b], lse[a:b],
-                    entropy[a:b], g_logp[a:b], None if g_ent_f is None else g_ent_f[a:b],
-                )  # fmt: skip
+                    hidden[a:b] @ weight.t(),
+                    local_all[a:b],
+                    temperature[a:b],
+                    lse[a:b],
+                    entropy[a:b],
+                    g_logp[a:b],
+                    None if g_ent_f is None else g_ent_f[a:b],
+                )
                 if want_h:
                     g_hidden[a:b] = gz @ weight
                 if want_w:

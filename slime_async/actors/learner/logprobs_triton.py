@@ -116,9 +116,17 @@ def row_stats(
     out = torch.empty(4, c, dtype=torch.float32, device=z.device)
     if c:
         _row_stats_kernel[(c,)](
-            z, z.stride(0), labels.contiguous(), temperature.contiguous(), out, c, v,
-            WITH_ENT=with_entropy, BLOCK_V=_block(v), num_warps=8,
-        )  # fmt: skip
+            z,
+            z.stride(0),
+            labels.contiguous(),
+            temperature.contiguous(),
+            out,
+            c,
+            v,
+            WITH_ENT=with_entropy,
+            BLOCK_V=_block(v),
+            num_warps=8,
+        )
     return out
 
 
@@ -138,11 +146,19 @@ def grad_in_place(
     if c:
         ent = g_ent is not None
         _grad_kernel[(c,)](
-            z, z.stride(0), labels.contiguous(), temperature.contiguous(), lse.contiguous(),
-            entropy.contiguous(), g_logp.contiguous(),
-            (g_ent if ent else g_logp).contiguous(), v,
-            WITH_ENT=ent, BLOCK_V=_block(v), num_warps=8,
-        )  # fmt: skip
+            z,
+            z.stride(0),
+            labels.contiguous(),
+            temperature.contiguous(),
+            lse.contiguous(),
+            entropy.contiguous(),
+            g_logp.contiguous(),
+            (g_ent if ent else g_logp).contiguous(),
+            v,
+            WITH_ENT=ent,
+            BLOCK_V=_block(v),
+            num_warps=8,
+        )
     return z
 
 

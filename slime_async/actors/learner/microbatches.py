@@ -114,9 +114,14 @@ class MicroBatches:
         else:  # each row at its own temperature
             temp_tok = mb.temperature[:, None].expand(valid.shape)[valid]
         lp, ent = chunked_logprobs(
-            h, output_weight(gpt), labels, temp_tok, with_entropy, self.cfg.logprob_chunk_tokens,
+            h,
+            output_weight(gpt),
+            labels,
+            temp_tok,
+            with_entropy,
+            self.cfg.logprob_chunk_tokens,
             fused=self.logprob_kernel == "triton",
-        )  # fmt: skip
+        )
         zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
         logp = zeros.masked_scatter(valid, lp)
         return logp, (zeros.masked_scatter(valid, ent) if ent is not None else None)

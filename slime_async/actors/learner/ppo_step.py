@@ -161,8 +161,9 @@ class PPOStep:
         if float(t) > 0 and self.is_rank0:
             log.warning(
                 "routing replay: %d trajectories carry no routed_experts; they use the "
-                "learner's own routing", int(float(t)),
-            )  # fmt: skip
+                "learner's own routing",
+                int(float(t)),
+            )
         return {M.MOE_REPLAY_MISSING: float(t)}
 
     def _take_routing_counts(self) -> tuple[float, float]:

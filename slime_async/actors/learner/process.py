@@ -217,8 +217,12 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
             cursor = int(learner.loaded_extra.get("buffer_cursor", 0))
             if cursor:
                 retired = rank0.consumer.resume(cursor)
-                log.info("resumed at step %d (buffer cursor %d, %d batches retired)",
-                         learner.step, cursor, retired)  # fmt: skip
+                log.info(
+                    "resumed at step %d (buffer cursor %d, %d batches retired)",
+                    learner.step,
+                    cursor,
+                    retired,
+                )
             buffer_version = int(rank0.consumer.stats().get("version", 0))
             if rank0.pusher is not None:
                 rank0.pusher.connect()
@@ -229,9 +233,12 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
             # the version count from there, or every newer token would be "ahead" of it.
             log.warning(
                 "the buffer announced version %d, this learner (step %d) holds %d: continuing "
-                "from version %d with its weights", buffer_version, learner.step,
-                learner.version, buffer_version,
-            )  # fmt: skip
+                "from version %d with its weights",
+                buffer_version,
+                learner.step,
+                learner.version,
+                buffer_version,
+            )
             learner.version = claimed = buffer_version
         has_pusher = _broadcast_flag(rank0 is not None and rank0.pusher is not None)
         if has_pusher:
@@ -339,8 +346,12 @@ def _train(
             if oldest:
                 info[M.STALENESS_LEARNER_MAX] = learner.version - min(oldest)
                 # The newest token too: fixed lag k means learner_min == learner_max == k.
-                newest = [int(t.versions[t.loss_mask.astype(bool)].max()) for g in given
-                          for t in g if t.loss_mask.any()]  # fmt: skip
+                newest = [
+                    int(t.versions[t.loss_mask.astype(bool)].max())
+                    for g in given
+                    for t in g
+                    if t.loss_mask.any()
+                ]
                 info[M.STALENESS_LEARNER_MIN] = learner.version - max(newest)
         t_train = time.perf_counter()
         m = learner.train_step(groups)
@@ -362,8 +373,9 @@ def _train(
         if rank0 is not None:
             # Announce the version the engines hold as soon as they hold it: admission opens
             # again. Without engines to lag behind, the learner's own version.
-            rank0.consumer.set_version(pushed if has_pusher else learner.version,
-                                       lc.groups_per_step)  # fmt: skip
+            rank0.consumer.set_version(
+                pushed if has_pusher else learner.version, lc.groups_per_step
+            )
             if pushed == learner.version:
                 _request_eval(cfg, rank0, learner, has_pusher, last)
             if m.get(M.BATCH_SKIPPED):
@@ -391,10 +403,16 @@ def _train(
                 rank0.metrics.log(learner.step, record)
             log.info(
                 "step %d reward %.3f acc %.3f staleness %.2f loss %.4f clip %.4f wait %.0f%% "
-                "push %.2fs", learner.step, record.get(M.REWARD, 0.0), record.get(M.ACCURACY, 0.0),
-                record.get(M.STALENESS_MEAN, 0.0), record.get(M.LOSS, 0.0),
-                record.get(M.CLIP_FRAC, 0.0), record[M.LEARNER_WAIT_PCT], push_s,
-            )  # fmt: skip
+                "push %.2fs",
+                learner.step,
+                record.get(M.REWARD, 0.0),
+                record.get(M.ACCURACY, 0.0),
+                record.get(M.STALENESS_MEAN, 0.0),
+                record.get(M.LOSS, 0.0),
+                record.get(M.CLIP_FRAC, 0.0),
+                record[M.LEARNER_WAIT_PCT],
+                push_s,
+            )
         last = learner.step == lc.num_steps
         checkpoint = save_dir is not None and (
             last or (lc.save_interval and learner.step % lc.save_interval == 0)
@@ -423,8 +441,11 @@ def _request_eval(
     if not n or not (v % n == 0 or last) or rank0.eval_pending == v:
         return
     if rank0.run_dir is None or not has_pusher:
-        log.warning("learner.eval_interval = %d: no evaluation without a run directory and "
-                    "engines to push to", n)  # fmt: skip
+        log.warning(
+            "learner.eval_interval = %d: no evaluation without a run directory and "
+            "engines to push to",
+            n,
+        )
         return
     write_json_atomic(request_path(rank0.run_dir, v), {"version": v, "step": learner.step})
     rank0.eval_pending = v
@@ -455,8 +476,9 @@ def _hold_push(cfg: SlimeConfig, rank0: _Rank0, serving: int, last: bool) -> dic
     if rank0.eval_pending is not None:
         out[M.EVAL_HOLD_S], result = _wait_eval(cfg, rank0)
         # The evaluated version's numbers ride on this step's record too (eval/version names it).
-        out.update({k: v for k, v in (result.get("metrics") or {}).items()
-                    if isinstance(v, int | float)})  # fmt: skip
+        out.update(
+            {k: v for k, v in (result.get("metrics") or {}).items() if isinstance(v, int | float)}
+        )
     if cfg.buffer.fixed_lag is not None and not last:
         t0, limit = time.perf_counter(), cfg.buffer.fixed_lag_timeout_s
         while True:

@@ -179,14 +179,17 @@ class Learner(PPOStep, Updates, MicroBatches):
             self.train_model = self.model
         if self.is_rank0:
             log.info(
-                "learner: attention %s, %s micro-batches, optimizer %s, recompute %s, "
-                "log-probs %s",
+                "learner: attention %s, %s micro-batches, optimizer %s, recompute %s, log-probs %s",
                 self.attention,
-                "padded" if not self.pack else "packed" if not self.pack_min_padding
+                "padded"
+                if not self.pack
+                else "packed"
+                if not self.pack_min_padding
                 else f"packed from {self.pack_min_padding:.0%} padding on",
                 self.optimizer_kind,
-                cfg.recompute, self.logprob_kernel,
-            )  # fmt: skip
+                cfg.recompute,
+                self.logprob_kernel,
+            )
         self.ref_model = None
         if cfg.load is not None:
             self.load_checkpoint(cfg.load)

@@ -164,9 +164,10 @@ class Updates:
         else:
             log.warning(
                 "step %d: no update applied (%s): weights and version %d unchanged",
-                self.step, ", ".join(f"{k} x{v}" for k, v in sorted(skipped.items())),
+                self.step,
+                ", ".join(f"{k} x{v}" for k, v in sorted(skipped.items())),
                 self.version,
-            )  # fmt: skip
+            )
         t_opt = time.perf_counter()
 
         merged = merge_metrics(raws)

@@ -182,8 +182,9 @@ class RayRun:
                 "report its node)"
             ) from None
         self.nodes = dict(zip(slots, infos, strict=True))
-        placement = {s.name: {**self.nodes[s], "bundle": self.bundles[i]}
-                     for i, s in enumerate(self.slots)}  # fmt: skip
+        placement = {
+            s.name: {**self.nodes[s], "bundle": self.bundles[i]} for i, s in enumerate(self.slots)
+        }
         (self.run_dir.path / PLACEMENT_JSON).write_text(json.dumps(placement, indent=2) + "\n")
 
     def _new_actor(self, index: int) -> Any:
@@ -227,8 +228,10 @@ class RayRun:
             return ip, ray.get(self.actors[slot].free_ports.remote(ip, n), timeout=CALL_TIMEOUT_S)
 
         bhost, bports = ports("buffer", 2)
-        fixed = [self._fixed_port(e) for e in (self.cfg.buffer.producer_endpoint,
-                                               self.cfg.buffer.consumer_endpoint)]  # fmt: skip
+        fixed = [
+            self._fixed_port(e)
+            for e in (self.cfg.buffer.producer_endpoint, self.cfg.buffer.consumer_endpoint)
+        ]
         bports = [f or p for f, p in zip(fixed, bports, strict=True)]
         engines = []
         if eng.kind == "embedded":

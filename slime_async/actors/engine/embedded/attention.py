@@ -135,9 +135,13 @@ def attend_gathered(
     kb = flat_k.index_select(0, plan.kv_idx).view(plan.n, plan.keys, *flat_k.shape[1:])
     vb = flat_v.index_select(0, plan.kv_idx).view(plan.n, plan.keys, *flat_v.shape[1:])
     o = F.scaled_dot_product_attention(
-        qb, kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=plan.mask, enable_gqa=True,
+        qb,
+        kb.transpose(1, 2),
+        vb.transpose(1, 2),
+        attn_mask=plan.mask,
+        enable_gqa=True,
         scale=scale,
-    )  # fmt: skip
+    )
     o = o.transpose(1, 2).reshape(plan.n * plan.m, H, D)
     return o if plan.tok_rows is None else o.index_select(0, plan.tok_rows)
 
@@ -168,9 +172,26 @@ if triton is not None:
 
     @triton.jit
     def _decode_block(
-        q, K, V, BT, n, h, j, length, scale, m_i, l_i, acc, stride_kb, stride_kt, stride_kh,
-        stride_btn, D: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr,
-    ):  # fmt: skip
+        q,
+        K,
+        V,
+        BT,
+        n,
+        h,
+        j,
+        length,
+        scale,
+        m_i,
+        l_i,
+        acc,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_btn,
+        D: tl.constexpr,
+        BS: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         """One block of one request's keys: the online-softmax update of (m, l, acc)."""
         d = tl.arange(0, D)
         t = tl.arange(0, BS)
@@ -196,11 +217,29 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        Q, K, V, Out, BT, LENS, scale,
-        stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_on, stride_oh, stride_btn,
-        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr,
-        DYNAMIC: tl.constexpr, MAXB: tl.constexpr,
-    ):  # fmt: skip
+        Q,
+        K,
+        V,
+        Out,
+        BT,
+        LENS,
+        scale,
+        stride_qn,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_on,
+        stride_oh,
+        stride_btn,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        D: tl.constexpr,
+        BS: tl.constexpr,
+        IEEE: tl.constexpr,
+        DYNAMIC: tl.constexpr,
+        MAXB: tl.constexpr,
+    ):
         n = tl.program_id(0)
         h = tl.program_id(1)
         length = tl.load(LENS + n)
@@ -219,15 +258,49 @@ if triton is not None:
         if DYNAMIC:  # each program walks only its own blocks
             for j in range(0, tl.cdiv(length, BS)):
                 m_i, l_i, acc = _decode_block(
-                    q, K, V, BT, n, h, j, length, scale, m_i, l_i, acc, stride_kb, stride_kt,
-                    stride_kh, stride_btn, D, BS, IEEE,
-                )  # fmt: skip
+                    q,
+                    K,
+                    V,
+                    BT,
+                    n,
+                    h,
+                    j,
+                    length,
+                    scale,
+                    m_i,
+                    l_i,
+                    acc,
+                    stride_kb,
+                    stride_kt,
+                    stride_kh,
+                    stride_btn,
+                    D,
+                    BS,
+                    IEEE,
+                )
         else:  # Triton's CPU interpreter: the table's width, the rest masked (same result)
             for j in tl.static_range(0, MAXB):
                 m_i, l_i, acc = _decode_block(
-                    q, K, V, BT, n, h, j, length, scale, m_i, l_i, acc, stride_kb, stride_kt,
-                    stride_kh, stride_btn, D, BS, IEEE,
-                )  # fmt: skip
+                    q,
+                    K,
+                    V,
+                    BT,
+                    n,
+                    h,
+                    j,
+                    length,
+                    scale,
+                    m_i,
+                    l_i,
+                    acc,
+                    stride_kb,
+                    stride_kt,
+                    stride_kh,
+                    stride_btn,
+                    D,
+                    BS,
+                    IEEE,
+                )
         out = acc / l_i[:, None]
         tl.store(
             Out + n * stride_on + heads[:, None] * stride_oh + d[None, :],
@@ -260,11 +333,28 @@ def paged_decode(
     q = q.contiguous()
     out = torch.empty_like(q)
     _paged_decode_kernel[(n, Hkv)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), block_tables.stride(0),
-        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, IEEE=q.dtype == torch.float32,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        G=G,
+        GP=max(16, triton.next_power_of_2(G)),
+        D=D,
+        BS=bs,
+        IEEE=q.dtype == torch.float32,
         DYNAMIC=q.device.type == "cuda",
-        MAXB=0 if q.device.type == "cuda" else block_tables.shape[1], num_warps=4,
-    )  # fmt: skip
+        MAXB=0 if q.device.type == "cuda" else block_tables.shape[1],
+        num_warps=4,
+    )
     return out

@@ -158,8 +158,13 @@ def blocks_for_memory(
     budget = int(mem_fraction * total) - ours - reserve_bytes
     budget = min(budget, free - reserve_bytes)
     n = budget // bytes_per_block
-    info = {"total_bytes": total, "free_bytes": free, "weights_bytes": ours,
-            "reserve_bytes": reserve_bytes, "kv_bytes": max(n, 0) * bytes_per_block}  # fmt: skip
+    info = {
+        "total_bytes": total,
+        "free_bytes": free,
+        "weights_bytes": ours,
+        "reserve_bytes": reserve_bytes,
+        "kv_bytes": max(n, 0) * bytes_per_block,
+    }
     if n < 2:
         raise ValueError(
             f"engine.mem_fraction={mem_fraction}: no room for a KV cache on {device} "

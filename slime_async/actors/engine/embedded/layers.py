@@ -146,8 +146,19 @@ class FusedLayerMath(LayerMath):
 
     def attn_in(self, li, h, cos, sin):
         w = self.w[li]
-        return self._in(h, w["ln"], self.eps, w["qkv"], w["qkv_b"], w["qn"], w["kn"], cos, sin,
-                        self.nq, self.nkv)  # fmt: skip
+        return self._in(
+            h,
+            w["ln"],
+            self.eps,
+            w["qkv"],
+            w["qkv_b"],
+            w["qn"],
+            w["kn"],
+            cos,
+            sin,
+            self.nq,
+            self.nkv,
+        )
 
     def attn_out(self, li, h, o):
         w = self.w[li]

@@ -109,12 +109,16 @@ class ModelRunner:
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
         self.pool = BlockPool(num_blocks, block_size)
-        self.memory.update(num_blocks=num_blocks, block_size=block_size,
-                           kv_bytes=num_blocks * per_block)  # fmt: skip
+        self.memory.update(
+            num_blocks=num_blocks, block_size=block_size, kv_bytes=num_blocks * per_block
+        )
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens)",
-            num_blocks, block_size, num_blocks * per_block / 2**30, num_blocks * block_size,
-        )  # fmt: skip
+            num_blocks,
+            block_size,
+            num_blocks * per_block / 2**30,
+            num_blocks * block_size,
+        )
         self.decode_attention = self._pick_attention(decode_attention)
         self.graphs = None  # cuda_graphs.DecodeGraphs once captured
 
@@ -159,17 +163,20 @@ class ModelRunner:
         try:
             g = torch.Generator(device=self.device).manual_seed(0)
             nb, bs = 9, self.block_size
-            kc = torch.randn(nb, bs, self.num_kv_heads, self.head_dim, generator=g,
-                             device=self.device).to(self.dtype)  # fmt: skip
+            kc = torch.randn(
+                nb, bs, self.num_kv_heads, self.head_dim, generator=g, device=self.device
+            ).to(self.dtype)
             vc = torch.randn(kc.shape, generator=g, device=self.device).to(self.dtype)
             q = torch.randn(3, self.num_heads, self.head_dim, generator=g, device=self.device)
             q = q.to(self.dtype)
-            bt = torch.tensor([[3, 1, 4, 1], [5, 8, 2, 6], [7, 0, 0, 0]], dtype=torch.int32,
-                              device=self.device)  # fmt: skip
+            bt = torch.tensor(
+                [[3, 1, 4, 1], [5, 8, 2, 6], [7, 0, 0, 0]], dtype=torch.int32, device=self.device
+            )
             lens = torch.tensor([bs * 3 + 1, bs * 4, 1], dtype=torch.int32, device=self.device)
             got = attention.paged_decode(q, kc, vc, bt, lens, self.head_dim**-0.5).float()
-            ref = attention.decode_reference(q.float(), kc.float(), vc.float(), bt, lens,
-                                             self.head_dim**-0.5)  # fmt: skip
+            ref = attention.decode_reference(
+                q.float(), kc.float(), vc.float(), bt, lens, self.head_dim**-0.5
+            )
             err = ((got - ref).norm() / ref.norm()).item()
             tol = 1e-4 if self.dtype == torch.float32 else 2e-2
             return None if err < tol else f"relative error {err:.2e} > {tol}"
@@ -250,9 +257,16 @@ class ModelRunner:
 
         def attend(li: int, q: torch.Tensor) -> torch.Tensor:
             return attention.gathered_attention(
-                q, self.k_cache[li], self.v_cache[li], q_rows, q_pos, kv_slots, kv_len,
-                self._scale, tok_rows,
-            )  # fmt: skip
+                q,
+                self.k_cache[li],
+                self.v_cache[li],
+                q_rows,
+                q_pos,
+                kv_slots,
+                kv_len,
+                self._scale,
+                tok_rows,
+            )
 
         h = self._forward(ids, pos, slots, attend)
         last = (offs + torch.tensor(lens_new) - 1).to(dev)

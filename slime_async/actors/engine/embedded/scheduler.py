@@ -194,10 +194,15 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         pool = self.runner.pool
-        return {"prefill_tokens": self.prefill_tokens, "cached_tokens": self.cached_tokens,
-                "retractions": self.retractions, "wasted_decode_rows": self.wasted_rows,
-                "prefix_evictions": pool.evictions, "kv_blocks_free": pool.available,
-                "kv_blocks_total": pool.num_blocks - 1}  # fmt: skip
+        return {
+            "prefill_tokens": self.prefill_tokens,
+            "cached_tokens": self.cached_tokens,
+            "retractions": self.retractions,
+            "wasted_decode_rows": self.wasted_rows,
+            "prefix_evictions": pool.evictions,
+            "kv_blocks_free": pool.available,
+            "kv_blocks_total": pool.num_blocks - 1,
+        }
 
     # ---- commands (run on the scheduler thread through call()) --------------------------------
 
@@ -357,8 +362,10 @@ class Scheduler:
                     pool.release(shared)
                     if not admitted and not self._running:  # can never fit
                         self._waiting.popleft()
-                        r.error = (f"request of {n} tokens needs {need} KV blocks; the cache has "
-                                   f"{pool.available} (engine.mem_fraction / block_size)")  # fmt: skip
+                        r.error = (
+                            f"request of {n} tokens needs {need} KV blocks; the cache has "
+                            f"{pool.available} (engine.mem_fraction / block_size)"
+                        )
                         log.error("refused %s: %s", r.rid, r.error)
                         self._finish(r, {"type": "abort", "message": r.error})
                         continue
@@ -486,8 +493,11 @@ class Scheduler:
         self.retractions += 1
         log.warning(
             "KV cache full: request %s retracted after %d tokens (re-queued, recomputed later; "
-            "%d retractions so far)", r.rid, len(r.output_ids), self.retractions,
-        )  # fmt: skip
+            "%d retractions so far)",
+            r.rid,
+            len(r.output_ids),
+            self.retractions,
+        )
         self._running.remove(r)
         self._unplace(r)
         with self._cv:
@@ -501,8 +511,11 @@ class Scheduler:
             slots = torch.tensor([r.slot for r in rows], dtype=torch.long)
         temperature, top_k, top_p = self._temp[slots], self._top_k[slots], self._top_p[slots]
         ban_rows, ban_ids = [], []
-        extras = [(i, r) for i, r in enumerate(rows) if r.params.min_new_tokens or
-                  r.generator is not None or r.top_logprobs_num]  # fmt: skip
+        extras = [
+            (i, r)
+            for i, r in enumerate(rows)
+            if r.params.min_new_tokens or r.generator is not None or r.top_logprobs_num
+        ]
         for i, r in extras:  # min_new_tokens: stop tokens cannot be drawn yet
             if r.issued < r.params.min_new_tokens and r.stop_set:
                 ban_rows += [i] * len(r.stop_set)
@@ -510,10 +523,12 @@ class Scheduler:
         if ban_rows:
             # Out of place: the runner's logits are a graph's output or inference tensors.
             logits = logits.index_put(
-                (torch.tensor(ban_rows, device=logits.device),
-                 torch.tensor(ban_ids, device=logits.device)),
+                (
+                    torch.tensor(ban_rows, device=logits.device),
+                    torch.tensor(ban_ids, device=logits.device),
+                ),
                 torch.tensor(float("-inf"), device=logits.device),
-            )  # fmt: skip
+            )
         row_gens = None
         if any(r.generator is not None for _, r in extras):
             row_gens = [r.generator for r in rows]

@@ -465,8 +465,9 @@ class EmbeddedEngine:
             self.routed_recomputed_after_update += 1
             log.warning(
                 "request %s spans %d weight versions: its routed experts are those of the newest",
-                r.rid, versions,
-            )  # fmt: skip
+                r.rid,
+                versions,
+            )
         tokens = list(r.input_ids) + ids
         routed = await self._on_scheduler(
             lambda: families.routed_experts(self.runner.model, tokens)
@@ -497,8 +498,12 @@ class EmbeddedEngine:
         if early.status != 200 or self.scheduler.paused:
             return early
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        r = Request("HEALTH_CHECK", [int(next(iter(self.runner.eos_token_ids), 0))], params,
-                    on_done=lambda r: None)  # fmt: skip
+        r = Request(
+            "HEALTH_CHECK",
+            [int(next(iter(self.runner.eos_token_ids), 0))],
+            params,
+            on_done=lambda r: None,
+        )
         await self._run(r)
         return web.Response(status=200 if not r.error else 503)
 
