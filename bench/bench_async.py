@@ -11,7 +11,7 @@ waits for training, bounded by `buffer.max_staleness`). Prints wall-clock time o
 span (learner ready -> last step), the speedup, generator idle % (no rollout in flight), learner
 idle % (waiting for a batch), tokens/s and the reward (mean of the first and of the last 10 steps).
 
-Equal work, not time per step (issue 15): both runs evaluate the policy every `--eval-interval`
+Equal work, not time per step: both runs evaluate the policy every `--eval-interval`
 versions on the held-out set (pinned evaluation, `learner.eval_interval`), and the comparison is
 (a) the wall-clock each needs to first reach sync's final evaluation accuracy (the "time to
 accuracy" ratio, AReaL's 2.77x), and (b) trained tokens per second (the async run may train

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# The GPU figures of the README, on a machine with two H200s (the device tool's nvidia-h200-x2):
+# The GPU figures of docs/performance.md, on a machine with two H200s:
 #   push   weight push over NCCL vs a raw NCCL broadcast of the same buckets
 #   e2e    the two-GPU run: embedded engine on GPU 0, learner on GPU 1 (configs/gpu_two_h200.toml)
 #   async  bench_async.py on the same config: sync vs async, same steps
 #   buffer the buffer benchmark pinned to two of the host's cores (BUFFER_CPUS, default 0,1), then
 #          the trajectory codec's (compiled against reference path)
-#   engine the embedded engine on one GPU: its -m gpu tests, the decode kernels, the issue-18
+#   engine the embedded engine on one GPU: its -m gpu tests, the decode kernels, the throughput
 #          table (1/64/128/256 concurrent vs HF generate); engine_grpo: the GRPO-shaped load with
 #          prompt sharing on and off, and peak memory against engine.mem_fraction
 #   learner the learner on one GPU: its -m gpu tests (megatron optimizer vs MasterAdamW, packed
 #          vs padded, recomputation, export after DistributedOptimizer steps, resume, the
 #          Triton log-prob kernels), then bench_learner.py --full (0.51B Qwen3 shape, 8 x 1,024
 #          vs HF; RL lengths auto / packed / padded; plain megatron-core step; recomputation;
-#          the old options; LEARNER_BENCH_ARGS may add --variants and --profile "$OUT")
+#          the options without fast paths; LEARNER_BENCH_ARGS may add --variants and --profile "$OUT")
 #   onegpu the quickstart (4 steps) on one GPU: engine on the CPU, engine on the learner's GPU
 #          (push over gloo, engine.push_backend = auto), and the latter with NCCL forced
 #   SUITE="push e2e" bash bench/gpu_suite.sh [overrides for the e2e/async runs...]
 # The image has torch and transformers but not megatron-core, pyzmq or pydantic: their wheels
-# travel in .whl/ (README, "Development").
+# travel in .whl/ (docs/development.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_suite}
 SUITE=${SUITE:-push e2e buffer}

@@ -9,9 +9,9 @@
     def advantage(inp: AdvantageInput, cfg: AlgoConfig, state: dict) -> Tensor: ...  # algo.advantage
 
 This import path is stable: the modules behind it may move, these names stay. Each object's own
-docstring documents it; docs/plugins.md is the reference of every object and field, and the
-README's "Rollout plugins" and "Algorithms" sections show complete plug-ins. Plug-ins are named
-in the config by registered name or by `package.module:function`.
+docstring documents it; docs/plugins.md is the reference of every object and field, the README
+shows a complete rollout plug-in and docs/algorithms.md the loss and advantage contracts.
+Plug-ins are named in the config by registered name or by `package.module:function`.
 """
 
 from slime_async.actors.generator.lifecycle import SetupContext

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The staleness grid and sync-vs-async on a lent GPU host (one H200, 16 cores) in one call of a
-# few minutes (docs/staleness.md "On a lent GPU host"). Run from the repository root:
+# few minutes (docs/staleness.md, "The experiment"). Run from the repository root:
 #
 #   OUT=/some/dir TIME_LIMIT=300 bash configs/staleness/h200.sh
 #
-# 1. Pilot (device choice): the grid's on-policy point, 10 steps, once with the learner and the
+# 1. Pilot (device choice): the grid's on-policy point, 6 steps, once with the learner and the
 #    engine on the GPU (many small runs share it) and once on the cores, both at once. The grid
 #    runs where the pilot ran faster (GPU only if it took under 0.75x the cores' time).
 # 2. The grid (`slime-async sweep`, JOBS points at once, stopping itself by TIME_LIMIT s) and

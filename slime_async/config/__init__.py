@@ -151,7 +151,7 @@ def _check_across_sections(cfg: SlimeConfig) -> None:
 
 
 def _check_staleness_research(cfg: SlimeConfig) -> None:
-    """Fixed lag and pinned evaluation (issue 15): refuse what could not deliver them."""
+    """Fixed lag and pinned evaluation: refuse what could not deliver them."""
     k = cfg.buffer.fixed_lag
     if k is not None:
         if cfg.learner.push_interval != 1:

@@ -67,7 +67,7 @@ class BufferConfig(Section):
     """Clients raise BufferUnavailable after trying this long without any answer."""
     curve: CurveConfig = CurveConfig()
     """CurveZMQ authentication and encryption."""
-    # ----- hostile input and bounded memory (issue 16)
+    # ----- hostile input and bounded memory
     max_get_wait_s: float = Field(600.0, gt=0)
     """Longest `timeout_s` a get may ask the buffer to hold it (longer ones are refused)."""
     max_version_jump: int = Field(1000, ge=1)
@@ -89,7 +89,7 @@ class BufferConfig(Section):
     peer_timeout_s: float = Field(30.0, gt=0)
     """ZeroMQ heartbeats: a client connection silent for this long is closed, so a vanished
     client's session (its producer or consumer id) is released."""
-    # ----- fixed lag (issue 15): clean staleness ablations
+    # ----- fixed lag: clean staleness ablations
     fixed_lag: int | None = Field(None, ge=0)
     """Train every batch exactly this many versions after the policy that generated it (None:
     off, the staleness bound alone). Admission grants groups_per_step groups per version (the

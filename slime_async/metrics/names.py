@@ -121,7 +121,7 @@ BUF_DISCONNECTS = "disconnects"
 BUF_VERSION_REWINDS = "version_rewinds"
 """Stats `counts`: version announcements that went back (a restarted learner's new session)."""
 
-# ----- learner records (issue 14): mini-batch updates, skips, stale tokens, pi_prox -------------
+# ----- learner records: mini-batch updates, skips, stale tokens, pi_prox -----------------------
 UPDATES = "learner/updates"
 """Optimizer updates applied in this step (ppo_epochs x mini_batches, less the skipped ones)."""
 SKIPPED_UPDATES = "learner/skipped_updates"
@@ -175,7 +175,7 @@ PACKED_MICRO_BATCHES = "learner/packed_micro_batches"
 learner.pack_sequences unset (auto) a mini-batch is packed when padded micro-batches would spend
 at least learner.pack_min_padding of their tokens on padding."""
 
-# ----- staleness research (issue 15): fixed lag, pinned evaluation, sweeps ----------------------
+# ----- staleness research: fixed lag, pinned evaluation, sweeps ---------------------------------
 STALENESS_LEARNER_MIN = "staleness/learner_min"
 """The learner's own version before the step minus the NEWEST model-token version of the batch:
 with staleness/learner_max, the range of lags actually trained (fixed lag k: both equal k)."""

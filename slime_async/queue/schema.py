@@ -18,7 +18,7 @@ received bytes (no copy until the consumer's one). The reference path is msgpack
 `_checked`, which names the first bad field: anything the compiled path does not accept at once
 (bad input, or an unusual but valid map, such as a schema of `true`) is decided there, so both
 give the same answer and the same error. Both write the same bytes. `bench/bench_codec.py`
-times one against the other (the README's performance section has the figures).
+times one against the other (docs/performance.md has the figures).
 """
 
 from __future__ import annotations

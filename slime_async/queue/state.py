@@ -234,7 +234,7 @@ class BufferState:
                 self.admission.use(pid)
         self._log(W.PUT, {"p": pid, "s": seq}, blobs)
         self._apply_put(pid, seq, blobs, trajs)
-        late = self.drop_fixed_lag()  # buffer.fixed_lag (issue 15): spans versions, or too late
+        late = self.drop_fixed_lag()  # buffer.fixed_lag: spans versions, or too late
         stale = self.drop_stale([t.group_id for t in trajs])
         if stale or (late and set(late) & {t.group_id for t in trajs}):
             return AckStatus.STALE

@@ -296,7 +296,7 @@ def watch_parent(fd: int, lock_path: str, children_path: str, grace_s: float) ->
     in `children_path` ({role: [pid, start time]}) and record none.
 
     A dying process releases its files one by one: the pipe's EOF can arrive while its lock is
-    still held for a moment (seen under load, issue 16). So a lock still held by the dead
+    still held for a moment (seen under load). So a lock still held by the dead
     supervisor (its pid is in the file) is waited for, bounded; a lock held by anyone else (a
     new owner) means there is nothing to do."""
     parent = os.getppid()

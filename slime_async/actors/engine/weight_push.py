@@ -29,8 +29,8 @@ then true and the learner pushes again, which rebuilds the group with the live e
 continues them. The rebuild closes the learner's end of the old group FIRST (dropping every
 reference, so the backend closes its connections): a member still waiting in that group's
 broadcast then fails at once and serves the destroy and init calls, which SGLang runs on the same
-scheduler thread; the other order left it blocked until its own weight-sync timeout (300 s) while
-the learner waited for it (issue 12). A handshake that does not complete names each engine that did
+scheduler thread; the other order leaves it blocked until its own weight-sync timeout (300 s)
+while the learner waits for it. A handshake that does not complete names each engine that did
 not join and what it says of itself (GET /server_info). Only SGLang's fields are used, so the same code pushes to real SGLang servers
 (give it the engines' own URLs, not a router's). Each engine's ranks come from /server_info:
 tp_size * pp_size * (dp_size unless enable_dp_attention). Memory: one bucket at a time (the
@@ -392,7 +392,7 @@ class WeightPusher:
         a member may still sit in the broadcast on its scheduler thread, where it cannot serve
         the destroy call (nor the next group's init: SGLang runs both on the same thread);
         closing our end of the group ends that broadcast with an error at once. The other order
-        left the member busy until the destroy call's own timeout (issue 12)."""
+        leaves the member busy until the destroy call's own timeout."""
         if self.group is None:
             return
         group, self.group = self.group, None

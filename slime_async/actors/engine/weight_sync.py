@@ -48,7 +48,7 @@ class WeightGroup:
         """Forget the group here. Its connections close only when the backend object is freed
         (neither `abort()` nor `shutdown()` closes gloo's, measured with torch 2.13): the caller
         drops every reference (`WeightPusher._destroy`), and a peer still waiting in one of its
-        collectives then fails at once instead of waiting out its timeout (issue 12)."""
+        collectives then fails at once instead of waiting out its timeout."""
         dist.destroy_process_group(self.pg)
 
 
