@@ -52,7 +52,7 @@ from transformers import AutoModelForCausalLM
 from slime_async.actors.engine.client import EngineClient
 from slime_async.actors.engine.weight_push import WeightPusher
 from slime_async.actors.engine.weight_sync import init_weight_group
-from slime_async.testing.models import (
+from slime_async.models.toy import (
     QWEN3_05B_SHAPE,
     char_tokenizer,
     make_tiny_model,

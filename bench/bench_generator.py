@@ -27,8 +27,8 @@ from slime_async.actors.generator.loop import Generator
 from slime_async.actors.generator.rollout import ROLLOUTS, RolloutContext, Sample, Transcript
 from slime_async.config import BufferConfig, GeneratorConfig, SamplingConfig
 from slime_async.models.tokenizer import load_tokenizer
+from slime_async.models.toy import make_tiny_model
 from slime_async.queue.client import ProducerClient
-from slime_async.testing.models import make_tiny_model
 from slime_async.utils.procs import Child, free_port, python_module, tcp_ready, wait_until
 
 GROUP = 8

@@ -47,8 +47,8 @@ from slime_async.actors.learner.batch import TrainGroup
 from slime_async.actors.learner.optim import MasterAdamW
 from slime_async.actors.learner.trainer import Learner
 from slime_async.config import AlgoConfig, LearnerConfig
+from slime_async.models.toy import char_tokenizer, save_tokenizer, tiny_config
 from slime_async.queue.schema import Trajectory
-from slime_async.testing.models import char_tokenizer, save_tokenizer, tiny_config
 
 
 def make_model_dir(out: Path, args) -> Path:

@@ -52,7 +52,7 @@ for part in $SUITE; do
     engine)
       echo "== embedded engine: -m gpu tests"
       timeout "${ENGINE_TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-        tests/test_engine_runner.py 2>&1 | tee "$OUT/engine_tests.log" | tail -15
+        tests/gpu/test_engine_gpu.py 2>&1 | tee "$OUT/engine_tests.log" | tail -15
       echo "== embedded engine: decode kernels and steps"
       timeout "${KERNELS_S:-150}" python3 bench/bench_engine.py --kernels --model qwen3-0.5b \
         --device cuda 2>&1 | grep -v -i warn | tee "$OUT/engine_kernels.log"
@@ -67,7 +67,7 @@ for part in $SUITE; do
     learner)
       echo "== learner: -m gpu tests"
       timeout "${LEARNER_TEST_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-        tests/test_learner_gpu.py 2>&1 | tee "$OUT/learner_tests.log" | tail -25
+        tests/gpu/test_learner_gpu.py 2>&1 | tee "$OUT/learner_tests.log" | tail -25
       echo "== learner benchmark"
       # shellcheck disable=SC2086
       timeout "${LEARNER_BENCH_S:-200}" python3 bench/bench_learner.py \

@@ -1,7 +1,7 @@
 """The quickstart's base model: a tiny Qwen3-shaped model warmed up with the learner's SFT mode.
 
 No model hub is reachable, so the project makes its own starting point: a random-init tiny model
-with the char tokenizer (slime_async/testing/models.py), then a short supervised warm-up on worked
+with the char tokenizer (slime_async/models/toy.py), then a short supervised warm-up on worked
 solutions of the arithmetic task (examples/arithmetic/task.py), through the same Megatron-core
 learner that does RL. The quickstart's problems add 2-8 one-digit numbers (the number of operands
 has a long tail, so response lengths do too).
@@ -65,7 +65,7 @@ def build_base_model(
     from examples.arithmetic.task import sft_examples
     from slime_async.actors.learner.trainer import Learner
     from slime_async.models.tokenizer import load_tokenizer
-    from slime_async.testing.models import make_tiny_model
+    from slime_async.models.toy import make_tiny_model
 
     # megatron-core warns that Transformer Engine and Apex are absent: expected on a CPU.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|cuda_graph_scope).*")

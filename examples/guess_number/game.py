@@ -143,7 +143,7 @@ async def _wait_healthy(judge: Judge, timeout_s: float) -> None:
 
 def prepare(cfg: Any) -> None:
     """`run.prepare` hook: the example's tiny model in its own cache (`MODEL`) when missing."""
-    from slime_async.testing.models import make_tiny_model
+    from slime_async.models.toy import make_tiny_model
 
     if not (MODEL / "config.json").exists():
         print(f"writing the guess-the-number example's tiny model to {MODEL}")

@@ -57,7 +57,7 @@ def prepare(cfg: Any) -> None:
     """`run.prepare` hook: the dataset and a random-init Qwen3-shaped ~0.5B model, built in the
     hook's own cache (`DATASET`, `MODEL`: what configs/gpu_two_h200.toml names) when missing;
     never written to a path the config names."""
-    from slime_async.testing.models import QWEN3_05B_SHAPE, make_tiny_model
+    from slime_async.models.toy import QWEN3_05B_SHAPE, make_tiny_model
 
     if not DATASET.exists():
         make_dataset(DATASET, 20000, seed=0, max_len=cfg.generator.sampling.max_new_tokens)

@@ -1,7 +1,7 @@
-"""Builders for tests, benchmarks and the examples' toy models; runtime code never imports this.
+"""Builders that the benchmarks and the tests share; runtime code never imports this.
 
-models.py        tiny HF models of the supported families and a character tokenizer
 trajectories.py  synthetic trajectories and groups for the buffer
-router.py        the real sglang-router as a child process, for tests
-run_config.py    the TOML of a tiny `slime-async run` on CPU, for tests that start whole runs
+
+The toy models and the character tokenizer are runtime code (`slime_async.models.toy`): the
+quickstart and the examples use them too. Helpers only the tests use live in `tests/support/`.
 """

@@ -1,0 +1,184 @@
+"""Typed config: composition, overrides, errors naming key and file, docs on every field."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from pydantic import BaseModel
+
+from slime_async.config import ConfigError, Section, SlimeConfig, load_config
+from tests.support.repo import REPO
+
+ALL_TOMLS = sorted([*REPO.glob("configs/**/*.toml"), *REPO.glob("examples/**/*.toml")])
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert isinstance(cfg, SlimeConfig)
+    assert cfg.buffer.producer_endpoint.startswith("tcp://127.0.0.1")
+
+
+def test_files_compose_and_overrides_win(tmp_path):
+    a = write(tmp_path, "a.toml", "[learner]\nlr = 1e-3\nnum_steps = 5\n[run]\nmode = 'sync'\n")
+    b = write(tmp_path, "b.toml", "[learner]\nlr = 2e-3\n")
+    cfg = load_config([a, b], ["learner.num_steps=7", "generator.sampling.top_k=4"])
+    assert cfg.learner.lr == 2e-3
+    assert cfg.learner.num_steps == 7
+    assert cfg.run.mode == "sync"
+    assert cfg.generator.sampling.top_k == 4
+
+
+def test_override_values_parse_as_toml_or_string():
+    cfg = load_config(
+        [], ["engine.urls=['http://127.0.0.1:1']", "run.name=my-run", "buffer.wal_dir=wal"]
+    )
+    assert cfg.engine.urls == ["http://127.0.0.1:1"]
+    assert cfg.run.name == "my-run"
+    assert cfg.buffer.wal_dir == "wal"
+
+
+def test_misspelled_key_names_key_and_file(tmp_path):
+    bad = write(tmp_path, "bad.toml", "[learner]\nlrr = 1e-5\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([bad])
+    msg = str(e.value)
+    assert "learner.lrr" in msg and str(bad) in msg and "did you mean 'lr'" in msg
+
+
+def test_unknown_section_names_file(tmp_path):
+    bad = write(tmp_path, "bad.toml", "[lerner]\nlr = 1e-5\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml: unknown key 'lerner'"):
+        load_config([bad])
+
+
+def test_wrong_type_names_key_and_origin(tmp_path):
+    good = write(tmp_path, "good.toml", "[learner]\nnum_steps = 3\n")
+    with pytest.raises(ConfigError, match=r"command line: 'learner.num_steps'"):
+        load_config([good], ["learner.num_steps=abc"])
+    bad = write(tmp_path, "typed.toml", "[run]\nmode = 'sideways'\n")
+    with pytest.raises(ConfigError, match=r"typed\.toml: 'run.mode'"):
+        load_config([bad])
+
+
+def test_missing_file_and_bad_toml_and_bad_override(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config([tmp_path / "nope.toml"])
+    broken = write(tmp_path, "broken.toml", "[learner\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config([broken])
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
+        load_config([], ["=3"])
+
+
+def test_resolved_config_round_trips_as_json(tmp_path):
+    cfg = load_config([], ["learner.lr=3e-4"])
+    cfg.write_json(tmp_path / "config.json")
+    assert json.loads((tmp_path / "config.json").read_text())["learner"]["lr"] == 3e-4
+    assert SlimeConfig.read_json(tmp_path / "config.json") == cfg
+
+
+def _sections(model: type[BaseModel], prefix=""):
+    for name, field in model.model_fields.items():
+        yield f"{prefix}{name}", field
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, Section):
+            yield from _sections(ann, f"{prefix}{name}.")
+
+
+def test_every_field_has_a_one_line_description():
+    missing = [k for k, f in _sections(SlimeConfig) if not (f.description or "").strip()]
+    assert not missing, f"fields without a docstring: {missing}"
+
+
+@pytest.mark.parametrize("path", ALL_TOMLS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_shipped_toml_validates(path):
+    load_config([path])
+
+
+def test_config_import_is_light():
+    code = (
+        "import sys, slime_async.cli, slime_async.config;"
+        "bad=[m for m in ('torch','megatron','zmq','transformers') if m in sys.modules];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_help_lists_commands():
+    out = subprocess.run(
+        [sys.executable, "-m", "slime_async", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "config" in out
+
+
+def test_cli_reports_config_errors(tmp_path):
+    bad = write(tmp_path, "bad.toml", "[buffer]\nmax_stalenes = 2\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "slime_async", "config", str(bad)], capture_output=True, text=True
+    )
+    assert r.returncode == 2
+    assert "buffer.max_stalenes" in r.stderr and str(bad) in r.stderr
+
+
+def test_sync_mode_means_no_staleness_and_push_every_step():
+    cfg = load_config([], ["run.mode=sync", "buffer.max_staleness=3", "learner.push_interval=4"])
+    assert cfg.buffer.max_staleness == 0 and cfg.learner.push_interval == 1
+    cfg = load_config([], ["buffer.max_staleness=3", "learner.push_interval=4"])
+    assert cfg.buffer.max_staleness == 3 and cfg.learner.push_interval == 4
+
+
+def test_buffer_step_size_follows_the_learner_unless_set():
+    assert load_config([], ["learner.groups_per_step=5"]).buffer.groups_per_step == 5
+    cfg = load_config([], ["learner.groups_per_step=5", "buffer.groups_per_step=7"])
+    assert cfg.buffer.groups_per_step == 7
+
+
+def test_push_interval_beyond_the_staleness_bound_is_refused():
+    """The engines lag the learner by up to push_interval - 1 versions: a bound below that would
+    hold no admissible batch and hang the run (issue 14 item 1)."""
+    with pytest.raises(ConfigError) as e:
+        load_config([], ["learner.push_interval=4", "buffer.max_staleness=1"])
+    msg = str(e.value)
+    assert "learner.push_interval" in msg and "buffer.max_staleness" in msg and ">= 3" in msg
+    assert "got {" not in msg  # the message, not a dump of the whole config
+    assert load_config([], ["learner.push_interval=4", "buffer.max_staleness=3"])
+    # Sync mode sets both itself.
+    assert load_config([], ["run.mode=sync", "learner.push_interval=4", "buffer.max_staleness=1"])
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo"])
+def test_group_size_too_small_for_the_estimator_is_refused(advantage):
+    with pytest.raises(ConfigError, match=r"generator\.group_size >= 2") as e:
+        load_config([], [f"algo.advantage={advantage}", "generator.group_size=1"])
+    assert "algo.advantage" in str(e.value)
+    load_config([], ["algo.advantage=reinforce", "generator.group_size=1"])
+
+
+def test_k1_as_a_kl_loss_is_accepted_and_the_group_size_table_agrees_with_algos():
+    # k1 gets the gradient of KL(pi || ref) in algos/kl.py, so it is a valid penalty.
+    load_config([], ["algo.kl_coef=0.1", "algo.kl_estimator=k1"])
+    from slime_async.algos import ADVANTAGES, min_group_size
+    from slime_async.config import _MIN_GROUP_SIZE
+
+    for name in ADVANTAGES.names():
+        assert _MIN_GROUP_SIZE.get(name, 1) == min_group_size(name), name
+
+
+def test_more_mini_batches_than_trajectories_is_refused():
+    over = ["learner.groups_per_step=1", "generator.group_size=2", "algo.mini_batches=3"]
+    with pytest.raises(ConfigError, match=r"algo\.mini_batches = 3"):
+        load_config([], over)
+
+
+def test_stale_policy_defaults_to_keep_and_is_validated():
+    assert load_config().buffer.stale_policy == "keep"
+    assert load_config([], ["buffer.stale_policy=drop"]).buffer.stale_policy == "drop"
+    with pytest.raises(ConfigError, match="stale_policy"):
+        load_config([], ["buffer.stale_policy=discard"])

@@ -1,0 +1,255 @@
+"""The paged-KV model runner and the scheduler reproduce HF transformers' greedy decoding on the CPU
+(the CUDA paths: tests/gpu/test_engine_gpu.py)."""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from slime_async.actors.engine.embedded import attention
+from slime_async.actors.engine.embedded.model_runner import ModelRunner
+from slime_async.actors.engine.embedded.sampling import SamplingParams
+from slime_async.actors.engine.embedded.scheduler import Scheduler
+from slime_async.models.toy import make_tiny_model
+from tests.support.engine_util import PROMPTS, greedy_with_runner, hf_greedy, random_paged, run_all
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    d = make_tiny_model(tmp_path_factory.mktemp("m") / "qwen3", family="qwen3", seed=5)
+    return d, AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
+
+
+@pytest.mark.parametrize(
+    "family,math_path",
+    [("llama", "hf"), ("qwen2", "hf"), ("qwen3", "hf"), ("qwen3", "fused"), ("qwen2", "fused")],
+)
+def test_packed_prefill_and_paged_decode_match_hf(tmp_path, family, math_path):
+    d = make_tiny_model(
+        tmp_path / family, family=family, seed=3, tie_word_embeddings=family == "qwen2"
+    )
+    # block_size 4: prompts span several blocks, handed out in an interleaved order.
+    runner = ModelRunner(
+        d, max_slots=8, max_context_len=64, block_size=4, fused=math_path == "fused", compile=False
+    )
+    runner.pool.allocate(3)  # tables do not start at block 1
+    hf = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
+    toks, lps = greedy_with_runner(runner, PROMPTS, 12)
+    for i, p in enumerate(PROMPTS):
+        ref_tokens, ref_logps = hf_greedy(hf, p, 12)
+        assert toks[i] == ref_tokens, f"prompt {i}"
+        torch.testing.assert_close(torch.tensor(lps[i]), torch.tensor(ref_logps), atol=1e-4, rtol=0)
+
+
+def test_fused_weights_are_views_so_updates_reach_them(qwen3, tmp_path):
+    """FusedLayerMath packs q|k|v and gate|up; a weight load must change the packed tensors."""
+    d, _ = qwen3
+    runner = ModelRunner(d, max_slots=2, max_context_len=32, fused=True, compile=False)
+    layer = runner.layers[0]
+    new = torch.randn_like(layer.self_attn.k_proj.weight)
+    runner.load_weights([("model.layers.0.self_attn.k_proj.weight", new)])
+    q_rows = layer.self_attn.q_proj.weight.shape[0]
+    packed = runner.math.w[0]["qkv"]
+    torch.testing.assert_close(packed[q_rows : q_rows + new.shape[0]], new)
+
+
+def test_unsupported_family_is_named(tmp_path):
+    cfg = AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=32)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not served"):
+        ModelRunner(tmp_path / "gpt2")
+
+
+def _assert_hf(hf, reqs, prompts, lengths):
+    for r, p, n in zip(reqs, prompts, lengths, strict=True):
+        ref_tokens, ref_logps = hf_greedy(hf, p, n)
+        assert r.output_ids == ref_tokens and r.finish_reason == {"type": "length", "length": n}
+        torch.testing.assert_close(
+            torch.tensor(r.output_logprobs), torch.tensor(ref_logps), atol=1e-4, rtol=0
+        )
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_requests_leaving_at_different_steps_free_blocks_and_equal_hf(qwen3, overlap):
+    """More requests than slots; they leave at different steps and their blocks are reused."""
+    d, hf = qwen3
+    runner = ModelRunner(d, max_slots=3, max_context_len=64, block_size=4)
+    sched = Scheduler(runner, overlap=overlap, prefix_sharing=False)
+    sched.start()
+    try:
+        lengths = [3, 9, 1, 6, 12, 4]
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(lengths))]
+        params = [
+            SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths
+        ]
+        reqs = run_all(sched, prompts, params)
+    finally:
+        sched.stop()
+    _assert_hf(hf, reqs, prompts, lengths)
+    assert runner.pool.in_use() == 0  # every block came back
+
+
+def test_a_full_cache_retracts_and_recomputes(qwen3):
+    """A cache too small for every running request: the newest is retracted (counted), re-queued,
+    recomputed, and every output still equals HF greedy."""
+    d, hf = qwen3
+    # 4 requests x (9 + 14 tokens) need 24 blocks of 4; the cache has 12 (+ scratch).
+    runner = ModelRunner(d, max_slots=4, max_context_len=64, block_size=4, num_blocks=13)
+    sched = Scheduler(runner, prefix_sharing=False)
+    sched.start()
+    try:
+        prompts = [PROMPTS[2]] * 4
+        params = [SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)] * 4
+        reqs = run_all(sched, prompts, params)
+    finally:
+        sched.stop()
+    _assert_hf(hf, reqs, prompts, [14] * 4)
+    assert sched.retractions >= 1
+
+
+def test_shared_prompts_are_prefilled_once_and_flushed_with_new_weights(qwen3, tmp_path):
+    """Twins in one batch share a prefill; a later request takes the cached full blocks; a weight
+    load forgets them (its KV is recomputed under the new weights and equals HF of those)."""
+    d, hf = qwen3
+    prompt = [2, *range(10, 20)]  # 11 tokens: two full blocks of 4 and a partial one
+    runner = ModelRunner(d, max_slots=8, max_context_len=64, block_size=4)
+    sched = Scheduler(runner)
+    sched.start()
+    try:
+        params = [SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)] * 3
+        twins = run_all(sched, [prompt] * 3, params)
+        assert sched.prefill_tokens == len(prompt)  # one prefill for the three
+        assert [r.cached_tokens for r in twins] == [0, len(prompt), len(prompt)]
+        (later,) = run_all(sched, [[*prompt, 40, 41]], params[:1])
+        assert later.cached_tokens == 8 and sched.prefill_tokens == len(prompt) + 5
+        d1 = make_tiny_model(tmp_path / "m1", family="qwen3", seed=9)
+        sched.call(lambda: runner.load_from_disk(d1)).result(timeout=60)
+        (after,) = run_all(sched, [prompt], params[:1])
+        assert after.cached_tokens == 0
+    finally:
+        sched.stop()
+    _assert_hf(hf, twins, [prompt] * 3, [5] * 3)
+    _assert_hf(hf, [later], [[*prompt, 40, 41]], [5])
+    hf1 = AutoModelForCausalLM.from_pretrained(d1, local_files_only=True).eval()
+    _assert_hf(hf1, [after], [prompt], [5])
+
+
+def test_stop_token_kept_and_min_new_tokens(tmp_path):
+    d = make_tiny_model(tmp_path / "m", family="llama", seed=6)
+    hf = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
+    ref, _ = hf_greedy(hf, PROMPTS[0], 6)
+    stop = ref[2]
+    sched = Scheduler(ModelRunner(d, max_slots=4, max_context_len=64))
+    sched.start()
+    try:
+        first = ref.index(stop)
+        params = [
+            SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(stop,)),
+            SamplingParams(
+                max_new_tokens=6, temperature=0.0, stop_token_ids=(stop,), ignore_eos=True
+            ),
+        ]
+        stopped, ignored = run_all(sched, [PROMPTS[0], PROMPTS[0]], params)
+    finally:
+        sched.stop()
+    # As SGLang: the matched stop token stays in the output; ignore_eos disables stop_token_ids.
+    assert stopped.output_ids == ref[: first + 1]
+    assert stopped.finish_reason == {"type": "stop", "matched": stop}
+    assert ignored.output_ids == ref and ignored.finish_reason["type"] == "length"
+
+
+def test_packed_prefill_padding_rows_leave_token_zero_alone(qwen3):
+    """A packed prefill pads each sequence's queries to the longest; the padding rows (query row
+    0) must not overwrite token 0's output. Found: they did whenever the sequences' new-token
+    counts differed, unless token 0 happened to give the same output (same first token at
+    position 0, no prefix hit): a lead with a prefix-index hit, or a first prompt whose first
+    token differs from the others', got a wrong first row (its K/V in later layers too)."""
+    d, _ = qwen3
+    runner = ModelRunner(d, max_slots=4, max_context_len=64, block_size=4)
+    a, b = [2, *range(10, 20)], [7, 20, 21, 22, 23]  # a: 8 cached + 3 new; b: 5 new, no BOS
+
+    def prefill(*seqs):
+        """Each (tokens, cached) prefilled in one packed pass after its cached prefix."""
+        tables = []
+        for toks, cached in seqs:
+            t = runner.pool.allocate(-(-len(toks) // 4))
+            if cached:
+                runner.prefill([(toks[:cached], 0, t)])
+            tables.append(t)
+        return runner.prefill([(toks[c:], c, t) for (toks, c), t in zip(seqs, tables, strict=True)])
+
+    alone_a, alone_b = prefill((a, 8))[0], prefill((b, 0))[0]
+    for seqs, refs in (
+        ([(a, 8), (b, 0)], [alone_a, alone_b]),
+        ([(b, 0), (a, 8)], [alone_b, alone_a]),
+    ):
+        got = prefill(*seqs)
+        for row, ref in zip(got, refs, strict=True):
+            torch.testing.assert_close(row, ref, atol=1e-5, rtol=0)
+
+
+def test_gathered_attention_gathers_its_output_back_by_token():
+    """The GPU prefill's attention (gathered_attention, run here on CPU) and the CPU path's
+    (gather_plan + attend_gathered) agree, padding rows included, with a per-sequence SDPA."""
+    g = torch.Generator().manual_seed(2)
+    bs, hkv, h, dim = 4, 2, 4, 8
+    kc, vc = torch.randn(10, bs, hkv, dim, generator=g), torch.randn(10, bs, hkv, dim, generator=g)
+    lens_new, starts = [2, 5], [6, 0]  # sequence 0: 6 cached keys, 2 new queries; 1: 5 new
+    q = torch.randn(sum(lens_new), h, dim, generator=g)
+    table = torch.tensor([[3, 1, 0], [5, 2, 0]])
+    m, total = max(lens_new), [s + n for s, n in zip(starts, lens_new, strict=True)]
+    j = torch.arange(m)
+    valid = j[None] < torch.tensor(lens_new)[:, None]
+    offs = torch.tensor([0, lens_new[0]])
+    q_rows = torch.where(valid, offs[:, None] + j, 0)
+    q_pos = torch.where(valid, torch.tensor(starts)[:, None] + j, 0)
+    kp = torch.arange(max(total))
+    kv_slots = table[:, kp // bs] * bs + kp % bs
+    tok_rows = torch.tensor([0, 1, m, m + 1, m + 2, m + 3, m + 4])
+    kv_len = torch.tensor(total)
+    got = attention.gathered_attention(q, kc, vc, q_rows, q_pos, kv_slots, kv_len, 0.3, tok_rows)
+    plan = attention.gather_plan(kv_slots, q_pos, kv_len, q_rows, tok_rows)
+    torch.testing.assert_close(attention.attend_gathered(q, kc, vc, plan, 0.3), got)
+    flat_k, flat_v = kc.view(-1, hkv, dim), vc.view(-1, hkv, dim)
+    for i in range(2):
+        keys = kv_slots[i, : total[i]]
+        k, v = flat_k[keys].transpose(0, 1), flat_v[keys].transpose(0, 1)
+        qi = q[offs[i] : offs[i] + lens_new[i]].transpose(0, 1)
+        mask = kp[None, : total[i]] <= torch.tensor(starts[i]) + j[: lens_new[i], None]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qi, k, v, attn_mask=mask, enable_gqa=True, scale=0.3
+        ).transpose(0, 1)
+        torch.testing.assert_close(got[offs[i] : offs[i] + lens_new[i]], ref)
+
+
+def test_cpu_decode_plan_equals_the_reference():
+    """The CPU decode path (one plan for every layer, index_select) = decode_reference."""
+    q, kc, vc, bt, lens = random_paged("cpu", torch.float32)
+    pos = lens.long() - 1
+    span = int(pos.max()) + 1
+    kp = torch.arange(span)
+    plan = attention.gather_plan(bt.long()[:, kp // 16] * 16 + kp % 16, pos[:, None], pos + 1)
+    got = attention.attend_gathered(q, kc, vc, plan, 32**-0.5)
+    ref = attention.decode_reference(q, kc, vc, bt, lens, 32**-0.5)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(
+    attention.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs Triton and TRITON_INTERPRET=1 (the CPU interpreter) set before it is imported",
+)
+def test_paged_decode_kernel_in_triton_interpreter():
+    """The Triton kernel (CPU interpreter) equals the gathered reference in fp32."""
+    q, kc, vc, bt, lens = random_paged("cpu", torch.float32)
+    got = attention.paged_decode(q, kc, vc, bt, lens, 32**-0.5)
+    ref = attention.decode_reference(q, kc, vc, bt, lens, 32**-0.5)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

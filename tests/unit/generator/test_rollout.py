@@ -1,0 +1,258 @@
+"""The rollout API: token-exact transcripts, abort/resume keeping versions, contract errors.
+
+`ctx.generate` is exercised against a scripted object with `EnginePool.generate`'s signature
+(the real embedded engine is used in tests/integration/test_generator_e2e.py); the test checks
+every request the context sends.
+"""
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+
+from slime_async.actors.engine.client import EngineRequestError
+from slime_async.actors.generator.loop import Generator
+from slime_async.actors.generator.rollout import (
+    ROLLOUTS,
+    EngineFailure,
+    Generation,
+    PluginContractError,
+    RolloutContext,
+    Sample,
+    Transcript,
+    check_rollout_result,
+    single_turn,
+)
+from slime_async.config.generator import GeneratorConfig, SamplingConfig
+from slime_async.models.toy import char_tokenizer
+from slime_async.queue.schema import decode_trajectory, encode_trajectory
+from slime_async.utils.plugins import PluginError
+from tests.support.scripted import Out
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+class ScriptedEngine:
+    """Answers each generate call with the next scripted output and records the request."""
+
+    def __init__(self, outputs):
+        self.outputs = list(outputs)
+        self.requests = []
+
+    async def generate(self, input_ids, sampling_params, rid=None):
+        self.requests.append((list(input_ids), dict(sampling_params), rid))
+        out = self.outputs.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+
+def gen(ids, version, reason="stop"):
+    return Generation(list(ids), [-0.5] * len(ids), [version] * len(ids), reason)
+
+
+def test_transcript_is_the_exact_concatenation(tok):
+    prompt = [3, 10, 11, 1, 4]
+    t = Transcript(prompt, tok)
+    t.add_model(gen([6, 10, 7], version=3))
+    t.add_env([5, 12, 1, 4])
+    t.add_model(gen([87, 12, 1], version=4))
+    assert t.ids == [*prompt, 6, 10, 7, 5, 12, 1, 4, 87, 12, 1]
+    assert t.loss_mask == [1, 1, 1, 0, 0, 0, 0, 1, 1, 1]
+    # env tokens carry the version of the preceding model token and log-prob 0
+    assert t.versions == [3, 3, 3, 3, 3, 3, 3, 4, 4, 4]
+    assert t.logprobs[3:7] == [0.0] * 4
+    assert t.turns == 2 and t.num_model_tokens == 6
+    t.finalize("p")
+    t.reward = 1.0
+    traj = t.to_trajectory("g/0", "g", 1, created_at=5.0)
+    back = decode_trajectory(encode_trajectory(traj))
+    assert back.response_ids.tolist() == t.response_ids
+    assert back.loss_mask.tolist() == t.loss_mask
+    assert back.versions.tolist() == t.versions
+    assert back.prompt_ids.tolist() == prompt
+    np.testing.assert_allclose(back.logprobs, t.logprobs)
+
+
+def test_env_tokens_before_any_model_token_get_the_first_model_version(tok):
+    t = Transcript([3], tok)
+    t.add_env([5, 6])
+    t.add_model(gen([7], version=9))
+    t.finalize("p")
+    assert t.versions == [9, 9, 9]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "problem"),
+    [
+        (lambda t: t.logprobs.pop(), "mismatched lengths"),
+        (lambda t: t.loss_mask.__setitem__(slice(None), [0, 0]), "no model tokens"),
+        (lambda t: t.loss_mask.__setitem__(0, 2), "0 or 1"),
+        (lambda t: t.logprobs.__setitem__(0, math.nan), "log-prob nan"),
+        (lambda t: t.logprobs.__setitem__(0, 0.7), "log-prob 0.7"),
+    ],
+)
+def test_finalize_names_the_plugin_and_problem(tok, mutate, problem):
+    t = Transcript([3], tok)
+    t.add_model(gen([7, 8], version=0))
+    mutate(t)
+    with pytest.raises(PluginContractError, match=problem) as e:
+        t.finalize("my.plugin:rollout")
+    assert "my.plugin:rollout" in str(e.value)
+
+
+def test_add_model_rejects_ragged_generation(tok):
+    t = Transcript([3], tok)
+    with pytest.raises(PluginContractError, match="3 tokens but 2 log-probs"):
+        t.add_model(Generation([1, 2, 3], [-1.0, -1.0], [0, 0, 0], "stop"))
+
+
+def test_chat_template_and_prompt_ids(tok):
+    ctx = RolloutContext(ScriptedEngine([]), tok)
+    s = Sample("23+7", {}, "g", 0, 0)
+    assert ctx.prompt_ids(s) == ctx.encode("<user>23+7<eos><assistant>")
+    msgs = Sample(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], {}, "g", 0, 0
+    )
+    assert ctx.prompt_ids(msgs) == ctx.encode("<user>hi<eos><assistant>yo<eos><assistant>")
+    raw = RolloutContext(ScriptedEngine([]), tok, apply_chat_template=False)
+    assert raw.prompt_ids(s) == ctx.encode("23+7")
+    with pytest.raises(PluginContractError, match="text or a list of messages"):
+        ctx.prompt_ids(Sample(17, {}, "g", 0, 0))
+
+
+def test_generate_sends_sglang_sampling_params(tok):
+    eng = ScriptedEngine([Out([10, 1], [-0.1, -0.2], [2, 2], {"type": "stop"})])
+    ctx = RolloutContext(
+        eng, tok, SamplingConfig(temperature=0.7, max_new_tokens=9), rid_prefix="g/0/"
+    )
+    out = asyncio.run(ctx.generate([3, 4], {"top_k": 5}))
+    ids, params, rid = eng.requests[0]
+    assert ids == [3, 4]
+    assert params == {
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": 5,
+        "max_new_tokens": 9,
+        "stop_token_ids": [],
+    }
+    assert rid.startswith("g/0/")
+    assert (out.token_ids, out.versions, out.finish_reason) == ([10, 1], [2, 2], "stop")
+    assert out.engine_id == "e0"
+
+
+def test_generate_resumes_an_aborted_request_keeping_versions(tok):
+    eng = ScriptedEngine(
+        [
+            Out([10, 11, 12], [-0.1] * 3, [4, 4, 4], {"type": "abort", "message": "weight update"}),
+            Out([], [], [], "abort"),  # aborted again before any token
+            Out([13, 1], [-0.3, -0.4], [5, 5], "stop"),
+        ]
+    )
+    ctx = RolloutContext(eng, tok, SamplingConfig(max_new_tokens=10))
+    out = asyncio.run(ctx.generate([3, 4]))
+    assert out.token_ids == [10, 11, 12, 13, 1]
+    assert out.versions == [4, 4, 4, 5, 5]
+    assert out.logprobs == pytest.approx([-0.1, -0.1, -0.1, -0.3, -0.4])
+    assert out.finish_reason == "stop" and out.resumes == 2
+    # each resumption continues from prompt + tokens so far, with the remaining budget
+    assert [r[0] for r in eng.requests] == [[3, 4], [3, 4, 10, 11, 12], [3, 4, 10, 11, 12]]
+    assert [r[1]["max_new_tokens"] for r in eng.requests] == [10, 7, 7]
+    assert len({r[2] for r in eng.requests}) == 3  # fresh rid per request
+    assert ctx.stats.resumes == 2 and ctx.stats.tokens == 5
+
+
+def test_abort_with_budget_spent_ends_as_length(tok):
+    eng = ScriptedEngine([Out([10, 11], [-0.1] * 2, [0, 0], "abort")])
+    ctx = RolloutContext(eng, tok, SamplingConfig(max_new_tokens=2))
+    assert asyncio.run(ctx.generate([3])).finish_reason == "length"
+
+
+def test_endless_aborts_and_engine_errors_become_engine_failures(tok):
+    eng = ScriptedEngine([Out([10], [-0.1], [0], "abort")] * 3)
+    ctx = RolloutContext(eng, tok, max_resumes=2)
+    with pytest.raises(EngineFailure, match="aborted 3 times"):
+        asyncio.run(ctx.generate([3]))
+    ctx = RolloutContext(ScriptedEngine([ConnectionError("refused")]), tok)
+    with pytest.raises(EngineFailure, match="ConnectionError: refused"):
+        asyncio.run(ctx.generate([3]))
+    ragged = ScriptedEngine([Out([10, 11], [-0.1], [0, 0], "stop")])
+    with pytest.raises(EngineFailure, match="2 tokens, 1 log-probs"):
+        asyncio.run(RolloutContext(ragged, tok).generate([3]))
+
+
+def test_single_turn_builds_prompt_and_one_model_turn(tok):
+    answer = tok.encode("#2<eos>", add_special_tokens=False)
+    eng = ScriptedEngine([Out(answer, [-0.2] * 3, [1, 1, 1], "stop")])
+    ctx = RolloutContext(eng, tok)
+    t = asyncio.run(single_turn(ctx, Sample("1+1", {}, "g", 0, 0)))
+    assert t.prompt_ids == ctx.encode("<user>1+1<eos><assistant>")
+    assert t.response_ids == answer and t.loss_mask == [1, 1, 1]
+    assert t.last_model_text() == "#2"
+    assert ROLLOUTS.resolve("single_turn") is single_turn
+
+
+def test_rollout_result_checks_name_the_plugin(tok):
+    t = Transcript([1], tok)
+    assert check_rollout_result("p", t) == [t]
+    assert check_rollout_result("p", [t, t]) == [t, t]
+    with pytest.raises(PluginContractError, match="rollout 'my:fn' returned an empty list"):
+        check_rollout_result("my:fn", [])
+    with pytest.raises(PluginContractError, match="rollout 'my:fn' returned dict"):
+        check_rollout_result("my:fn", {"ids": [1]})
+
+
+def not_async(ctx, sample):
+    return None
+
+
+async def one_arg(ctx):
+    return None
+
+
+def test_rollout_signature_checked_at_resolve():
+    with pytest.raises(
+        PluginError, match=r"rollout 'tests.unit.generator.test_rollout:not_async'.*async def"
+    ):
+        ROLLOUTS.resolve("tests.unit.generator.test_rollout:not_async")
+    with pytest.raises(
+        PluginError, match=r"rollout 'tests.unit.generator.test_rollout:one_arg'.*signature"
+    ):
+        ROLLOUTS.resolve("tests.unit.generator.test_rollout:one_arg")
+
+
+def test_a_rejected_request_is_not_retried_as_an_engine_failure(tok):
+    err = EngineRequestError("http://e", "POST /generate", "HTTP 400: prompt too long", 400)
+    ctx = RolloutContext(ScriptedEngine([err]), tok)
+    with pytest.raises(EngineRequestError, match="prompt too long"):
+        asyncio.run(ctx.generate([3]))
+
+
+def test_generator_retries_a_rollout_after_engine_failures(tok, tmp_path, caplog):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    cfg = GeneratorConfig(dataset=str(data), group_size=1, retry_backoff_s=0.001)
+    sample = Sample("1+1", {}, "g", 0, 0)
+    down = ConnectionError("refused")
+    eng = ScriptedEngine([down, down, Out([10, 1], [-0.1, -0.2], [0, 0], "stop")])
+    gen = Generator(cfg, eng, tok)
+    with caplog.at_level("WARNING", logger="slime_async.generator"):
+        _, [t] = asyncio.run(gen._rollout(sample))
+    assert t.response_ids == [10, 1]
+    assert [r[2].split("/")[2] for r in eng.requests] == ["a0", "a1", "a2"]  # a fresh rid each
+    assert gen.stats()["rollout_retries"] == 2 and gen.stats()["engine_errors"] == 2
+    assert [m for m in caplog.messages if "retry" in m] == [
+        "rollout g/0: engine request failed: ConnectionError: refused; retry 1 in 0.0s",
+        "rollout g/0: engine request failed: ConnectionError: refused; retry 2 in 0.0s",
+    ]
+    # With rollout_max_attempts, the generator gives up and stops with a fatal error.
+    eng = ScriptedEngine([down] * 2)
+    gen = Generator(cfg.model_copy(update={"rollout_max_attempts": 2}), eng, tok)
+    with pytest.raises(EngineFailure, match="ConnectionError: refused"):
+        asyncio.run(gen._rollout(sample))
+    assert len(eng.requests) == 2 and gen.stats()["rollout_retries"] == 2
+    assert "rollout of g failed 2 times" in str(gen._fatal) and gen._stop.is_set()

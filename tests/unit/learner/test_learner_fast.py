@@ -1,0 +1,216 @@
+"""The learner's fast paths on the CPU (fp32, exact): chunked log-probs, SDPA attention, packing.
+
+- `chunked_logprobs` against the unchunked math (full-vocabulary log_softmax through autograd):
+  values, entropy and the gradients of the hidden states and of the output weight.
+- A packed micro-batch (several rows in one, per-document causal attention and RoPE) gives the
+  padded micro-batch's log-probs and, after one training step, the same weights; SDPA attention
+  equals megatron's own DotProductAttention.
+- The fused Triton kernels equal the torch chunks (Triton's CPU interpreter, where Triton is
+  installed; CI has none, the GPU tests run them on CUDA).
+- Options that cannot work here are refused at construction, naming the keys.
+megatron's DDP at DP 2 on gloo is in tests/integration/test_learner_data_parallel.py; the GPU
+paths (megatron's DistributedOptimizer, the varlen kernel, recomputation) in
+tests/gpu/test_learner_gpu.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from slime_async.actors.learner.batch import Row, collate_packed, plan_packs
+from slime_async.actors.learner.logprobs import chunked_logprobs
+from slime_async.models.attention import block_causal_mask
+from tests.support.learner_worker import SEQS, algo_cfg, learner_cfg, make_groups, make_sharp_model
+
+
+def _reference(hidden, weight, labels, temp):
+    z = (hidden @ weight.t()) / temp[:, None]
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = logp_all.gather(-1, labels[:, None])[:, 0]
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, ent
+
+
+def _problem(seed: int, n: int, v: int, h: int = 8):
+    """Hidden states, output weight, labels, per-token temperatures and upstream gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden0 = 2 * torch.randn(n, h, generator=gen)
+    weight0 = torch.randn(v, h, generator=gen)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    temp = 0.5 + torch.rand(n, generator=gen)
+    g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    return hidden0, weight0, labels, temp, g_lp, g_ent
+
+
+def _chunked_with_grads(problem, with_entropy: bool, chunk: int, **kw):
+    """(logp, entropy, d hidden, d weight) of `chunked_logprobs` on fresh leaf copies."""
+    hidden0, weight0, labels, temp, g_lp, g_ent = problem
+    hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+    logp, ent = chunked_logprobs(hidden, weight, labels, temp, with_entropy, chunk, **kw)
+    loss = (logp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0.0)
+    loss.backward()
+    return logp, ent, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunked_logprobs_equal_the_unchunked_math_with_gradients(chunk, with_entropy):
+    problem = _problem(chunk, n=13, v=50)
+    hidden0, weight0, labels, temp, g_lp, g_ent = problem
+    logp, ent, hidden_grad, weight_grad = _chunked_with_grads(problem, with_entropy, chunk)
+
+    rh, rw = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+    ref_lp, ref_ent = _reference(rh, rw, labels, temp)
+    ref_loss = (ref_lp * g_lp).sum() + ((ref_ent * g_ent).sum() if with_entropy else 0.0)
+    ref_loss.backward()
+
+    torch.testing.assert_close(logp, ref_lp, atol=1e-5, rtol=1e-5)
+    if with_entropy:
+        torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    else:
+        assert ent is None
+    torch.testing.assert_close(hidden_grad, rh.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weight_grad, rw.grad, atol=1e-5, rtol=1e-5)
+
+
+def fused_equals_torch(with_entropy: bool) -> None:
+    """The Triton kernels (`logprobs_triton.py`) against the torch path: same log-probs,
+    entropy and gradients, with a vocabulary that is no multiple of the kernel's block, a chunk
+    that does not divide the tokens, and per-token temperatures (run by the test below)."""
+    problem = _problem(3, n=11, v=4100)
+    got = [_chunked_with_grads(problem, with_entropy, 4, fused=fused) for fused in (False, True)]
+    for a, b in zip(*got, strict=True):
+        if a is None:
+            assert b is None
+            continue
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_fused_triton_chunks_equal_the_torch_chunks(repo_root):
+    """`fused_equals_torch` in Triton's CPU interpreter, in a fresh process: TRITON_INTERPRET
+    must be set before anything imports triton (megatron-core does)."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from test_learner_fast import fused_equals_torch"
+        "; fused_equals_torch(False); fused_equals_torch(True)"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+def test_auto_packing_packs_only_mini_batches_that_padding_would_waste():
+    """`pack_sequences` unset on a GPU: a mini-batch is packed when its padded micro-batches
+    would be at least `pack_min_padding` padding (H200: packed 0.85x of padded at equal lengths,
+    1.35-1.39x at RL lengths); true packs always (share 0), false never (None)."""
+    from types import SimpleNamespace
+
+    from slime_async.actors.learner.microbatches import MicroBatches
+
+    def plan(lens, min_padding):
+        me = SimpleNamespace(
+            pack=min_padding is not None,
+            pack_min_padding=min_padding,
+            cfg=SimpleNamespace(micro_batch_tokens=64),
+        )
+        rows = [SimpleNamespace(input_len=n) for n in lens]
+        return MicroBatches._plan(me, rows)
+
+    equal, mixed = [16] * 8, [4, 30, 10, 16, 28, 6, 12, 20]  # mixed: 15% padding when padded
+    assert plan(equal, 0.1) == ([[0, 1, 2, 3], [4, 5, 6, 7]], False)
+    got, packed = plan(mixed, 0.1)
+    assert packed and sorted(i for p in got for i in p) == list(range(8))
+    assert all(sum(mixed[i] for i in p) <= 64 for p in got)
+    assert plan(mixed, 0.2)[1] is False  # below the share: padded
+    assert plan(equal, 0.0)[1] is True  # pack_sequences = true
+    assert plan(mixed, None)[1] is False  # pack_sequences = false
+
+
+def test_plan_packs_fills_each_pack_up_to_the_budget():
+    lens = [7, 3, 9, 2, 5, 12, 1]
+    packs = plan_packs(lens, 12)
+    assert sorted(i for p in packs for i in p) == list(range(len(lens)))
+    assert all(sum(lens[i] for i in p) <= 12 for p in packs)
+    assert len(packs) == 4  # 39 tokens: at least 4 packs of 12
+    assert plan_packs([20, 3], 12) == [[0], [1]]  # a row over the budget gets its own pack
+
+
+def test_packed_micro_batch_locates_every_response_token():
+    rows = [
+        Row(np.array([1, 2, 3, 4, 5]), 2, {"loss_mask": np.ones(3, np.float32)}),
+        Row(np.array([6, 7, 8]), 1, {"loss_mask": np.ones(2, np.float32)}),
+    ]
+    mb = collate_packed(rows, [0, 1], torch.device("cpu"))
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 6, 7]]
+    assert mb.labels.tolist() == [[2, 3, 4, 5, 7, 8]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1]]
+    assert mb.packed.cu_seqlens_q.tolist() == [0, 4, 6]
+    # the labels at each row's response positions are its response tokens
+    picked = mb.labels.reshape(-1)[mb.flat_index()] * mb.resp_valid
+    assert picked.tolist() == [[3, 4, 5], [7, 8, 0]]
+    mask = block_causal_mask(mb.packed.cu_seqlens_q, 6)
+    assert mask[5].tolist() == [False, False, False, False, True, True]
+    assert mask[3].tolist() == [True, True, True, True, False, False]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return make_sharp_model(tmp_path_factory.mktemp("fast") / "qwen3", "qwen3")
+
+
+def _step_and_logprobs(model_dir, **kw):
+    """(log-probs of SEQS before, loss of one step, log-probs after) for one learner config."""
+    from slime_async.actors.learner.trainer import Learner
+
+    learner = Learner(learner_cfg(str(model_dir), micro_batch_tokens=40, **kw), algo_cfg(), 0.7)
+    try:
+        before = [lp for lp, _ in learner.compute_logprobs(SEQS)]
+        loss = learner.train_step(make_groups(3, 4))["loss"]
+        after = [lp for lp, _ in learner.compute_logprobs(SEQS)]
+        return before, loss, after, learner.pack, learner.attention
+    finally:
+        learner.close()
+
+
+def test_packing_and_sdpa_equal_padded_megatron_attention(qwen3_dir):
+    base = _step_and_logprobs(qwen3_dir, attention="local", pack_sequences=False)
+    assert base[3:] == (False, "local")
+    for kw in (dict(attention="sdpa", pack_sequences=False), dict(pack_sequences=True)):
+        got = _step_and_logprobs(qwen3_dir, **kw)
+        assert got[3] == kw["pack_sequences"] and got[4] == "sdpa"
+        for a, b in zip(got[0] + got[2], base[0] + base[2], strict=True):
+            # fp32 after one update: a few ulps of log-probs up to ~10 in magnitude
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-5, msg=str(kw))
+        assert got[1] == pytest.approx(base[1], rel=1e-5), kw
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(optimizer="megatron"), 'learner.optimizer = "megatron" needs a GPU'),
+        (dict(recompute="full"), 'learner.recompute = "full" needs a GPU'),
+        (dict(attention="local", pack_sequences=True), "pack_sequences = true is not possible"),
+        (dict(attention="te"), "Transformer Engine does not import"),
+        (dict(overlap_grad_reduce=True), "learner.overlap_grad_reduce is set"),
+        (dict(logprob_kernel="triton"), 'learner.logprob_kernel = "triton" needs a GPU'),
+    ],
+)
+def test_options_that_cannot_work_here_are_refused(qwen3_dir, changes, message):
+    from slime_async.actors.learner.trainer import Learner
+
+    with pytest.raises(ValueError, match=message):
+        Learner(learner_cfg(str(qwen3_dir), **changes), algo_cfg())
