@@ -1,4 +1,4 @@
-"""Hugging Face <-> megatron-core weights (Llama, Qwen2, Qwen3, GLM-4, Qwen3-MoE), TP- and EP-aware.
+"""Hugging Face <-> megatron-core weights, TP- and EP-aware, for every family of `families.py`.
 
 Layouts (megatron-core local spec):
 - `linear_qkv` holds q, k and v interleaved per query group: for each of the `ng` kv heads,
@@ -8,15 +8,12 @@ Layouts (megatron-core local spec):
   slice of `cat(gate, up)`.
 - Column-parallel weights (embedding, qkv, fc1, output layer) shard dim 0; row-parallel
   (`linear_proj`, `linear_fc2`) dim 1; norms are replicated.
-- GLM-4 stores gate and up as one HF tensor (`mlp.gate_up_proj.weight` = cat(gate, up)) and has
-  `post_self_attn_layernorm` / `post_mlp_layernorm` (megatron: `post_layernorm` inside the
-  attention and MLP modules).
-- Qwen3-MoE: `mlp.gate.weight` is megatron's `mlp.router.weight`; expert e's
-  `mlp.experts.{e}.{gate,up,down}_proj.weight` (the checkpoint layout, which SGLang also loads)
-  is `mlp.experts.local_experts.{i}.linear_fc{1,2}.weight` on EP rank e // (E / ep), i = e mod
-  (E / ep). Experts are never TP-sharded (`expert_tensor_parallel_size = 1`).
+- Routed experts (`mlp.experts.local_experts.{i}`) are split by index over EP ranks, never over
+  TP (`expert_tensor_parallel_size = 1`): local expert i of EP rank r is expert r * (E / ep) + i.
 
-Conversions are reshapes and concatenations only, so HF -> Megatron -> HF is bit-exact.
+The family says the HF names of each layer's parameters and how its checkpoint stores gate and
+up (`Family.layer_names`, `expert_names`, `fc1_from_hf`, `fc1_to_hf`). Conversions are
+reshapes and concatenations only, so HF -> Megatron -> HF is bit-exact.
 """
 
 from __future__ import annotations
@@ -31,7 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from slime_async.models.megatron import ModelArch
+from slime_async.models.arch import ModelArch
+from slime_async.models.families import family_of
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -43,6 +41,11 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+_TOP_NAMES = {  # megatron -> HF names outside the decoder layers, the same in every family
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "output_layer.weight": "lm_head.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+}
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 
@@ -62,44 +65,21 @@ def is_expert(mname: str) -> bool:
 def hf_names(mname: str, arch: ModelArch, ep_rank: int = 0, ep_size: int = 1) -> list[str]:
     """The HF tensor names that make up Megatron parameter `mname` (in merge order); expert
     parameters of EP rank `ep_rank` of `ep_size` name their global expert."""
-    fixed = {
-        "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
-        "output_layer.weight": ["lm_head.weight"],
-        "decoder.final_layernorm.weight": ["model.norm.weight"],
-    }
-    if mname in fixed:
-        return fixed[mname]
+    if mname in _TOP_NAMES:
+        return [_TOP_NAMES[mname]]
     m = _LAYER.fullmatch(mname)
     if not m:
         raise ConversionError(f"no HF name for megatron parameter {mname!r}")
-    p = f"model.layers.{m.group(1)}."
+    family = family_of(arch.family)
     e = _EXPERT.fullmatch(m.group(2))
     if e:
         g = ep_rank * (arch.num_experts // ep_size) + int(e.group(1))
-        x = f"{p}mlp.experts.{g}."
-        if e.group(2) == "linear_fc1":
-            return [x + "gate_proj.weight", x + "up_proj.weight"]
-        return [x + "down_proj.weight"]
-    fc1 = ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
-    if arch.family == "glm4":
-        fc1 = ["mlp.gate_up_proj.weight"]  # one HF tensor: cat(gate, up)
-    per_layer = {
-        "input_layernorm.weight": ["input_layernorm.weight"],
-        "self_attention.linear_qkv.weight": [f"self_attn.{x}_proj.weight" for x in "qkv"],
-        "self_attention.linear_qkv.bias": [f"self_attn.{x}_proj.bias" for x in "qkv"],
-        "self_attention.q_layernorm.weight": ["self_attn.q_norm.weight"],
-        "self_attention.k_layernorm.weight": ["self_attn.k_norm.weight"],
-        "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
-        "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
-        "mlp.linear_fc1.weight": fc1,
-        "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
-        "mlp.router.weight": ["mlp.gate.weight"],
-        "self_attention.post_layernorm.weight": ["post_self_attn_layernorm.weight"],
-        "mlp.post_layernorm.weight": ["post_mlp_layernorm.weight"],
-    }
-    if m.group(2) not in per_layer:
+        names = family.expert_names(g, e.group(2))
+    else:
+        names = family.layer_names.get(m.group(2))
+    if names is None:
         raise ConversionError(f"no HF name for megatron parameter {mname!r}")
-    return [p + s for s in per_layer[m.group(2)]]
+    return [f"model.layers.{m.group(1)}.{s}" for s in names]
 
 
 def partition_dim(mname: str) -> int | None:
@@ -145,8 +125,7 @@ def hf_to_megatron_shard(
 ) -> torch.Tensor:
     """This TP rank's shard of Megatron parameter `mname` from its full HF tensors."""
     if mname.endswith("linear_fc1.weight"):
-        if len(hf) == 1:  # GLM-4: one HF tensor, cat(gate, up)
-            hf = list(hf[0].chunk(2, dim=0))
+        hf = family_of(arch.family).fc1_from_hf(hf)
         if is_expert(mname):
             return torch.cat(hf, dim=0)
         gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in hf)
@@ -166,9 +145,7 @@ def megatron_shards_to_hf(
         halves = [s.chunk(2, dim=0) for s in shards]
         gate = torch.cat([h[0] for h in halves], dim=0)
         up = torch.cat([h[1] for h in halves], dim=0)
-        if len(names) == 1:  # GLM-4's fused gate_up_proj
-            return [(names[0], torch.cat([gate, up], dim=0))]
-        return list(zip(names, [gate, up], strict=True))
+        return list(zip(names, family_of(arch.family).fc1_to_hf(gate, up), strict=True))
     dim = partition_dim(mname)
     full = shards[0] if dim is None or len(shards) == 1 else torch.cat(shards, dim=dim)
     if "linear_qkv" in mname:
@@ -230,7 +207,8 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path, arch: ModelAr
     # Tied models may still store lm_head; rotary caches are recomputed.
     ignorable = {"lm_head.weight"} if arch.tie_word_embeddings else set()
     if ep_size > 1:  # the other EP ranks' experts are theirs to load
-        ignorable |= {n for n in ckpt.names() if ".mlp.experts." in n}
+        family = family_of(arch.family)
+        ignorable |= {n for n in ckpt.names() if family.is_hf_expert(n)}
     left = {n for n in ckpt.names() - used - ignorable if not n.endswith("rotary_emb.inv_freq")}
     if left:
         raise ConversionError(

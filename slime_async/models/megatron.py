@@ -1,175 +1,32 @@
-"""A megatron-core GPTModel built from a Hugging Face config: Llama, Qwen2, Qwen3, GLM-4, Qwen3-MoE.
+"""A megatron-core GPTModel built from a `ModelArch`, for every family of `families.py`.
 
-`ModelArch.from_hf_dir(dir)` reads config.json (no transformers import) and refuses what the
-families' megatron mapping cannot reproduce exactly (RoPE scaling, biases outside QKV, other
-activations). `build_gpt_model(arch, dtype)` builds the model with megatron-core's local layer
-spec (no Transformer Engine, no apex), so the same code runs on CPU (gloo) and GPU (NCCL).
-Call `megatron_compat.apply()` and `parallel_state.initialize_model_parallel()` first.
+`build_gpt_model(arch, dtype)` builds the model with megatron-core's local layer spec (no
+Transformer Engine, no apex), so the same code runs on CPU (gloo) and GPU (NCCL); the family of
+`arch` changes what its layers do differently (`Family.layer_spec`: GLM-4's post norms). Call
+`megatron_compat.apply()` and `parallel_state.initialize_model_parallel()` first.
 
-What differs from Llama (read from transformers' `glm4` and `qwen3_moe` modeling code):
-- GLM-4: q/k/v biases; RoPE on the first `partial_rotary_factor` of each head only, with the
-  interleaved layout (pairs (2i, 2i + 1) rotate together: megatron's `rotary_interleaved`); an
-  RMSNorm on the attention output and one on the MLP output before each residual add (here a
-  `post_layernorm` inside the attention and MLP modules); gate/up fused in one HF tensor.
-- Qwen3-MoE: Qwen3's attention (q/k norms); a sparse MLP on layers where
-  `(i + 1) % decoder_sparse_step == 0` and `i not in mlp_only_layers`: router softmax over all
-  experts -> top-k -> renormalised when `norm_topk_prob` (megatron: top-k of the logits, then a
-  softmax over those k, the same values; without renormalisation: softmax then top-k, megatron's
-  `moe_router_pre_softmax`), experts as SwiGLU MLPs (megatron's SequentialMLP), no shared
-  expert. Experts are never TP-sharded here (`expert_tensor_parallel_size = 1`): expert
-  parallelism shards them by index; with TP > 1 megatron's MoE needs sequence parallelism, so
-  it is on for MoE models at TP > 1 (sequence lengths are padded to a multiple of TP).
+Mixture-of-experts models (ModelArch's MoE fields) get megatron's MoE layer on their MoE layers:
+top-k of the router logits, then a softmax over those k (HF's softmax -> top-k -> renormalise,
+the same values), or, without `moe_norm_topk`, a softmax over all experts first (megatron's
+`moe_router_pre_softmax`); experts as SwiGLU MLPs (megatron's SequentialMLP). Experts are never
+TP-sharded here (`expert_tensor_parallel_size = 1`): expert parallelism shards them by index;
+with TP > 1 megatron's MoE needs sequence parallelism, so it is on for MoE models at TP > 1
+(sequence lengths are padded to a multiple of TP).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from slime_async.models.arch import ModelArch
+from slime_async.models.convert import partition_dim
+from slime_async.models.families import family_of
+from slime_async.models.family import UnsupportedModel
+
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
-
-FAMILIES = ("llama", "qwen2", "qwen3", "glm4", "qwen3_moe")
-
-
-class UnsupportedModel(ValueError):
-    """The HF config describes something this mapping cannot reproduce exactly."""
-
-
-@dataclass(frozen=True)
-class ModelArch:
-    """The architecture of one HF causal LM, in the terms both sides need."""
-
-    family: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    """Qwen2: biases on q/k/v projections only."""
-    qk_norm: bool
-    """Qwen3: per-head RMSNorm on queries and keys before RoPE."""
-    rotary_percent: float = 1.0
-    """GLM-4: the fraction of each head's dims that RoPE rotates (partial_rotary_factor)."""
-    rotary_interleaved: bool = False
-    """GLM-4: RoPE rotates pairs (2i, 2i + 1) instead of (i, i + d/2)."""
-    post_norms: bool = False
-    """GLM-4: RMSNorm on the attention output and on the MLP output before each residual add."""
-    num_experts: int = 0
-    """Qwen3-MoE: routed experts per MoE layer (0: a dense model)."""
-    moe_topk: int = 0
-    """Experts each token goes through (num_experts_per_tok)."""
-    moe_intermediate_size: int = 0
-    """FFN width of one expert."""
-    moe_norm_topk: bool = False
-    """Renormalise the top-k router probabilities to sum to 1 (norm_topk_prob)."""
-    moe_layers: tuple[int, ...] = ()
-    """Indices of the MoE layers (the others are dense MLPs of intermediate_size)."""
-
-    def __post_init__(self):
-        # JSON (a checkpoint's common part) gives a list; equality needs the tuple.
-        object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
-        family = cfg.get("model_type")
-        if family not in FAMILIES:
-            raise UnsupportedModel(f"model_type {family!r} is not one of {FAMILIES}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModel(f"hidden_act {act!r}: only silu (SwiGLU) is supported")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise UnsupportedModel(f"RoPE scaling {rope_type!r} is not supported")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        if family == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-            raise UnsupportedModel("llama with attention_bias/mlp_bias is not supported")
-        if family == "qwen3_moe" and cfg.get("attention_bias"):
-            raise UnsupportedModel("qwen3_moe with attention_bias is not supported")
-        if cfg.get("use_sliding_window"):
-            raise UnsupportedModel("sliding-window attention is not supported")
-        heads = cfg["num_attention_heads"]
-        extra: dict[str, Any] = {}
-        if family == "glm4":
-            partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
-            extra = dict(rotary_percent=float(partial), rotary_interleaved=True, post_norms=True)
-        # transformers 5 writes num_local_experts; the hub's configs say num_experts.
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-        if family == "qwen3_moe" and experts > 0:
-            step = int(cfg.get("decoder_sparse_step") or 1)
-            dense = set(cfg.get("mlp_only_layers") or [])
-            n = cfg["num_hidden_layers"]
-            extra = dict(
-                num_experts=experts,
-                moe_topk=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                moe_norm_topk=bool(cfg.get("norm_topk_prob", False)),
-                moe_layers=tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0),
-            )
-        return cls(
-            family=family,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or (family == "glm4" and cfg.get("attention_bias", True)),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
-            **extra,
-        )
-
-    @classmethod
-    def from_hf_dir(cls, model_dir: str | Path) -> ModelArch:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise UnsupportedModel(f"{path}: no config.json (not a Hugging Face model directory)")
-        return cls.from_hf_config(json.loads(path.read_text()))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def check_tensor_parallel(self, tp: int, ep: int = 1) -> None:
-        """Megatron shards heads, kv groups, the FFN and the vocabulary over TP ranks, and the
-        experts over EP ranks."""
-        if ep > 1 and not self.is_moe:
-            raise UnsupportedModel(
-                f"learner.expert_parallel={ep} needs a mixture-of-experts model ({self.family} is dense)"
-            )
-        if self.is_moe and self.num_experts % ep:
-            raise UnsupportedModel(
-                f"num_experts={self.num_experts} is not divisible by expert_parallel={ep}"
-            )
-        for name, n in (
-            ("num_attention_heads", self.num_heads),
-            ("num_key_value_heads", self.num_kv_heads),
-            ("intermediate_size", self.intermediate_size),
-            # Not padded: padded vocab rows would add exp(logit) terms and change log-probs.
-            ("vocab_size", self.vocab_size),
-        ):
-            if n % tp:
-                raise UnsupportedModel(f"{name}={n} is not divisible by tensor_parallel={tp}")
 
 
 def build_gpt_model(
@@ -300,8 +157,6 @@ def _mark_tensor_parallel(model) -> None:
     DistributedOptimizer and checkpoints read them)."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    from slime_async.models.convert import partition_dim
-
     for name, p in model.named_parameters():
         dim = partition_dim(name)
         if dim is not None and not getattr(p, "tensor_model_parallel", False):
@@ -330,27 +185,6 @@ def _norm_class():
     return RMSNorm
 
 
-def _post_norm_classes(norm):
-    """GLM-4's attention and MLP, each followed by its own RMSNorm (`post_layernorm`)."""
-    from megatron.core.transformer.attention import SelfAttention
-    from megatron.core.transformer.mlp import MLP
-
-    def post_normed(base):
-        class PostNorm(base):
-            def __init__(self, config, *args, **kwargs):
-                super().__init__(config, *args, **kwargs)
-                self.post_layernorm = norm(config, config.hidden_size, config.layernorm_epsilon)
-
-            def forward(self, *args, **kwargs):
-                out, bias = super().forward(*args, **kwargs)
-                return self.post_layernorm(out), bias
-
-        PostNorm.__name__ = PostNorm.__qualname__ = f"PostNorm{base.__name__}"
-        return PostNorm
-
-    return post_normed(SelfAttention), post_normed(MLP)
-
-
 def _core_attention(attention: str):
     if attention == "sdpa":
         from slime_async.models.attention import sdpa_attention_class
@@ -366,8 +200,8 @@ def _core_attention(attention: str):
 
 
 def _block_spec(arch: ModelArch, attention: str = "sdpa"):
-    """Per-layer specs of megatron's local layer: dense or MoE MLP, GLM-4's post norms, and the
-    core attention chosen (`_core_attention`).
+    """Per-layer specs of megatron's local layer: dense or MoE MLP, the core attention chosen
+    (`_core_attention`), as the family changes them.
 
     With Transformer Engine only its core attention is taken: TE's full layer spec fuses the
     norms into the linear layers and renames their weights, which the HF conversion maps by the
@@ -379,6 +213,7 @@ def _block_spec(arch: ModelArch, attention: str = "sdpa"):
 
     norm = _norm_class()
     core = _core_attention(attention)
+    family = family_of(arch.family)
 
     def layer(moe: bool):
         spec = get_gpt_layer_local_spec(
@@ -394,16 +229,11 @@ def _block_spec(arch: ModelArch, attention: str = "sdpa"):
             attn_sub = dataclasses.replace(attn_sub, core_attention=core)
         if arch.qk_norm:
             attn_sub = dataclasses.replace(attn_sub, q_layernorm=norm, k_layernorm=norm)
-        mlp = sub.mlp
-        if arch.post_norms:
-            post_attn, post_mlp = _post_norm_classes(norm)
-            attn = dataclasses.replace(attn, module=post_attn)
-            mlp = dataclasses.replace(mlp, module=post_mlp)
         attn = dataclasses.replace(attn, submodules=attn_sub)
         sub = dataclasses.replace(
-            sub, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attn, mlp=mlp
+            sub, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attn
         )
-        return dataclasses.replace(spec, submodules=sub)
+        return family.layer_spec(dataclasses.replace(spec, submodules=sub), norm)
 
     moe_layers = set(arch.moe_layers)
     specs = [layer(i in moe_layers) for i in range(arch.num_layers)]

@@ -427,7 +427,6 @@ def test_engine_loads_per_expert_names_and_returns_routed_experts(model_dirs, tw
     experts; routed experts equal the HF routers' choice."""
     from safetensors.torch import load_file
 
-    from slime_async.actors.engine.embedded import families
     from slime_async.actors.engine.embedded.model_runner import ModelRunner
 
     d = model_dirs["qwen3_moe"]
@@ -448,7 +447,7 @@ def test_engine_loads_per_expert_names_and_returns_routed_experts(model_dirs, tw
         before["model.layers.0.mlp.experts.down_proj"],
     )
     ids = SEQS[0]
-    got = families.routed_experts(runner.model, ids)
+    got = runner.family.routed_experts(runner.model, ids)
     assert got.shape == (len(ids) - 1, 2, 2) and got.dtype == np.int32
     assert np.array_equal(got, _hf_routing(d, ids))
     assert set(load_file(str(d / "model.safetensors"))) == set(exported)

@@ -20,8 +20,8 @@ import logging
 import torch
 
 from slime_async.config.learner import LearnerConfig
+from slime_async.models.arch import ModelArch
 from slime_async.models.attention import transformer_engine_available, varlen_works
-from slime_async.models.megatron import ModelArch
 
 log = logging.getLogger("slime_async.learner")
 

@@ -52,7 +52,8 @@ from slime_async.algos import build_algorithm
 from slime_async.config.algo import AlgoConfig
 from slime_async.config.learner import LearnerConfig
 from slime_async.models import convert
-from slime_async.models.megatron import ModelArch, build_gpt_model
+from slime_async.models.arch import ModelArch
+from slime_async.models.megatron import build_gpt_model
 from slime_async.utils.procs import free_port
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).

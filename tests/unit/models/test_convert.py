@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from slime_async.actors.learner.trainer import Learner
-from slime_async.models.megatron import ModelArch, UnsupportedModel
+from slime_async.models.arch import ModelArch, UnsupportedModel
 from slime_async.models.tokenizer import load_tokenizer
 from slime_async.models.toy import tiny_config
 from tests.support.learner_worker import algo_cfg, learner_cfg, make_sharp_model

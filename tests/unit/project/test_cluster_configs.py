@@ -109,7 +109,7 @@ def test_family_cluster_configs_hold_together(path, curve_toml):
 def test_dense_model_refuses_expert_parallel_and_routing_replay(tmp_path):
     """learner.expert_parallel > 1 or learner.routing_replay on a dense model is refused at
     start-up, naming the key."""
-    from slime_async.models.megatron import ModelArch, UnsupportedModel
+    from slime_async.models.arch import ModelArch, UnsupportedModel
     from slime_async.models.toy import tiny_config
 
     arch = ModelArch.from_hf_config(tiny_config("glm4").to_dict())

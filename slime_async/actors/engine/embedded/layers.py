@@ -1,18 +1,13 @@
-"""The per-layer math of the embedded engine's decoder, in small replaceable pieces.
+"""The embedded engine's fused decoder layer, for the families whose layers are the plain
+`LayerMath` of `slime_async.models.layer_math` (llama / qwen2 / qwen3).
 
-Tokens are packed, `[T, ...]` (no batch dimension, no padding). `LayerMath` calls the HF model's
-own modules (exact against HF, any dtype, any device) and is the hook for model families:
-a subclass replaces `input_norm`, `qkv` (projections and q/k norms), `rotary`, `o_proj`,
-`post_norm` or `mlp` (GLM-4's partial rotary, Qwen3-MoE's sparse MLP, ...); `attn_in` and
-`attn_out` compose them around the attention, which the runner does over its paged cache.
-
-`FusedLayerMath` (llama / qwen2 / qwen3): one q|k|v matmul and one gate|up matmul over packed
-weights; on a GPU the pieces between two matmuls are compiled by `torch.compile` (norms, rotary,
-residual adds and SiLU fused into a few kernels), which cuts a decode step's ~35 kernels per
-layer to about ten. On a CPU it runs uncompiled: the packed matmuls alone save ops, and a CPU
-step of a small model is mostly per-op overhead. The HF parameters become views into the packed tensors, so a weight update
-(`copy_` into the HF-named parameter) updates the packed tensors in place, and CUDA graphs that
-captured them see the new weights.
+`FusedLayerMath`: one q|k|v matmul and one gate|up matmul over packed weights; on a GPU the
+pieces between two matmuls are compiled by `torch.compile` (norms, rotary, residual adds and SiLU
+fused into a few kernels), which cuts a decode step's ~35 kernels per layer to about ten. On a
+CPU it runs uncompiled: the packed matmuls alone save ops, and a CPU step of a small model is
+mostly per-op overhead. The HF parameters become views into the packed tensors, so a weight
+update (`copy_` into the HF-named parameter) updates the packed tensors in place, and CUDA
+graphs that captured them see the new weights.
 """
 
 from __future__ import annotations
@@ -22,57 +17,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from slime_async.models.family import Family
+from slime_async.models.layer_math import LayerMath, rotate_half
+
 log = logging.getLogger(__name__)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class LayerMath:
-    """HF-module math of one decoder layer (llama / qwen2 / qwen3 shapes)."""
-
-    def __init__(self, model: torch.nn.Module, head_dim: int):
-        self.layers = model.model.layers
-        self.head_dim = head_dim
-
-    def input_norm(self, li: int, h: torch.Tensor) -> torch.Tensor:
-        return self.layers[li].input_layernorm(h)
-
-    def qkv(self, li: int, x: torch.Tensor):
-        """x: [T, hidden] -> q [T, H, D], k, v [T, Hkv, D] (q/k normed per head where the family does)."""
-        attn = self.layers[li].self_attn
-        t, d = x.shape[0], self.head_dim
-        q = attn.q_proj(x).view(t, -1, d)
-        k = attn.k_proj(x).view(t, -1, d)
-        v = attn.v_proj(x).view(t, -1, d)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        return q, k, v
-
-    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """cos, sin: [T, 1, D]."""
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-    def o_proj(self, li: int, o: torch.Tensor) -> torch.Tensor:
-        return self.layers[li].self_attn.o_proj(o)
-
-    def post_norm(self, li: int, h: torch.Tensor) -> torch.Tensor:
-        return self.layers[li].post_attention_layernorm(h)
-
-    def mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
-        return self.layers[li].mlp(x)
-
-    def attn_in(self, li: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        q, k, v = self.qkv(li, self.input_norm(li, h))
-        q, k = self.rotary(q, k, cos, sin)
-        return q, k, v
-
-    def attn_out(self, li: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """o: [T, H * D] (the attention's output) -> the layer's output hidden states."""
-        h = h + self.o_proj(li, o)
-        return h + self.mlp(li, self.post_norm(li, h))
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -165,11 +113,12 @@ class FusedLayerMath(LayerMath):
         return self._out(h, o, w["o"], w["post"], self.eps, w["gu"], w["down"])
 
 
-def fusable(model: torch.nn.Module) -> bool:
-    """The fused path covers the dense llama / qwen2 / qwen3 layers with SiLU MLPs."""
+def fusable(model: torch.nn.Module, family: Family) -> bool:
+    """The fused path covers the layers a family leaves to the plain `LayerMath`, with SiLU MLPs
+    and no biases outside q/k/v."""
     cfg, layer = model.config, model.model.layers[0]
     return (
-        cfg.model_type in ("llama", "qwen2", "qwen3")
+        family.layer_math is LayerMath
         and cfg.hidden_act == "silu"
         and layer.self_attn.o_proj.bias is None
         and layer.mlp.gate_proj.bias is None

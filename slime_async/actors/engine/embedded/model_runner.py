@@ -15,8 +15,8 @@ with attention over a paged KV cache (kv_cache.py: fixed-size blocks, a block ta
   position, block table) live in static buffers, the weights are updated in place, so one graph
   serves every step of its bucket across weight updates.
 
-Families: those of families.py (the ones the learner converts); `self.math` (layers.py, or a
-family's subclass there) is the per-layer hook. Memory: the weights, the KV cache (sized once at start: on a GPU from
+Families: those of `slime_async.models.families` (the ones the learner converts); `self.math`
+(the fused layers of layers.py, or the family's `LayerMath`) is the per-layer hook. Memory: the weights, the KV cache (sized once at start: on a GPU from
 `mem_fraction` of its memory, on a CPU `max_slots * max_context_len` tokens unless given), and
 the activations of one prefill of at most `max_prefill_tokens` or one decode of `max_slots`.
 """
@@ -31,13 +31,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from slime_async.actors.engine.embedded import attention, families
+from slime_async.actors.engine.embedded import attention
 from slime_async.actors.engine.embedded.kv_cache import (
     BlockPool,
     blocks_for_memory,
     kv_bytes_per_token,
 )
-from slime_async.actors.engine.embedded.layers import FusedLayerMath, LayerMath, fusable
+from slime_async.actors.engine.embedded.layers import FusedLayerMath, fusable
+from slime_async.models.families import FAMILIES
+from slime_async.models.family import Family
+from slime_async.models.layer_math import LayerMath
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ class ModelRunner:
             self.model_path, dtype=dtype, local_files_only=True
         )
         cfg = model.config
-        families.check(self.model_path, cfg.model_type)
+        self.family = _family(self.model_path, cfg.model_type)
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError(f"{self.model_path}: sliding-window attention is not supported")
         self.model = model.to(self.device).eval().requires_grad_(False)
@@ -85,11 +88,11 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         # Packed q|k|v and gate|up matmuls on any device (on a CPU without torch.compile: a CPU
         # step of a small model is mostly per-op overhead, and packing saves three ops a layer).
-        fused = fusable(self.model) if fused is None else fused
+        fused = fusable(self.model, self.family) if fused is None else fused
         self.math: LayerMath = (
             FusedLayerMath(self.model, self.head_dim, compile=compile and cuda)
             if fused
-            else families.layer_math(self.model, self.head_dim)
+            else self.family.layer_math(self.model, self.head_dim)
         )
         # ---- the paged KV cache
         self.block_size = block_size
@@ -377,7 +380,7 @@ class ModelRunner:
         (their KV came from the old weights)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         # A checkpoint name may fill a slice of a fused parameter (Qwen3-MoE's experts).
-        targets = [families.param_view(params, name) for name, _ in named]
+        targets = [self.family.param_view(params, name) for name, _ in named]
         for (name, t), target in zip(named, targets, strict=True):
             if target is None:
                 raise ValueError(f"unknown parameter {name!r} for this model")
@@ -398,10 +401,20 @@ class ModelRunner:
         named: list[tuple[str, torch.Tensor]] = []
         for f in files:
             tensors = load_file(str(f)).items()
-            named += [(k, v) for k, v in tensors if families.param_view(params, k) is not None]
+            named += [(k, v) for k, v in tensors if self.family.param_view(params, k) is not None]
         if not named:
             raise ValueError(f"{model_path} holds none of this model's parameters")
         self.load_weights(named)
+
+
+def _family(model_path: str, model_type: str) -> Family:
+    """The model's family; a model type the engine does not serve is refused, naming those it does."""
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"{model_path}: model_type {model_type!r} is not served by the embedded engine "
+            f"(families: {', '.join(FAMILIES)})"
+        )
+    return FAMILIES[model_type]
 
 
 def _eos_ids(cfg) -> frozenset[int]:

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from slime_async.actors.engine.embedded import families
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
 from slime_async.actors.engine.embedded.sampling import GREEDY_TEMPERATURE, SamplingParams
 from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
@@ -291,7 +290,7 @@ class EmbeddedEngine:
             jobs += [(prompt, base if n == 1 else f"{base}_{j}", params) for j in range(n)]
         batched = batched or len(jobs) > 1
         want_routed = bool(body.get("return_routed_experts", False))
-        if want_routed and not families.moe_gates(self.runner.model):
+        if want_routed and not self.runner.family.moe_gates(self.runner.model):
             raise BadRequest("return_routed_experts: the model has no MoE layers")
         opts = _Opts(want_logprob, start, top_n, with_text, want_routed)
         if body.get("stream"):
@@ -470,7 +469,7 @@ class EmbeddedEngine:
             )
         tokens = list(r.input_ids) + ids
         routed = await self._on_scheduler(
-            lambda: families.routed_experts(self.runner.model, tokens)
+            lambda: self.runner.family.routed_experts(self.runner.model, tokens)
         )
         return base64.b64encode(routed.astype("<i4").tobytes()).decode("ascii")
 
