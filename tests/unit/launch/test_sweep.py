@@ -133,14 +133,18 @@ def test_jobs_run_points_at_once_and_the_summary_keeps_grid_order(tmp_path, monk
     summary still lists the points in grid order."""
     s = Sweep(["a.toml"], parse_grid(["buffer.fixed_lag=0,1,2,4"]), out=tmp_path, jobs=3)
     release = tmp_path / "released"
-    wait = (
-        f"import pathlib, time; t = time.time() + 120\n"
-        f"while not pathlib.Path({str(release)!r}).exists():\n"
-        f"    assert time.time() < t, 'the fourth point never ran'; time.sleep(0.05)"
-    )
+    all_three = tmp_path / "three-started"  # the first three wait for it: none ends too early
+
+    def wait(path, what):
+        return (
+            f"import pathlib, time; t = time.time() + 120\n"
+            f"while not pathlib.Path({str(path)!r}).exists():\n"
+            f"    assert time.time() < t, {what!r}; time.sleep(0.05)"
+        )
+
     code = {
-        "fixed_lag-0": wait,
-        "fixed_lag-1": "pass",
+        "fixed_lag-0": wait(release, "the fourth point never ran"),
+        "fixed_lag-1": wait(all_three, "the third point never started"),
         "fixed_lag-2": "pass",
         "fixed_lag-4": "pass",
     }
@@ -153,7 +157,10 @@ def test_jobs_run_points_at_once_and_the_summary_keeps_grid_order(tmp_path, monk
 
     def fake(point, seed, rd, tag, log):
         _fake_run(rd, [0.1, 0.5, 0.9])
-        return subprocess.Popen([sys.executable, "-c", code[point.name]])
+        proc = subprocess.Popen([sys.executable, "-c", code[point.name]])
+        if point.name == "fixed_lag-2":
+            all_three.touch()
+        return proc
 
     monkeypatch.setattr(s, "_launch", fake)
     assert s.run(log=log) == {"ran": 4, "skipped": 0, "failed": 0, "restarted": 0}
