@@ -90,7 +90,8 @@ def bench_learner_step(args, model_dir: Path) -> dict:
     dev = learner.device
     # The learner's memory goes before HF's model comes (one GPU holds one at a time).
     learner.model.to("cpu")
-    learner.optimizer = learner.train_model = None  # megatron's DDP holds the gradient buffers
+    # megatron's DDP holds the gradient buffers
+    learner.updates.optimizer = learner.updates.train_model = None
     if on_gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

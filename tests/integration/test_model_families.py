@@ -336,9 +336,9 @@ def test_routing_replay_goes_through_the_recorded_experts(model_dirs):
             got = []
             for i in range(len(rows)):
                 mb = collate(rows, [i], learner.device)
-                logp, _ = learner._forward(learner.model, mb, False)
+                logp, _ = learner.microbatches.forward(learner.model, mb, False)
                 got.append(logp[0, : rows[i].response_len].detach())
-            results[name] = (got, learner._take_routing_counts())
+            results[name] = (got, learner.ppo.take_routing_counts())
     finally:
         learner.close()
     got_own, (diff_own, total_own) = results["own"]

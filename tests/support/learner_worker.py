@@ -249,7 +249,8 @@ def task_dp2_ddp(out: Path, model_dirs: list[str]) -> None:
 
         opt.grad_norm = grad_norm
         opt.step = lambda *_a, opt=opt, **_k: opt.zero_grad()
-        learner.optimizer, learner.optimizer_kind, learner.train_model = opt, "megatron", opt.ddp
+        updates = learner.updates
+        updates.optimizer, updates.optimizer_kind, updates.train_model = opt, "megatron", opt.ddp
         groups = make_groups(100, 4)
         mine = groups[:1] if learner.rank == 0 else groups[1:]  # unequal micro-batch counts
         metrics = learner.train_step(mine)

@@ -2,10 +2,13 @@
 
 process.py     the `slime-async learner` process loop (`run_learner`): buffer, steps, push,
                version announcements, checkpoints and commits
-trainer.py     `Learner`: one rank's model and optimizer, HF export, checkpoints; built from
-ppo_step.py    the RL step: advantages, stale tokens, pi_prox, the loss
-updates.py     optimizer updates over mini-batches (RL and SFT), skipped updates, step metrics
-microbatches.py  micro-batch planning, collation and the forward pass to per-token log-probs
+trainer.py     `Learner`: builds the model and the components below and holds them; HF export,
+               checkpoints, the public API
+parallel.py    `ParallelLayout`: the process groups, ranks, device, the data-parallel sum
+microbatches.py  `MicroBatches`: micro-batch planning, collation, the forward pass to log-probs
+updates.py     `Updates`: optimizer, step and version, the updates over mini-batches (RL and SFT)
+ppo_step.py    `PPOStep`: the RL step (advantages, pi_prox, routing replay's checks, the loss)
+stale_tokens.py  `StaleTokens`: the stale-token policy (mask or count tokens beyond the bound)
 logprobs.py    chunked log-probs / entropy over the vocabulary-parallel output (Triton kernels
                in logprobs_triton.py on a GPU)
 options.py, megatron_optim.py, export.py  speed options; megatron-core's DDP + optimizer; export

@@ -3,8 +3,8 @@
 The torch path of `logprobs.py` turns each `[c, V / tp]` chunk of bf16 logits into fp32 and
 then runs about ten elementwise passes over it (scale by 1/T, gather, max, subtract, exp, sum,
 entropy terms; and as many again in the backward pass), each a full read and write of a
-`[c, V / tp]` fp32 tensor: on the H200 at 8 x 1,024 tokens and a 152k vocabulary that was most
-of the gap between the RL step and a plain megatron-core step. Here one program per row
+`[c, V / tp]` fp32 tensor: on the H200 at 8 x 1,024 tokens and a 152k vocabulary those passes
+are most of the gap between the torch path's RL step and a plain megatron-core step. Here one program per row
 streams the row's bf16 logits once:
 
 - `row_stats(z, labels, temperature, with_entropy)` -> `[4, c]` fp32: the row max `m` of

@@ -148,8 +148,8 @@ class MegatronOptim:
 
     # The DistributedOptimizer's state in megatron's canonical per-parameter form (reshards at
     # any TP / DP); its default, "fully_sharded_model_space", writes flattened ShardedTensors that
-    # megatron-core 0.19's dist_checkpointing refuses ("flattened_range is not supported";
-    # measured on the H200, 2026-12-01). Both 0.16 and 0.19 know "fully_reshardable".
+    # megatron-core 0.19's dist_checkpointing refuses ("flattened_range is not supported", on
+    # the H200). Both 0.16 and 0.19 know "fully_reshardable".
     _METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
     def sharded_state_dict(self, model_sharded: dict) -> dict:
@@ -179,7 +179,7 @@ class MegatronOptim:
         torch-Adam path (no Apex/TE): `load_state_dict` puts the checkpoint's Adam `step` into
         every parameter's state as a tensor, then `_set_main_param_and_optimizer_states` copies
         every tensor of that state from the loaded per-parameter tensors, which never carry
-        `step` (`KeyError: 'step'`, measured on the H200, 2026-12-01). The per-parameter call
+        `step` (`KeyError: 'step'`, on the H200). The per-parameter call
         gets `step: None`, which megatron skips, so `step` stays the checkpoint's."""
         patched = []
         for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
@@ -198,9 +198,9 @@ class MegatronOptim:
             for opt in patched:
                 del opt._set_main_param_and_optimizer_states  # the class's method again
         # The same megatron code puts ONE `step` tensor into every parameter's state; torch's
-        # AdamW increments each state's step in place, so a shared tensor advanced once per
-        # parameter per update and the bias correction was lost (the resumed run's second loss
-        # was 0.8% off on the H200). Each parameter gets its own copy.
+        # AdamW increments each state's step in place, so a shared tensor would advance once
+        # per parameter per update and lose the bias correction (a resumed run's second loss
+        # 0.8% off, on the H200). Each parameter gets its own copy.
         for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
             for st in opt.optimizer.state.values():
                 if isinstance(st.get("step"), torch.Tensor):

@@ -1,21 +1,20 @@
 """Micro-batching and the forward pass: rows -> micro-batches -> per-token log-probs.
 
-`MicroBatches` is a part of `Learner` (trainer.py): how one rank's rows are planned into
-micro-batches of at most `learner.micro_batch_tokens` tokens (padded rows sorted by length, or
-packed rows), collated onto the device, and run through the model to `[B, T]` response
-log-probs (and entropy) at each row's temperature: the model returns final hidden states and only
-the response positions go through the output layer, in chunks (`logprobs.py`)."""
+`MicroBatches` plans one rank's rows into micro-batches of at most `learner.micro_batch_tokens`
+tokens (padded rows sorted by length, or packed rows), collates them onto the device, and runs
+them through a model to `[B, T]` response log-probs (and entropy) at each row's temperature: the
+model returns final hidden states and only the response positions go through the output layer,
+in chunks (`logprobs.py`). It holds no model: the caller names the one to run (the trained
+model, megatron's DDP wrapper of it, or the KL reference)."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from slime_async import megatron_compat
 from slime_async.actors.learner.batch import (
@@ -27,42 +26,79 @@ from slime_async.actors.learner.batch import (
     plan_packs,
 )
 from slime_async.actors.learner.logprobs import chunked_logprobs, hidden_output, output_weight
+from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.models import routing
 from slime_async.models.attention import packed_rows, set_packed
+from slime_async.models.megatron import ModelArch
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
-log = logging.getLogger("slime_async.learner")
+Plan = tuple[list[list[int]], bool]
+"""Micro-batches as row indices, and whether they are packed."""
+
+
+def plan_rows(input_lens: list[int], budget: int, pack_min_padding: float | None) -> Plan:
+    """Micro-batches of rows of `input_lens` tokens, at most `budget` tokens each: padded rows
+    sorted by length, or packed rows when `pack_min_padding` is 0 or the padded plan would be at
+    least that share of padding (None: never packed)."""
+    if pack_min_padding is not None and not pack_min_padding:
+        return plan_packs(input_lens, budget), True
+    padded = plan_micro_batches(input_lens, budget)
+    if pack_min_padding is not None:
+        spent = sum(len(mb) * max(input_lens[i] for i in mb) for mb in padded)
+        if spent and 1.0 - sum(input_lens) / spent >= pack_min_padding:
+            return plan_packs(input_lens, budget), True
+    return padded, False
 
 
 class MicroBatches:
-    """The micro-batch planning and forward pass of `Learner` (uses its model, config, device)."""
+    """Micro-batch planning, collation and the forward pass of one learner rank."""
 
-    def _plan(self, rows: list[Row]) -> tuple[list[list[int]], bool]:
-        """This rank's micro-batches of `rows` as row indices, at most micro_batch_tokens each,
-        and whether they are packed: padded rows sorted by length, or packed rows when packing
-        is on and the padded plan would be at least `pack_min_padding` padding."""
-        lens = [r.input_len for r in rows]
-        budget = self.cfg.micro_batch_tokens
-        if self.pack and not self.pack_min_padding:
-            return plan_packs(lens, budget), True
-        padded = plan_micro_batches(lens, budget)
-        if self.pack:
-            spent = sum(len(mb) * max(lens[i] for i in mb) for mb in padded)
-            if spent and 1.0 - sum(lens) / spent >= self.pack_min_padding:
-                return plan_packs(lens, budget), True
-        return padded, False
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        arch: ModelArch,
+        *,
+        micro_batch_tokens: int,
+        pack_min_padding: float | None,
+        attention: str,
+        logprob_kernel: str,
+        logprob_chunk_tokens: int,
+        routing_replay: bool,
+        temperature: float,
+    ):
+        """`pack_min_padding`: None never packs, else a mini-batch is packed from this share of
+        padding on (0: always); `attention` and `logprob_kernel` as resolved in `options.py`;
+        `temperature`: for micro-batches that carry no per-row temperature."""
+        self.layout = layout
+        self.arch = arch
+        self.micro_batch_tokens = micro_batch_tokens
+        self.pack_min_padding = pack_min_padding
+        self.attention = attention
+        self.logprob_kernel = logprob_kernel
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.routing_replay = routing_replay
+        self.temperature = temperature
 
-    def _micro_batches(
-        self, rows: list[Row], plan: tuple[list[list[int]], bool] | None = None
-    ) -> Iterator[MicroBatch]:
-        """The micro-batches of `plan` (default: `_plan(rows)`), collated on the device."""
-        idx_lists, packed = self._plan(rows) if plan is None else plan
+    @property
+    def pack(self) -> bool:
+        """Whether any mini-batch may be packed."""
+        return self.pack_min_padding is not None
+
+    def plan(self, rows: list[Row]) -> Plan:
+        """This rank's micro-batches of `rows` (see `plan_rows`)."""
+        return plan_rows(
+            [r.input_len for r in rows], self.micro_batch_tokens, self.pack_min_padding
+        )
+
+    def collated(self, rows: list[Row], plan: Plan | None = None) -> Iterator[MicroBatch]:
+        """The micro-batches of `plan` (default: `self.plan(rows)`), collated on the device."""
+        idx_lists, packed = self.plan(rows) if plan is None else plan
         collate_one = collate_packed if packed else collate
         for idx in idx_lists:
-            yield collate_one(rows, idx, self.device)
+            yield collate_one(rows, idx, self.layout.device)
 
-    def _forward(
+    def forward(
         self, model, mb: MicroBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response log-probs [B, T] (and entropy [B, T]), each row at its own temperature.
@@ -71,7 +107,7 @@ class MicroBatches:
         output layer, in chunks (`logprobs.py`): no `[tokens x vocab]` fp32 logits exist."""
         ids, pos = mb.input_ids, mb.position_ids
         s = ids.shape[1]
-        tp = dist.get_world_size(self.tp_group)
+        tp = self.layout.tp_size
         if self.arch.is_moe and tp > 1 and s % tp:
             # Sequence parallelism (MoE at TP > 1) cuts the sequence into TP equal chunks:
             # right padding, which a causal mask keeps away from every real token.
@@ -80,7 +116,7 @@ class MicroBatches:
             pos = torch.arange(s + extra, device=ids.device).expand(ids.shape[0], -1)
             s += extra
         gpt = getattr(model, "module", model)  # under megatron's DDP wrapper
-        replay = mb.routed_experts is not None and self.cfg.routing_replay
+        replay = mb.routed_experts is not None and self.routing_replay
         if replay:
             routed = mb.routed_experts  # [B, S0, L * k]
             b, s0, _ = routed.shape
@@ -88,10 +124,11 @@ class MicroBatches:
             routed = routed.view(b, s, len(self.arch.moe_layers), self.arch.moe_topk)
             # A row's last response prediction sits at its input length - 1.
             lens = mb.resp_index.max(dim=1).values + 1
-            per_layer, valid = routing.replay_targets(routed, lens, self.tp_rank, tp)
+            per_layer, valid = routing.replay_targets(routed, lens, self.layout.tp_rank, tp)
             routing.set_replay(gpt, per_layer, valid)
         # SDPA and TE attention are causal by construction; megatron's own needs the mask.
-        mask = megatron_compat.causal_mask(s, self.device) if self.attention == "local" else None
+        device = self.layout.device
+        mask = megatron_compat.causal_mask(s, device) if self.attention == "local" else None
         if mb.packed is not None:
             packing = packed_rows(gpt, mb.packed, pos)
         else:
@@ -119,7 +156,7 @@ class MicroBatches:
             labels,
             temp_tok,
             with_entropy,
-            self.cfg.logprob_chunk_tokens,
+            self.logprob_chunk_tokens,
             fused=self.logprob_kernel == "triton",
         )
         zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
@@ -127,11 +164,11 @@ class MicroBatches:
         return logp, (zeros.masked_scatter(valid, ent) if ent is not None else None)
 
     @torch.no_grad()
-    def _rows_logprobs(self, model, rows: list[Row]) -> list[np.ndarray]:
+    def rows_logprobs(self, model, rows: list[Row]) -> list[np.ndarray]:
         """[R] fp32 response log-probs of each row under `model` (no grad)."""
         out: list[Any] = [None] * len(rows)
-        for mb in self._micro_batches(rows):
-            logp, _ = self._forward(model, mb, False)
+        for mb in self.collated(rows):
+            logp, _ = self.forward(model, mb, False)
             for j, i in enumerate(mb.rows):
                 out[i] = logp[j, : rows[i].response_len].float().cpu().numpy()
         return out
@@ -139,12 +176,13 @@ class MicroBatches:
     @torch.no_grad()
     def compute_logprobs(
         self,
+        model: torch.nn.Module,
         sequences: list[list[int]],
         with_entropy: bool = False,
         temperatures: Sequence[float] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """For each sequence, log p(seq[t+1] | seq[:t+1]) [L-1] (and entropy [L-1]), fp32 on CPU,
-        at `temperatures[i]` (default: the learner's temperature)."""
+        """For each sequence, log p(seq[t+1] | seq[:t+1]) [L-1] (and entropy [L-1]) under
+        `model` in eval mode, fp32 on CPU, at `temperatures[i]` (default: `self.temperature`)."""
         temps = (
             list(temperatures) if temperatures is not None else [self.temperature] * len(sequences)
         )
@@ -153,11 +191,11 @@ class MicroBatches:
             for s, t in zip(sequences, temps, strict=True)
         ]
         out: list[Any] = [None] * len(rows)
-        was_training = self.model.training
-        self.model.eval()
+        was_training = model.training
+        model.eval()
         try:
-            for mb in self._micro_batches(rows):
-                logp, ent = self._forward(self.model, mb, with_entropy)
+            for mb in self.collated(rows):
+                logp, ent = self.forward(model, mb, with_entropy)
                 for j, i in enumerate(mb.rows):
                     n = rows[i].response_len
                     out[i] = (
@@ -165,5 +203,5 @@ class MicroBatches:
                         None if ent is None else ent[j, :n].float().cpu(),
                     )
         finally:
-            self.model.train(was_training)
+            model.train(was_training)
         return out

@@ -1,11 +1,11 @@
-"""The RL step of `Learner`: one batch of groups -> advantages, pi_prox, the loss -> updates.
+"""The RL step: one batch of groups -> advantages, pi_prox, the loss -> `Updates.run`.
 
 `PPOStep.train_step(groups)`: the algorithm's group filter and advantages (batch-wide estimators
-all-reduce over DP ranks), the stale-token policy, pi_prox (a no-grad forward pass at the start
-of the batch, skipped with one update per batch where the loss's own detached log-probs are
-pi_prox exactly; or AReaL's log-linear interpolation), the KL reference's log-probs, routing
-replay's checks, then `algo.ppo_epochs x algo.mini_batches` updates (`updates.py`) with the loss
-from `slime_async/algos/`."""
+all-reduce over DP ranks), the stale-token policy (`stale_tokens.py`), pi_prox (a no-grad
+forward pass at the start of the batch, skipped with one update per batch where the loss's own
+detached log-probs are pi_prox exactly; or AReaL's log-linear interpolation), the KL
+reference's log-probs, routing replay's checks, then `algo.ppo_epochs x algo.mini_batches`
+updates (`updates.py`) with the loss from `slime_async/algos/`."""
 
 from __future__ import annotations
 
@@ -24,8 +24,13 @@ from slime_async.actors.learner.batch import (
     check_trajectory,
     rows_from_groups,
 )
-from slime_async.algos import AdvantageInput, LossInput
+from slime_async.actors.learner.microbatches import MicroBatches
+from slime_async.actors.learner.parallel import ParallelLayout
+from slime_async.actors.learner.stale_tokens import StaleTokens
+from slime_async.actors.learner.updates import Denominators, Updates
+from slime_async.algos import AdvantageInput, Algorithm, LossInput
 from slime_async.models import routing
+from slime_async.models.megatron import ModelArch
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
@@ -56,7 +61,47 @@ def interpolated_prox_logp(
 
 
 class PPOStep:
-    """The RL step of `Learner` (trainer.py)."""
+    """The RL step of one learner rank: groups in, `Updates.run` with the algorithm's loss."""
+
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        microbatches: MicroBatches,
+        updates: Updates,
+        algo: Algorithm,
+        model: torch.nn.Module,
+        ref_model: torch.nn.Module | None,
+        arch: ModelArch,
+        *,
+        interpolate: bool,
+        prox_compare_interval: int,
+        mini_batches: int,
+        ppo_epochs: int,
+        routing_replay: bool,
+        temperature: float,
+        stale: StaleTokens,
+    ):
+        """`algo`: its loss gets pi_prox as `prox_logp` (this step resolves it); `ref_model`: the
+        frozen KL reference, or None; `interpolate`: pi_prox by AReaL's log-linear interpolation,
+        checked against the forward pass every `prox_compare_interval` batches (0: never), else
+        the forward pass; `temperature`: for trajectories that record none; `stale`: the
+        buffer's bound on model tokens and what to do with those beyond it."""
+        self.layout = layout
+        self.microbatches = microbatches
+        self.updates = updates
+        self.algo = algo
+        self.model = model
+        self.ref_model = ref_model
+        self.arch = arch
+        self.interpolate = interpolate
+        self.prox_compare_interval = prox_compare_interval
+        self.mini_batches = mini_batches
+        self.ppo_epochs = ppo_epochs
+        self.routing_replay = routing_replay
+        self.temperature = temperature
+        self.stale = stale
+        self.batches = 0
+        """RL batches seen, for the interval of the pi_prox comparison."""
 
     def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
         """One RL batch: `algo.ppo_epochs` x `algo.mini_batches` optimizer updates; version += 1.
@@ -66,31 +111,35 @@ class PPOStep:
         Groups the algorithm filters out (e.g. DAPO's zero-variance filter) are not trained on
         and count in no denominator.
         """
-        kept, advantages = self._advantages(groups)
+        kept, advantages = self.advantages(groups)
         rows = rows_from_groups(kept, self.arch.vocab_size, self.temperature)
         for row, adv in zip(rows, advantages, strict=True):
             row.per_token["advantages"] = adv
         extra = {M.GROUPS_KEPT: float(len(kept)), M.GROUPS_GIVEN: float(len(groups))}
-        extra.update(self._stale_tokens(kept, rows))
-        current = self.version
-        interpolate = self.algo_cfg.prox_source == "interpolate"
-        self._batches += 1
+        extra.update(self.stale.apply(kept, rows))
+        current = self.updates.version
+        interpolate = self.interpolate
+        self.batches += 1
         exact = not interpolate or (
-            self.cfg.prox_compare_interval > 0
-            and (self._batches - 1) % self.cfg.prox_compare_interval == 0
+            self.prox_compare_interval > 0 and (self.batches - 1) % self.prox_compare_interval == 0
         )
         # With one update per batch the policy at the start of the batch is the one being
         # trained: the loss's logp.detach() is pi_prox exactly, and the forward pass is skipped.
-        one_update = self.algo_cfg.mini_batches * self.algo_cfg.ppo_epochs == 1
+        one_update = self.mini_batches * self.ppo_epochs == 1
         # Every rank takes the same branch (same config, same batch count): no collective waits.
         if exact and not (one_update and not interpolate):
-            for row, lp in zip(rows, self._rows_logprobs(self.model, rows), strict=True):
+            for row, lp in zip(
+                rows, self.microbatches.rows_logprobs(self.model, rows), strict=True
+            ):
                 row.per_token["prox_logp"] = lp
         if self.ref_model is not None:
-            for row, lp in zip(rows, self._rows_logprobs(self.ref_model, rows), strict=True):
+            ref = self.microbatches.rows_logprobs(self.ref_model, rows)
+            for row, lp in zip(rows, ref, strict=True):
                 row.per_token["ref_logp"] = lp
 
-        def loss_of(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None):
+        def loss_of(
+            mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None, den: Denominators
+        ) -> tuple[torch.Tensor, dict]:
             pt = mb.per_token
             prox = pt.get("prox_logp")
             compare: dict[str, float] = {}
@@ -117,8 +166,8 @@ class PPOStep:
                     loss_mask=pt["loss_mask"],
                     versions=pt["versions"],
                     current_version=current,
-                    token_denominator=self._denominators[0],
-                    seq_denominator=self._denominators[1],
+                    token_denominator=den.tokens,
+                    seq_denominator=den.sequences,
                     prox_logp=prox,
                     ref_logp=pt.get("ref_logp"),
                     entropy=ent,
@@ -126,21 +175,19 @@ class PPOStep:
             )
             return out.loss, {**out.metrics, **compare}
 
-        if self.cfg.routing_replay:
-            self._take_routing_counts()  # only this step's forward passes count
-            extra.update(self._check_routed(rows))
-        out = self._run_step(
-            rows, loss_of, extra, self.algo_cfg.mini_batches, self.algo_cfg.ppo_epochs
-        )
-        if self.cfg.routing_replay:
-            diff, total = self._take_routing_counts()
-            t = torch.tensor([diff, total], dtype=torch.float64, device=self.device)
+        if self.routing_replay:
+            self.take_routing_counts()  # only this step's forward passes count
+            extra.update(self.check_routed(rows))
+        out = self.updates.run(rows, loss_of, extra, self.mini_batches, self.ppo_epochs)
+        if self.routing_replay:
+            diff, total = self.take_routing_counts()
+            t = torch.tensor([diff, total], dtype=torch.float64, device=self.layout.device)
             dist.all_reduce(t)  # DP ranks: other rows; TP ranks: other sequence chunks
             out[M.MOE_ROUTING_DIFF] = float(t[0] / t[1]) if t[1] > 0 else 0.0
             out[M.MOE_REPLAY_TOKENS] = float(t[1])
         return out
 
-    def _check_routed(self, rows: list[Row]) -> dict[str, float]:
+    def check_routed(self, rows: list[Row]) -> dict[str, float]:
         """Routing replay: each row's recorded routing must fit the model; rows without one
         (an engine that did not return it) route on their own, counted and logged."""
         width = len(self.arch.moe_layers) * self.arch.moe_topk
@@ -156,9 +203,9 @@ class PPOStep:
                     f"not fit {len(self.arch.moe_layers)} MoE layers x top-{self.arch.moe_topk} "
                     f"of {self.arch.num_experts} experts"
                 )
-        t = torch.tensor([float(missing)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.dp_group)
-        if float(t) > 0 and self.is_rank0:
+        t = torch.tensor([float(missing)], dtype=torch.float64, device=self.layout.device)
+        dist.all_reduce(t, group=self.layout.dp_group)
+        if float(t) > 0 and self.layout.is_rank0:
             log.warning(
                 "routing replay: %d trajectories carry no routed_experts; they use the "
                 "learner's own routing",
@@ -166,22 +213,14 @@ class PPOStep:
             )
         return {M.MOE_REPLAY_MISSING: float(t)}
 
-    def _take_routing_counts(self) -> tuple[float, float]:
+    def take_routing_counts(self) -> tuple[float, float]:
         """(token x layer pairs whose own routing differed, pairs replayed) on this rank since
         the last call (the KL reference's are dropped)."""
         if self.ref_model is not None:
             routing.take_counts(self.ref_model)
         return routing.take_counts(self.model)
 
-    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` summed over the data-parallel ranks (a copy): `AdvantageInput.all_reduce_sum`."""
-        out = t.detach().to(self.device, torch.float64).clone()
-        dist.all_reduce(out, group=self.dp_group)
-        return out.to(t.device, t.dtype)
-
-    def _advantages(
-        self, groups: Sequence[TrainGroup]
-    ) -> tuple[list[TrainGroup], list[np.ndarray]]:
+    def advantages(self, groups: Sequence[TrainGroup]) -> tuple[list[TrainGroup], list[np.ndarray]]:
         """The groups kept by the algorithm's filter, and [R] float32 advantages per trajectory.
 
         Groups of equal size go through the estimator together, as [G, n] (or [G, n, T]).
@@ -193,13 +232,14 @@ class PPOStep:
         for g in groups:
             by_size.setdefault(len(g), []).append(g)
         sizes = sorted(by_size)
-        dp = dist.get_world_size(self.dp_group) > 1
+        p = self.layout
+        dp = p.dp_size > 1
         if dp:
             # Batch-wide estimators (reinforce_pp, reinforce) all-reduce inside the call: every
             # rank calls the estimator for the same sizes in the same order, with empty inputs
             # where it holds no group of that size, or the collectives would not pair up.
-            gathered: list[list[int] | None] = [None] * dist.get_world_size(self.dp_group)
-            dist.all_gather_object(gathered, sizes, group=self.dp_group)
+            gathered: list[list[int] | None] = [None] * p.dp_size
+            dist.all_gather_object(gathered, sizes, group=p.dp_group)
             sizes = sorted({n for s in gathered for n in (s or [])})
         kept: list[TrainGroup] = []
         advantages: list[np.ndarray] = []
@@ -225,7 +265,7 @@ class PPOStep:
                 rewards[keep],
                 lengths[keep],
                 mask[keep],
-                all_reduce_sum=self._all_reduce_sum if dp else None,
+                all_reduce_sum=p.all_reduce_sum if dp else None,
             )
             adv = self.algo.advantages(adv_in)
             if adv.dim() == 2:
@@ -235,65 +275,3 @@ class PPOStep:
                 for b, t in enumerate(same[gi]):
                     advantages.append(adv[a, b, : len(t.response_ids)].detach().float().numpy())
         return kept, advantages
-
-    def _stale_tokens(self, groups: Sequence[TrainGroup], rows: list[Row]) -> dict[str, float]:
-        """Apply `stale_policy` to model tokens older than `max_staleness`; their metrics.
-
-        A token's staleness is measured on the buffer's clock: the version the buffer knew at
-        delivery (the group's staleness plus its oldest model-token version) minus the token's.
-        """
-        if self.max_staleness is None:
-            return {}
-        over_tokens = 0
-        masked_groups: list[int] = []
-        i = 0
-        for k, g in enumerate(groups):
-            mine = rows[i : i + len(g)]
-            i += len(g)
-            oldest = [o for t in g if (o := t.oldest_version()) is not None]
-            if not oldest:
-                continue
-            clock = g.staleness + min(oldest)
-            hit = False
-            for r in mine:
-                model = r.per_token["loss_mask"] > 0
-                over = model & (clock - r.per_token["versions"] > self.max_staleness)
-                n = int(over.sum())
-                over_tokens += n
-                if n and self.stale_policy == "mask":
-                    r.per_token["loss_mask"] = np.where(over, 0.0, r.per_token["loss_mask"]).astype(
-                        np.float32
-                    )
-                hit = hit or n > 0
-            if hit:
-                masked_groups.append(k)
-        masked = set(masked_groups)
-        # [over-bound tokens, masked groups, then (trajectories, length sum, reward sum) of the
-        # masked groups and of the others]
-        sums = np.zeros(8)
-        sums[0], sums[1] = over_tokens, len(masked)
-        for k, g in enumerate(groups):
-            base = 2 if k in masked else 5
-            for t in g:
-                sums[base] += 1
-                sums[base + 1] += float(t.loss_mask.sum())
-                sums[base + 2] += float(t.reward)
-        if dist.get_world_size(self.dp_group) > 1:  # the batch's totals, not this rank's share
-            t = torch.tensor(sums, dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, group=self.dp_group)
-            sums = t.cpu().numpy()
-        out = {M.STALE_OVER_BOUND_TOKENS: float(sums[0])}
-        if self.stale_policy != "mask":
-            return out
-        mn, kn = max(sums[2], 1.0), max(sums[5], 1.0)
-        out.update(
-            {
-                M.STALE_MASKED_TOKENS: float(sums[0]),
-                M.STALE_MASKED_GROUPS: float(sums[1]),
-                M.STALE_MASKED_LEN: float(sums[3] / mn),
-                M.STALE_MASKED_REWARD: float(sums[4] / mn),
-                M.STALE_KEPT_LEN: float(sums[6] / kn),
-                M.STALE_KEPT_REWARD: float(sums[7] / kn),
-            }
-        )
-        return out

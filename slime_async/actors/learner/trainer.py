@@ -20,41 +20,40 @@ are resolved in `options.py`.
     learner.save_checkpoint(dir, extra={"cursor": ...})
 
 The algorithm is a loss and an advantage estimator looked up in `slime_async.algos`.
-`Learner` is built here (model, optimizer, process groups, export, checkpoints); its parts
-live by role: `ppo_step.py` (the RL step: advantages, pi_prox, the loss), `updates.py` (the
-optimizer updates over mini-batches, shared with SFT), `microbatches.py` (micro-batch planning
-and the forward pass to per-token log-probs); `process.py` is the process-facing loop.
+`Learner` builds the model and its components (`ParallelLayout`, `MicroBatches`, `Updates`,
+`PPOStep`: README.md says who owns what) and holds them; none of them refers back to it. HF
+export and checkpoints are its own; `process.py` is the process-facing loop.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from slime_async import megatron_compat
 from slime_async.actors.learner import checkpoint as learner_ckpt
 from slime_async.actors.learner import export as learner_export
+from slime_async.actors.learner.batch import TrainGroup
 from slime_async.actors.learner.microbatches import MicroBatches
-from slime_async.actors.learner.optim import MasterAdamW
+from slime_async.actors.learner.optim import MasterAdamW, lr_at
 from slime_async.actors.learner.options import resolve_logprob_kernel, resolve_speed_options
+from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.actors.learner.ppo_step import PPOStep, interpolated_prox_logp
-from slime_async.actors.learner.updates import Updates
+from slime_async.actors.learner.stale_tokens import StaleTokens
+from slime_async.actors.learner.updates import Updates, nll_loss, sft_rows
 from slime_async.algos import build_algorithm
 from slime_async.config.algo import AlgoConfig
 from slime_async.config.learner import LearnerConfig
 from slime_async.models import convert
 from slime_async.models.arch import ModelArch
 from slime_async.models.megatron import build_gpt_model
-from slime_async.utils.procs import free_port
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
@@ -63,7 +62,7 @@ log = logging.getLogger("slime_async.learner")
 __all__ = ["Learner", "interpolated_prox_logp"]
 
 
-class Learner(PPOStep, Updates, MicroBatches):
+class Learner:
     """One rank of the learner. All ranks construct it and call the same methods in step."""
 
     def __init__(
@@ -85,9 +84,6 @@ class Learner(PPOStep, Updates, MicroBatches):
         self.cfg = learner_cfg
         self.algo_cfg = algo_cfg
         self.temperature = float(temperature)
-        self.max_staleness = max_staleness
-        self.stale_policy = stale_policy
-        self._batches = 0
         # Plug-ins first: a wrong name or a broken function fails before any process group.
         # The learner resolves pi_prox itself (forward pass or interpolation, it knows the
         # weights' versions) and hands it to the loss as prox_logp, which the loss then uses as is.
@@ -97,35 +93,20 @@ class Learner(PPOStep, Updates, MicroBatches):
                 "learner: set learner.model_path (HF dir) or learner.load (checkpoint)"
             )
 
-        self._owns_dist, self._owns_mp = self._init_distributed(
-            learner_cfg.tensor_parallel, learner_cfg.expert_parallel
-        )
+        self.parallel = ParallelLayout(learner_cfg.tensor_parallel, learner_cfg.expert_parallel)
         try:
-            self._build()
+            self._build(max_staleness, stale_policy)
         except BaseException:
             self.close()
             raise
 
-    def _build(self) -> None:
-        from megatron.core import parallel_state as ps
-
-        cfg = self.cfg
-        self.rank = dist.get_rank()
-        self.is_rank0 = self.rank == 0
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.dp_group = ps.get_data_parallel_group()
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.ep_group = ps.get_expert_model_parallel_group()
-        self.ep_rank = ps.get_expert_model_parallel_rank()
-        self.ep_size = ps.get_expert_model_parallel_world_size()
-        self.expert_dp_rank = ps.get_expert_data_parallel_rank()
-        self.expert_dp_group = ps.get_expert_data_parallel_group()
-        self._routing_counts = [0.0, 0.0]
-        self.device = megatron_compat.device()
-        self.dtype = getattr(torch, cfg.dtype)
-        self.step = 0
-        self.version = 0
+    def _build(self, max_staleness: int | None, stale_policy: str) -> None:
+        cfg, p = self.cfg, self.parallel
+        # What callers outside read of the layout (the process loop, tests, benchmarks).
+        self.rank, self.is_rank0, self.device = p.rank, p.is_rank0, p.device
+        self.tp_group, self.dp_group, self.dp_rank = p.tp_group, p.dp_group, p.dp_rank
+        self.ep_group, self.expert_dp_group = p.ep_group, p.expert_dp_group
+        dtype = getattr(torch, cfg.dtype)
         self.loaded_extra: dict[str, Any] = {}
 
         if cfg.load is not None:
@@ -151,33 +132,55 @@ class Learner(PPOStep, Updates, MicroBatches):
         np.random.seed(cfg.seed)
         megatron_compat.seed_model_parallel(cfg.seed)
         on_cpu = megatron_compat.cpu_mode()
-        self.attention, pack_min_padding, self.optimizer_kind = resolve_speed_options(
-            cfg, self.arch, dist.get_world_size(self.tp_group), on_cpu
+        attention, pack_min_padding, optimizer_kind = resolve_speed_options(
+            cfg, self.arch, p.tp_size, on_cpu
         )
-        # None: never packed; else a mini-batch is packed from this share of padding on.
-        self.pack_min_padding = pack_min_padding
-        self.pack = pack_min_padding is not None
-        self.logprob_kernel = resolve_logprob_kernel(cfg, on_cpu)
+        self.microbatches = mb = MicroBatches(
+            p,
+            self.arch,
+            micro_batch_tokens=cfg.micro_batch_tokens,
+            pack_min_padding=pack_min_padding,
+            attention=attention,
+            logprob_kernel=resolve_logprob_kernel(cfg, on_cpu),
+            logprob_chunk_tokens=cfg.logprob_chunk_tokens,
+            routing_replay=cfg.routing_replay,
+            temperature=self.temperature,
+        )
+        # The resolved speed options, as callers outside read them.
+        self.attention, self.pack, self.pack_min_padding = (
+            mb.attention,
+            mb.pack,
+            mb.pack_min_padding,
+        )
+        self.logprob_kernel = mb.logprob_kernel
         moe = {
             "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
             "routing_replay": cfg.routing_replay,
             "attention": self.attention,
         }
         self.model = build_gpt_model(
-            self.arch, self.dtype, init=False, on_cpu=on_cpu, recompute=cfg.recompute, **moe
+            self.arch, dtype, init=False, on_cpu=on_cpu, recompute=cfg.recompute, **moe
         )
         if cfg.load is None:
             convert.load_hf_into_model(self.model, cfg.model_path, self.arch)
-        # `self.train_model` is what training micro-batches run through: megatron's DDP wrapper
-        # (its gradient hooks) or the model itself.
-        if self.optimizer_kind == "megatron":
+        # Training micro-batches run through megatron's DDP wrapper (its gradient hooks) or
+        # through the model itself.
+        if optimizer_kind == "megatron":
             from slime_async.actors.learner.megatron_optim import MegatronOptim
 
-            self.optimizer = MegatronOptim(self.model, cfg)
-            self.train_model = self.optimizer.ddp
+            optimizer: Any = MegatronOptim(self.model, cfg)
+            train_model = optimizer.ddp
         else:
-            self.optimizer = MasterAdamW(self.model, cfg)
-            self.train_model = self.model
+            optimizer, train_model = MasterAdamW(self.model, cfg), self.model
+        self.updates = Updates(
+            p,
+            self.microbatches,
+            optimizer,
+            train_model,
+            optimizer_kind=optimizer_kind,
+            lr_at=lambda step: lr_at(step, cfg),
+            with_entropy=self.algo.needs_entropy,
+        )
         if self.is_rank0:
             log.info(
                 "learner: attention %s, %s micro-batches, optimizer %s, recompute %s, log-probs %s",
@@ -187,7 +190,7 @@ class Learner(PPOStep, Updates, MicroBatches):
                 else "packed"
                 if not self.pack_min_padding
                 else f"packed from {self.pack_min_padding:.0%} padding on",
-                self.optimizer_kind,
+                optimizer_kind,
                 cfg.recompute,
                 self.logprob_kernel,
             )
@@ -197,75 +200,95 @@ class Learner(PPOStep, Updates, MicroBatches):
         if self.algo.needs_ref_logp:
             # The reference is the initial policy: model_path's weights when given, else the
             # checkpoint's, which is then a step-0 one (a converted model; checked above).
-            self.ref_model = build_gpt_model(
-                self.arch, self.dtype, init=False, on_cpu=on_cpu, **moe
-            )
+            self.ref_model = build_gpt_model(self.arch, dtype, init=False, on_cpu=on_cpu, **moe)
             if cfg.model_path is not None:
                 convert.load_hf_into_model(self.ref_model, cfg.model_path, self.arch)
             else:
                 self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.requires_grad_(False)
+        self.ppo = PPOStep(
+            p,
+            self.microbatches,
+            self.updates,
+            self.algo,
+            self.model,
+            self.ref_model,
+            self.arch,
+            interpolate=self.algo_cfg.prox_source == "interpolate",
+            prox_compare_interval=cfg.prox_compare_interval,
+            mini_batches=self.algo_cfg.mini_batches,
+            ppo_epochs=self.algo_cfg.ppo_epochs,
+            routing_replay=cfg.routing_replay,
+            temperature=self.temperature,
+            stale=StaleTokens(p, max_staleness, stale_policy),
+        )
         self.model.train()
-
-    # ------------------------------------------------------------------ setup
-
-    @staticmethod
-    def _init_distributed(tp: int, ep: int = 1) -> tuple[bool, bool]:
-        from megatron.core import parallel_state as ps
-
-        megatron_compat.apply()
-        owns_dist = False
-        if not dist.is_initialized():
-            backend = "gloo" if megatron_compat.cpu_mode() else "nccl"
-            if not megatron_compat.cpu_mode():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-                dist.init_process_group(backend)  # torchrun's env:// rendezvous
-            else:
-                dist.init_process_group(
-                    backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-                )
-            owns_dist = True
-        world = dist.get_world_size()
-        if world % tp or world % ep:
-            if owns_dist:
-                dist.destroy_process_group()
-            raise ValueError(
-                f"world size {world} is not divisible by learner.tensor_parallel={tp} "
-                f"and learner.expert_parallel={ep}"
-            )
-        owns_mp = False
-        if not ps.model_parallel_is_initialized():
-            # Experts are never TP-sharded (expert_tensor_parallel_size 1): EP ranks are carved
-            # out of the data-parallel ranks, so TP x EP fits in TP x DP processes.
-            ps.initialize_model_parallel(
-                tensor_model_parallel_size=tp,
-                expert_model_parallel_size=ep,
-                expert_tensor_parallel_size=1,
-            )
-            owns_mp = True
-        elif ps.get_expert_model_parallel_world_size() != ep:
-            raise ValueError(
-                f"model parallel already initialised with EP={ps.get_expert_model_parallel_world_size()}, "
-                f"learner.expert_parallel={ep}"
-            )
-        elif ps.get_tensor_model_parallel_world_size() != tp:
-            raise ValueError(
-                f"model parallel already initialised with TP={ps.get_tensor_model_parallel_world_size()}, "
-                f"learner.tensor_parallel={tp}"
-            )
-        return owns_dist, owns_mp
 
     def close(self) -> None:
         """Tear down what this learner initialised (model parallel state, process group)."""
-        from megatron.core import parallel_state as ps
+        self.parallel.close()
 
-        if self._owns_mp:
-            ps.destroy_model_parallel()
-            self._owns_mp = False
-        if self._owns_dist and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_dist = False
+    # ------------------------------------------------------------------ the updates' state
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (batches trained on)."""
+        return self.updates.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.updates.step = value
+
+    @property
+    def version(self) -> int:
+        """The policy version of the weights (the process loop may move it up to the buffer's)."""
+        return self.updates.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.updates.version = value
+
+    @property
+    def optimizer(self) -> Any:
+        """`MasterAdamW` or `MegatronOptim` (`optimizer_kind` "master_adamw" or "megatron")."""
+        return self.updates.optimizer
+
+    @property
+    def optimizer_kind(self) -> str:
+        return self.updates.optimizer_kind
+
+    @property
+    def train_model(self) -> torch.nn.Module:
+        """What training micro-batches run through: megatron's DDP wrapper or the model."""
+        return self.updates.train_model
+
+    # ------------------------------------------------------------------ steps and log-probs
+
+    def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
+        """One RL batch: `algo.ppo_epochs` x `algo.mini_batches` optimizer updates; version += 1.
+
+        pi_prox is the policy at the start of the batch (a no-grad forward pass before the first
+        update), or AReaL's log-linear interpolation (`algo.prox_source = "interpolate"`).
+        Groups the algorithm filters out (e.g. DAPO's zero-variance filter) are not trained on
+        and count in no denominator. See `ppo_step.py`.
+        """
+        return self.ppo.train_step(groups)
+
+    def sft_step(self, examples: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+        """One supervised step: mean NLL of the target tokens over all ranks' examples."""
+        return self.updates.run(
+            sft_rows(examples, self.arch.vocab_size, self.temperature), nll_loss, {}
+        )
+
+    def compute_logprobs(
+        self,
+        sequences: list[list[int]],
+        with_entropy: bool = False,
+        temperatures: Sequence[float] | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """For each sequence, log p(seq[t+1] | seq[:t+1]) [L-1] (and entropy [L-1]), fp32 on CPU,
+        at `temperatures[i]` (default: the learner's temperature)."""
+        return self.microbatches.compute_logprobs(self.model, sequences, with_entropy, temperatures)
 
     # ------------------------------------------------------------------ weights out
 
@@ -276,7 +299,7 @@ class Learner(PPOStep, Updates, MicroBatches):
         number of buckets on all ranks). Tensors may share memory with the parameters:
         consume a bucket before the next optimizer step. See `export.py`.
         """
-        return learner_export.hf_buckets(self, bucket_bytes)
+        return learner_export.hf_buckets(self.model, self.arch, self.parallel, bucket_bytes)
 
     def save_hf(self, out_dir: str | Path) -> Path | None:
         """A complete HF model directory (config, safetensors, tokenizer); every rank calls it."""

@@ -1,11 +1,12 @@
 """Optimizer updates over the mini-batches of one batch: the loss, gradients, clipping, steps.
 
-`Updates` is a part of `Learner` (trainer.py), shared by the PPO step (`ppo_step.py`) and SFT:
-`_run_step(rows, loss_of, ...)` runs `epochs x mini_batches` updates, each on a mini-batch of the
-rows (sorted by length, dealt round robin), with the loss divided by that mini-batch's totals
-over all its micro-batches and data-parallel ranks; an update on a mini-batch that is empty on
-every rank, or whose gradient is zero or not finite, is skipped and counted. Version v + 1 is the
-weights after all the updates of the batch trained at version v."""
+`Updates` owns the optimizer, the step and version counters and the LR schedule; the PPO step
+(`ppo_step.py`) and SFT (`sft_rows`, `nll_loss`) hand it rows and a loss. `run(rows, loss_of, ...)`
+runs `epochs x mini_batches` updates, each on a mini-batch of the rows (sorted by length, dealt
+round robin), with the loss divided by that mini-batch's totals over all its micro-batches and
+data-parallel ranks; an update on a mini-batch that is empty on every rank, or whose gradient is
+zero or not finite, is skipped and counted. Version v + 1 is the weights after all the updates of
+the batch trained at version v."""
 
 from __future__ import annotations
 
@@ -14,34 +15,69 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import slime_async.metrics.names as M
-from slime_async.actors.learner.batch import (
-    MicroBatch,
-    Row,
-    check_ids,
-)
-from slime_async.actors.learner.optim import lr_at
+from slime_async.actors.learner.batch import MicroBatch, Row, check_ids
+from slime_async.actors.learner.microbatches import MicroBatches
+from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.algos.metrics import finalize_metrics, merge_metrics
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
 log = logging.getLogger("slime_async.learner")
 
-LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
+
+class Denominators(NamedTuple):
+    """One mini-batch's totals over all its micro-batches and data-parallel ranks (each >= 1)."""
+
+    tokens: float
+    sequences: float
+
+
+LossFn = Callable[
+    [MicroBatch, torch.Tensor, torch.Tensor | None, Denominators], tuple[torch.Tensor, dict]
+]
+"""(micro-batch, logp [B, T], entropy [B, T] or None, denominators) -> (loss, raw metrics)."""
 
 
 class Updates:
-    """The update loop of `Learner` (uses its optimizer, groups and micro-batches)."""
+    """The update loop of one learner rank: optimizer, step and version, LR schedule."""
 
-    def _check_same_data_in_tp_group(self, rows: list[Row]) -> None:
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        microbatches: MicroBatches,
+        optimizer: Any,
+        train_model: torch.nn.Module,
+        *,
+        optimizer_kind: str,
+        lr_at: Callable[[int], float],
+        with_entropy: bool,
+    ):
+        """`optimizer`: a `MasterAdamW` or `MegatronOptim` ("master_adamw" or "megatron", the
+        `optimizer_kind`); `train_model`: what training micro-batches run through (megatron's
+        DDP wrapper, whose gradient hooks reduce, or the model itself); `lr_at(step)`: the LR
+        schedule; `with_entropy`: the forward passes compute the entropy (the loss reads it)."""
+        self.layout = layout
+        self.microbatches = microbatches
+        self.optimizer = optimizer
+        self.train_model = train_model
+        self.optimizer_kind = optimizer_kind
+        self.lr_at = lr_at
+        self.with_entropy = with_entropy
+        self.step = 0
+        """Optimizer steps taken (batches trained on, applied or not)."""
+        self.version = 0
+        """The policy version of the weights: one more after each batch with an update applied."""
+
+    def check_same_data_in_tp_group(self, rows: list[Row]) -> None:
         """TP ranks compute one model together: they must hold the same rows."""
-        if dist.get_world_size(self.tp_group) == 1:
+        if self.layout.tp_size == 1:
             return
         lengths = np.array([len(r.tokens) for r in rows], dtype=np.float64)
         fingerprint = sum(
@@ -49,18 +85,18 @@ class Updates:
         )
         # Collectives run on the model's device: NCCL has no CPU tensors.
         t = torch.tensor(
-            [len(rows), lengths.sum(), fingerprint], dtype=torch.float64, device=self.device
+            [len(rows), lengths.sum(), fingerprint], dtype=torch.float64, device=self.layout.device
         )
         lo, hi = t.clone(), t.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.tp_group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.tp_group)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.layout.tp_group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.layout.tp_group)
         if not torch.equal(lo, hi):
             raise ValueError(
                 "tensor-parallel ranks of one data-parallel rank were given different data: "
                 "every TP rank must receive the same groups"
             )
 
-    def _totals(self, rows: list[Row]) -> tuple[float, float, float]:
+    def totals(self, rows: list[Row]) -> tuple[float, float, float]:
         """(loss tokens, sequences, all tokens) of `rows` summed over data-parallel ranks."""
         local = torch.tensor(
             [
@@ -69,13 +105,13 @@ class Updates:
                 float(sum(len(r.tokens) for r in rows)),
             ],
             dtype=torch.float64,
-            device=self.device,
+            device=self.layout.device,
         )
-        dist.all_reduce(local, group=self.dp_group)
+        dist.all_reduce(local, group=self.layout.dp_group)
         token_den, seq_den, total = local.tolist()
         return token_den, seq_den, total
 
-    def _update(self, rows: list[Row], loss_of: LossFn, lr: float) -> dict[str, Any]:
+    def update(self, rows: list[Row], loss_of: LossFn, lr: float) -> dict[str, Any]:
         """One optimizer update on this rank's share `rows` of one mini-batch.
 
         The loss is divided by the mini-batch's totals over all its micro-batches and DP ranks,
@@ -83,43 +119,43 @@ class Updates:
         on every rank, or its gradient is zero (Adam would still move the weights by its
         momentum) or not finite: then nothing is applied and the reason is returned.
         """
-        token_den, seq_den, _ = self._totals(rows)
+        token_den, seq_den, _ = self.totals(rows)
         out: dict[str, Any] = {"raws": [], "loss": 0.0, "padded": 0, "packed": 0, "skipped": None}
         self.optimizer.zero_grad()
         if seq_den == 0:
             out["skipped"] = "empty"
             return out
-        self._denominators = (max(token_den, 1.0), max(seq_den, 1.0))
-        need_entropy = self.algo.needs_entropy
+        den = Denominators(max(token_den, 1.0), max(seq_den, 1.0))
         megatron = self.optimizer_kind == "megatron"
-        plan = self._plan(rows)
+        plan = self.microbatches.plan(rows)
         out["packed"] = len(plan[0]) if plan[1] else 0
         if megatron:
             self.optimizer.begin(len(plan[0]))
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb in self._micro_batches(rows, plan):
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.layout.device)
+        for mb in self.microbatches.collated(rows, plan):
             out["padded"] += mb.num_tokens
             sync = self.optimizer.forward_context() if megatron else contextlib.nullcontext()
             with sync:
-                logp, ent = self._forward(self.train_model, mb, need_entropy)
-                loss, raw = loss_of(mb, logp, ent)
+                logp, ent = self.microbatches.forward(self.train_model, mb, self.with_entropy)
+                loss, raw = loss_of(mb, logp, ent, den)
                 loss.backward()
             loss_sum += loss.detach()  # one host sync per update, below, not per micro-batch
             out["raws"].append(raw)
         out["loss"] = float(loss_sum)
-        self.optimizer.reduce_gradients(self.dp_group, self.tp_group, self.expert_dp_group)
-        norm = self.optimizer.grad_norm(self.tp_group, self.ep_group)
+        p = self.layout
+        self.optimizer.reduce_gradients(p.dp_group, p.tp_group, p.expert_dp_group)
+        norm = self.optimizer.grad_norm(p.tp_group, p.ep_group)
         out["grad_norm"] = norm
         if not math.isfinite(norm):
             out["skipped"] = "non_finite"
         elif norm == 0.0:
             out["skipped"] = "zero_gradient"
         else:
-            self.optimizer.step(lr, self.tp_group, norm=norm)
+            self.optimizer.step(lr, p.tp_group, norm=norm)
         self.optimizer.zero_grad()
         return out
 
-    def _run_step(
+    def run(
         self,
         rows: list[Row],
         loss_of: LossFn,
@@ -134,12 +170,12 @@ class Updates:
         batch none of whose updates was applied leaves the weights, and the version, as they were.
         """
         t0 = time.perf_counter()
-        self._check_same_data_in_tp_group(rows)
-        token_den, seq_den, total_tokens = self._totals(rows)
+        self.check_same_data_in_tp_group(rows)
+        token_den, seq_den, total_tokens = self.totals(rows)
         # Mini-batches of similar lengths on every rank: rows sorted by length, dealt round robin.
         order = sorted(range(len(rows)), key=lambda i: rows[i].input_len)
         parts = [[rows[i] for i in order[k::mini_batches]] for k in range(mini_batches)]
-        lr = lr_at(self.step, self.cfg)
+        lr = self.lr_at(self.step)
         raws: list[dict] = []
         losses: list[float] = []
         norms: list[float] = []
@@ -147,7 +183,7 @@ class Updates:
         skipped: dict[str, int] = {}
         for _ in range(epochs):
             for part in parts:
-                res = self._update(part, loss_of, lr)
+                res = self.update(part, loss_of, lr)
                 raws.extend(res["raws"])
                 padded += res["padded"]
                 packed += res["packed"]
@@ -171,12 +207,13 @@ class Updates:
         t_opt = time.perf_counter()
 
         merged = merge_metrics(raws)
-        if dist.get_world_size(self.dp_group) > 1:
-            gathered: list[Any] = [None] * dist.get_world_size(self.dp_group)
-            dist.all_gather_object(gathered, merged, group=self.dp_group)
+        p = self.layout
+        if p.dp_size > 1:
+            gathered: list[Any] = [None] * p.dp_size
+            dist.all_gather_object(gathered, merged, group=p.dp_group)
             merged = merge_metrics(gathered)
-        loss_t = torch.tensor([sum(losses)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(loss_t, group=self.dp_group)
+        loss_t = torch.tensor([sum(losses)], dtype=torch.float64, device=p.device)
+        dist.all_reduce(loss_t, group=p.dp_group)
         t_end = time.perf_counter()
         finite_norms = [n for n in norms if math.isfinite(n)]
         return {
@@ -198,23 +235,26 @@ class Updates:
             M.TIME_STEP: t_end - t0,
         }
 
-    def sft_step(self, examples: list[tuple[list[int], list[int]]]) -> dict[str, float]:
-        """One supervised step: mean NLL of the target tokens over all ranks' examples."""
-        rows = []
-        for i, (prompt, target) in enumerate(examples):
-            if len(prompt) < 1 or len(target) < 1:
-                raise ValueError(f"sft example {i}: prompt and target need at least one token each")
-            tokens = np.asarray(list(prompt) + list(target), dtype=np.int64)
-            check_ids(tokens, self.arch.vocab_size, f"sft example {i}")
-            mask = {"loss_mask": np.ones(len(target), dtype=np.float32)}
-            rows.append(Row(tokens, len(prompt), mask, self.temperature))
 
-        def loss_of(mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None):
-            mask = mb.per_token["loss_mask"]
-            nll = -(logp * mask).sum()
-            return nll / self._denominators[0], {
-                "nll|sum": float(nll.detach()),
-                "nll|n": float(mask.sum()),
-            }
+def sft_rows(
+    examples: list[tuple[list[int], list[int]]], vocab_size: int, temperature: float
+) -> list[Row]:
+    """Supervised (prompt, target) examples as rows whose loss mask covers the target."""
+    rows = []
+    for i, (prompt, target) in enumerate(examples):
+        if len(prompt) < 1 or len(target) < 1:
+            raise ValueError(f"sft example {i}: prompt and target need at least one token each")
+        tokens = np.asarray(list(prompt) + list(target), dtype=np.int64)
+        check_ids(tokens, vocab_size, f"sft example {i}")
+        mask = {"loss_mask": np.ones(len(target), dtype=np.float32)}
+        rows.append(Row(tokens, len(prompt), mask, temperature))
+    return rows
 
-        return self._run_step(rows, loss_of, {})
+
+def nll_loss(
+    mb: MicroBatch, logp: torch.Tensor, ent: torch.Tensor | None, den: Denominators
+) -> tuple[torch.Tensor, dict]:
+    """SFT's loss: the target tokens' NLL over the mini-batch's target tokens of all ranks."""
+    mask = mb.per_token["loss_mask"]
+    nll = -(logp * mask).sum()
+    return nll / den.tokens, {"nll|sum": float(nll.detach()), "nll|n": float(mask.sum())}

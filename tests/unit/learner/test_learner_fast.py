@@ -117,18 +117,10 @@ def test_auto_packing_packs_only_mini_batches_that_padding_would_waste():
     """`pack_sequences` unset on a GPU: a mini-batch is packed when its padded micro-batches
     would be at least `pack_min_padding` padding (H200: packed 0.85x of padded at equal lengths,
     1.35-1.39x at RL lengths); true packs always (share 0), false never (None)."""
-    from types import SimpleNamespace
-
-    from slime_async.actors.learner.microbatches import MicroBatches
+    from slime_async.actors.learner.microbatches import plan_rows
 
     def plan(lens, min_padding):
-        me = SimpleNamespace(
-            pack=min_padding is not None,
-            pack_min_padding=min_padding,
-            cfg=SimpleNamespace(micro_batch_tokens=64),
-        )
-        rows = [SimpleNamespace(input_len=n) for n in lens]
-        return MicroBatches._plan(me, rows)
+        return plan_rows(lens, 64, min_padding)
 
     equal, mixed = [16] * 8, [4, 30, 10, 16, 28, 6, 12, 20]  # mixed: 15% padding when padded
     assert plan(equal, 0.1) == ([[0, 1, 2, 3], [4, 5, 6, 7]], False)
