@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.models import convert
-from slime_async.models.megatron import ModelArch
+from slime_async.models.arch import ModelArch
 
 
 def _gather_tp(layout: ParallelLayout, local: torch.Tensor) -> list[torch.Tensor]:

@@ -28,8 +28,8 @@ from slime_async.actors.learner.batch import (
 from slime_async.actors.learner.logprobs import chunked_logprobs, hidden_output, output_weight
 from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.models import routing
+from slime_async.models.arch import ModelArch
 from slime_async.models.attention import packed_rows, set_packed
-from slime_async.models.megatron import ModelArch
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 

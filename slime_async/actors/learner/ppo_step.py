@@ -30,7 +30,7 @@ from slime_async.actors.learner.stale_tokens import StaleTokens
 from slime_async.actors.learner.updates import Denominators, Updates
 from slime_async.algos import AdvantageInput, Algorithm, LossInput
 from slime_async.models import routing
-from slime_async.models.megatron import ModelArch
+from slime_async.models.arch import ModelArch
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
