@@ -1,63 +1,43 @@
 """Every message between the buffer and its clients, one typed definition shared by both ends.
 
 A message is a ZeroMQ multipart message: frame 0 is a MessagePack header map
-`{"v": SCHEMA_VERSION, "op": <Op>, <fields>}`; puts and batches carry encoded trajectories
+`{"op": <Op>, "v": SCHEMA_VERSION, <fields>}`; puts and batches carry encoded trajectories
 (`schema.py`) after it: one payload frame cut by the header's `lengths` (what the clients send:
-ZeroMQ's cost per frame is above a copy), or one frame each. Each header below is a dataclass whose annotations are its
-wire types: `encode()` packs it, `decode(h)` checks every field it declares and raises
-`SchemaError` naming the first bad one (keys it does not declare are ignored). A field left at
-None is not sent; absent and nil read the same.
+ZeroMQ's cost per frame is above a copy), or one frame each.
 
-    producer socket
-        Hello{producer}                               -> HelloReply{next_seq}
-        Put{seq, producer}, trajectory, ...           -> Ack{seq, status}
-                                                         | Acks{seqs, status} (batch_ack: true)
-        Admit{producer, want}                         -> Granted{n}
-        Heartbeat{producer}                           -> Ok
-    consumer socket
-        Get{consumer, session, num_groups | num_tokens, timeout_s}
-            -> BatchReply{batch_id, sizes, staleness, version}, trajectory, ... | Empty
-        Commit{consumer, session, batch_id, through}  -> Committed{n}
-        SetVersion{consumer, session, version, groups_per_step} -> Ok
-    either socket
-        Ping | StatsRequest                           -> StatsReply{stats}
-        a request refused                             -> Error{reason, error}
+`PROTOCOL` (below the messages) is the table of the protocol: for each socket, the requests it
+serves and the replies each may get; any request may also be answered by an `Error`. A message's
+fields are those of its class. A reply carries the `rid` of its request; an ack (or the error
+refusing a put) its `seq`.
 
-A reply carries the `rid` of its request; an ack (or the error refusing a put) its `seq`.
+Each header is a `msgspec.Struct` tagged by its `op`: its annotations are its wire types, their
+bounds `msgspec.Meta` constraints. `encode()` packs it; `decode_request` and `decode_reply` check
+a whole header in one compiled pass. A header that pass refuses goes through `unpack_header` and
+its class's `decode`, which raise `SchemaError` naming the first bad field in the order the class
+declares them, so both give the same answer. Keys a class does not declare are ignored, whatever
+they hold; a field left at None is not sent; absent and nil read the same.
 
 Batched acks: a put that sets `batch_ack` may be acknowledged by an `Acks` reply naming several
 puts of its producer that got the same status in one turn of the buffer; each seq in it means
 exactly what its own `Ack` would (sent only after the turn's WAL records are durable). Wire
 compatibility: fields are only ever added, optional, and ignored by a side that does not know
-them, so `SCHEMA_VERSION` stays 1 and a new client talks to an old buffer (which ignores
-`batch_ack` and sends one `Ack` per put) and an old client to a new buffer (which sends `Acks`
-only to puts that asked for them). A change that an old side would misread bumps
+them, so `SCHEMA_VERSION` stays 1 and a new client talks to an older buffer (which ignores
+`batch_ack` and sends one `Ack` per put) and an older client to a new buffer (which sends `Acks`
+only to puts that asked for them). A change that an older side would misread bumps
 `SCHEMA_VERSION`, which both ends check in every header.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-import types
-from collections.abc import Callable
-from dataclasses import MISSING, dataclass, fields
+import sys
 from enum import StrEnum
-from typing import (
-    Annotated,
-    Any,
-    ClassVar,
-    Self,
-    TypeVar,
-    Union,
-    get_args,
-    get_origin,
-    get_type_hints,
-)
+from typing import Annotated, Any, ClassVar, Self
 
 import msgpack
 import msgspec
 import zmq
+from msgspec import inspect as mi
 
 from slime_async.queue.schema import SCHEMA_VERSION, SchemaError, unpack_map
 
@@ -97,15 +77,28 @@ class AckStatus(StrEnum):
     """Stored, but its group was already beyond max_staleness and was dropped (counted)."""
 
 
-PositiveInt = Annotated[int, "> 0"]
-Count = Annotated[int, ">= 0"]
-"""A sequence number, batch id, version or count: 0 <= n < MAX_INT."""
 MAX_INT = 1 << 62
 """Every integer field stays below this (one past it still fits MessagePack's 64 bits)."""
 MAX_NAME = 256
 """Longest id (producer, consumer, session, rid) accepted: ids are echoed and kept."""
 MAX_ERROR = 1024
 """Longest error text sent back: a huge bad value is never echoed whole."""
+
+Int = Annotated[int, msgspec.Meta(gt=-MAX_INT, lt=MAX_INT)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=MAX_INT)]
+"""A sequence number, batch id, version or count: 0 <= n < MAX_INT."""
+PositiveInt = Annotated[int, msgspec.Meta(ge=1, lt=MAX_INT)]
+Number = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+"""A finite number: NaN and the infinities are outside these bounds."""
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
+Text = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ERROR)]
+Version = Annotated[int, msgspec.Meta(ge=SCHEMA_VERSION, le=SCHEMA_VERSION)]
+
+
+def _sent(value: Any) -> Any:
+    """A default that is sent all the same: `omit_defaults` leaves a field out only while it
+    holds its default object itself (the None of optional fields), never what a factory made."""
+    return msgspec.field(default_factory=lambda: value)
 
 
 def show(v: Any, limit: int = 64) -> str:
@@ -156,336 +149,318 @@ def unpack_header(frame: bytes | memoryview) -> dict[str, Any]:
     return h
 
 
-# ---------------------------------------------------------------- field checks, by wire type
-def _integer(name: str, v: Any) -> int:
-    if type(v) is not int:  # bool is an int subclass: not accepted
-        raise SchemaError(name, f"expected an integer, got {type(v).__name__}")
-    if not -MAX_INT < v < MAX_INT:
-        raise SchemaError(name, f"{v} is out of range (|n| < 2**62)")
-    return v
-
-
-def _at_least(low: int) -> Callable[[str, Any], int]:
-    def check(name: str, v: Any) -> int:
-        if type(v) is not int or not low <= v < MAX_INT:
-            what = "a positive integer" if low else "an integer >= 0"
-            raise SchemaError(name, f"expected {what} below 2**62, got {show(v)}")
-        return v
-
-    return check
-
-
-def _number(name: str, v: Any) -> float:
-    if type(v) is not float and type(v) is not int:
-        raise SchemaError(name, f"expected a number, got {type(v).__name__}")
-    if not math.isfinite(v):
-        raise SchemaError(name, f"must be finite, got {v}")
-    return float(v)
-
-
-def _flag(name: str, v: Any) -> bool:
-    if type(v) is not bool:
-        raise SchemaError(name, f"expected true or false, got {type(v).__name__}")
-    return v
-
-
-def _name(name: str, v: Any) -> str:
-    if type(v) is not str or not v:
-        raise SchemaError(name, "expected a non-empty string")
-    if len(v) > MAX_NAME:
-        raise SchemaError(name, f"{len(v)} characters, at most {MAX_NAME}")
-    return v
-
-
-def _integers(name: str, v: Any) -> list[int]:
-    if type(v) is not list or any(type(x) is not int for x in v):
-        raise SchemaError(name, "expected a list of integers")
-    return v
-
-
-def _map(name: str, v: Any) -> dict[str, Any]:
-    if type(v) is not dict:
-        raise SchemaError(name, f"expected a map, got {type(v).__name__}")
-    return v
-
-
-def _status(name: str, v: Any) -> AckStatus:
-    try:
-        return AckStatus(v)
-    except ValueError:
-        raise SchemaError(name, f"unknown status {show(v)}") from None
-
-
-_CHECKS: dict[Any, Callable[[str, Any], Any]] = {
-    int: _integer,
-    PositiveInt: _at_least(1),
-    Count: _at_least(0),
-    float: _number,
-    bool: _flag,
-    str: _name,
-    list[int]: _integers,
-    dict[str, Any]: _map,
-    AckStatus: _status,
-}
-
-
-@dataclass(slots=True, kw_only=True)
-class Message:
-    """A header: `OP` plus the fields its subclass declares (see `_message`)."""
+class Message(msgspec.Struct, frozen=True, omit_defaults=True, tag_field="op"):
+    """A header: its class's tag is its `op` (also its `OP`); its fields follow `v`."""
 
     OP: ClassVar[Op]
-    _SPEC: ClassVar[tuple[tuple[str, Callable[[str, Any], Any], bool], ...]]
+    v: Version = _sent(SCHEMA_VERSION)
 
     def encode(self) -> bytes:
-        h: dict[str, Any] = {"v": SCHEMA_VERSION, "op": self.OP}
-        for name, _, _ in self._SPEC:
-            v = getattr(self, name)
-            if v is not None:
-                h[name] = v
-        return msgspec.msgpack.encode(h)
+        return _encode(self)
 
     @classmethod
     def decode(cls, h: dict[str, Any]) -> Self:
-        """The message in header `h` (from `unpack_header`); `SchemaError` names a bad field."""
-        values = {}
-        for name, check, required in cls._SPEC:
-            v = h.get(name)
-            if v is not None:
-                values[name] = check(name, v)
-            elif required:
-                raise SchemaError(name, "missing field")
-        return cls(**values)
+        """The message in header `h` (from `unpack_header`, which checked `v` and `op`);
+        `SchemaError` names the first bad field."""
+        fields = {k: h[k] for k in cls.__struct_fields__ if k != "v" and h.get(k) is not None}
+        try:
+            return msgspec.convert(fields, cls)
+        except msgspec.ValidationError:
+            raise _bad_field(cls, h) from None
 
 
-M = TypeVar("M", bound=Message)
+def _bad_field(kind: type[Message], h: dict[str, Any]) -> SchemaError:
+    """The first field of `kind`, in declaration order, that header `h` gets wrong."""
+    for f in msgspec.structs.fields(kind):
+        v = h.get(f.encode_name)
+        if f.name == "v" or (v is None and not f.required):
+            continue
+        if v is None:
+            return SchemaError(f.name, "missing field")
+        try:
+            msgspec.convert(v, f.type)
+        except msgspec.ValidationError:
+            return SchemaError(f.name, _problem(f.name, mi.type_info(f.type), v))
+    return SchemaError("header", f"does not make a {kind.OP.value!r} message")
 
 
-def _message(op: Op) -> Callable[[type[M]], type[M]]:
-    """Make `cls` a message of kind `op`: a dataclass whose fields are checked by wire type."""
-
-    def wrap(cls: type[M]) -> type[M]:
-        cls = dataclass(slots=True, kw_only=True)(cls)
-        hints = get_type_hints(cls, include_extras=True)
-        spec = []
-        for f in fields(cls):
-            kind = hints[f.name]
-            if get_origin(kind) in (Union, types.UnionType):  # `T | None`: may be left out
-                (kind,) = (a for a in get_args(kind) if a is not type(None))
-            spec.append((f.name, _CHECKS[kind], f.default is MISSING))
-        cls.OP = op
-        cls._SPEC = tuple(spec)
-        return cls
-
-    return wrap
+def _problem(name: str, t: mi.Type, v: Any) -> str:
+    """What is wrong with value `v` of a field of wire type `t`, for a person (bounded)."""
+    if isinstance(t, mi.UnionType):  # `T | None`: the value is not nil
+        (t,) = (a for a in t.types if not isinstance(a, mi.NoneType))
+    got = type(v).__name__
+    match t:
+        case mi.IntType(ge=None):
+            if type(v) is int:
+                return f"{v} is out of range (|n| < 2**62)"
+            return f"expected an integer, got {got}"
+        case mi.IntType(ge=low):
+            what = "a positive integer" if low else "an integer >= 0"
+            return f"expected {what} below 2**62, got {show(v)}"
+        case mi.FloatType():
+            if type(v) is float:
+                return f"must be finite, got {v}"
+            return f"expected a number, got {got}"
+        case mi.BoolType():
+            return f"expected true or false, got {got}"
+        case mi.StrType(max_length=most):
+            if type(v) is str and v:
+                return f"{len(v)} characters, at most {most}"
+            return "expected a non-empty string"
+        case mi.ListType():
+            return "expected a list of integers"
+        case mi.DictType():
+            return f"expected a map, got {got}"
+        case mi.EnumType():
+            return f"unknown {name} {show(v)}"
+    return f"unexpected {got}"
 
 
 # ---------------------------------------------------------------- producer socket
-@_message(Op.HELLO)
-class Hello(Message):
+class Hello(Message, tag=Op.HELLO.value, kw_only=True):
     """A producer (re)starting: where does my put numbering continue?"""
 
-    rid: str | None = None
-    producer: str
-    session: str
+    rid: Name | None = None
+    producer: Name
+    session: Name
     """One per client object; an id held by another live session is refused ("producer_in_use")."""
 
 
-@_message(Op.HELLO)
-class HelloReply(Message):
-    rid: str | None = None
-    next_seq: int
+class HelloReply(Message, tag=Op.HELLO.value, kw_only=True):
+    rid: Name | None = None
+    next_seq: Int
     """Above every sequence number the buffer accepted from this producer."""
 
 
-@_message(Op.PUT)
-class Put(Message):
+class Put(Message, tag=Op.PUT.value, kw_only=True):
     """Followed by one or more encoded trajectories."""
 
     seq: Count
     """Per-producer number: the buffer stores each number once, so a resend is harmless."""
     lengths: list[int] | None = None
     """Bytes of each trajectory in the one payload frame; absent: one frame per trajectory."""
-    producer: str
-    session: str
+    producer: Name
+    session: Name
     """The session that said hello under `producer`; puts of any other session are refused."""
     batch_ack: bool | None = None
     """True: this put may be acknowledged in an `Acks` with other puts of its producer."""
 
 
-@_message(Op.ACK)
-class Ack(Message):
-    seq: int
+class Ack(Message, tag=Op.ACK.value, kw_only=True):
+    seq: Int
     status: AckStatus
 
 
-@_message(Op.ACKS)
-class Acks(Message):
+class Acks(Message, tag=Op.ACKS.value, kw_only=True):
     """Several puts' acks at once, all with one status (see "Batched acks" above)."""
 
     seqs: list[int]
     status: AckStatus
 
 
-@_message(Op.ADMIT)
-class Admit(Message):
+class Admit(Message, tag=Op.ADMIT.value, kw_only=True):
     """How many new groups may I start now?"""
 
-    rid: str | None = None
-    producer: str
-    session: str
+    rid: Name | None = None
+    producer: Name
+    session: Name
     want: Count
 
 
-@_message(Op.GRANTED)
-class Granted(Message):
-    rid: str | None = None
-    n: int
+class Granted(Message, tag=Op.GRANTED.value, kw_only=True):
+    rid: Name | None = None
+    n: Int
     """New groups the producer may start; a grant is used up when its group arrives."""
 
 
-@_message(Op.HEARTBEAT)
-class Heartbeat(Message):
+class Heartbeat(Message, tag=Op.HEARTBEAT.value, kw_only=True):
     """Keeps the producer's grants from expiring while it has nothing to send."""
 
-    rid: str | None = None
-    producer: str
-    session: str
+    rid: Name | None = None
+    producer: Name
+    session: Name
 
 
 # ---------------------------------------------------------------- consumer socket
-@_message(Op.GET)
-class Get(Message):
-    rid: str | None = None
-    consumer: str
-    session: str
+class Get(Message, tag=Op.GET.value, kw_only=True):
+    rid: Name | None = None
+    consumer: Name
+    session: Name
     """One per client object: a new session of a consumer first gets its uncommitted batches."""
     num_groups: PositiveInt | None = None
     """Exactly this many whole groups."""
     num_tokens: PositiveInt | None = None
     """Whole groups up to this many tokens. Neither: the announced groups_per_step."""
-    timeout_s: float = 0.0
+    timeout_s: Number = _sent(0.0)
     """How long the buffer may hold the request before answering `Empty` (<= max_get_wait_s)."""
 
 
-@_message(Op.BATCH)
-class BatchReply(Message):
+class BatchReply(Message, tag=Op.BATCH.value, kw_only=True):
     """Followed by the batch's encoded trajectories, group after group."""
 
-    rid: str | None = None
-    batch_id: int
+    rid: Name | None = None
+    batch_id: Int
     sizes: list[int]
     """Trajectories per group, in frame order."""
     staleness: list[int]
     """Per group: `version` minus the group's oldest model-token version."""
-    version: int
+    version: Int
     """The policy version the buffer knew at delivery."""
     lengths: list[int] | None = None
     """Bytes of each trajectory in the one payload frame; absent: one frame per trajectory."""
 
 
-@_message(Op.EMPTY)
-class Empty(Message):
+class Empty(Message, tag=Op.EMPTY.value, kw_only=True):
     """Not enough ready within the get's `timeout_s`."""
 
-    rid: str | None = None
+    rid: Name | None = None
 
 
-@_message(Op.COMMIT)
-class Commit(Message):
-    rid: str | None = None
-    consumer: str
-    session: str
+class Commit(Message, tag=Op.COMMIT.value, kw_only=True):
+    rid: Name | None = None
+    consumer: Name
+    session: Name
     batch_id: PositiveInt
     """A batch delivered to this consumer id (ids start at 1)."""
-    through: bool = False
+    through: bool = _sent(False)
     """Also every earlier batch delivered to this consumer id."""
 
 
-@_message(Op.COMMITTED)
-class Committed(Message):
-    rid: str | None = None
-    n: int
+class Committed(Message, tag=Op.COMMITTED.value, kw_only=True):
+    rid: Name | None = None
+    n: Int
     """Batches retired by this commit (0 for a resend)."""
 
 
-@_message(Op.VERSION)
-class SetVersion(Message):
+class SetVersion(Message, tag=Op.VERSION.value, kw_only=True):
     """The learner's policy version (staleness) and step size (admission budget)."""
 
-    rid: str | None = None
-    consumer: str
-    session: str
+    rid: Name | None = None
+    consumer: Name
+    session: Name
     version: Count
     """Below 2**31, monotone per session, at most `buffer.max_version_jump` ahead."""
     groups_per_step: PositiveInt
     """At most `buffer.capacity_trajectories` (each group holds at least one trajectory)."""
 
 
-@_message(Op.OK)
-class Ok(Message):
-    rid: str | None = None
+class Ok(Message, tag=Op.OK.value, kw_only=True):
+    rid: Name | None = None
 
 
 # ---------------------------------------------------------------- either socket
-@_message(Op.PING)
-class Ping(Message):
+class Ping(Message, tag=Op.PING.value, kw_only=True):
     """Readiness probe: answered with `StatsReply`."""
 
-    rid: str | None = None
+    rid: Name | None = None
 
 
-@_message(Op.STATS)
-class StatsRequest(Message):
-    rid: str | None = None
-    producer: str | None = None
-    consumer: str | None = None
-    session: str | None = None
+class StatsRequest(Message, tag=Op.STATS.value, kw_only=True):
+    rid: Name | None = None
+    producer: Name | None = None
+    consumer: Name | None = None
+    session: Name | None = None
 
 
-@_message(Op.STATS)
-class StatsReply(Message):
-    rid: str | None = None
+class StatsReply(Message, tag=Op.STATS.value, kw_only=True):
+    rid: Name | None = None
     stats: dict[str, Any]
 
 
-@_message(Op.ERROR)
-class Error(Message):
+class Error(Message, tag=Op.ERROR.value, kw_only=True):
     """The request was refused; `reason` is a short counter key (`rejected` in the stats)."""
 
-    reason: str
-    error: str
+    reason: Name
+    error: Text
     """What was wrong, for a person: names the field."""
-    seq: int | None = None
-    rid: str | None = None
+    seq: Int | None = None
+    rid: Name | None = None
 
     def __post_init__(self) -> None:
         if len(self.error) > MAX_ERROR:  # bounded replies, whatever was wrong
-            self.error = self.error[: MAX_ERROR - 3] + "..."
+            msgspec.structs.force_setattr(self, "error", self.error[: MAX_ERROR - 3] + "...")
 
     @classmethod
-    def answering(cls, h: dict[str, Any], reason: str, error: str) -> Error:
-        """The error refusing raw header `h`, with its seq and rid as sent (to match it by) when
-        they are well-formed: a hostile value is never echoed."""
+    def answering(cls, frame: bytes | memoryview, reason: str, error: str) -> Error:
+        """The error refusing the request in header `frame`, with its seq and rid as sent (to
+        match it by) when they are well-formed: a hostile value is never echoed."""
+        try:
+            h = unpack_map(frame, "header")
+        except SchemaError:
+            h = {}
         seq, rid = h.get("seq"), h.get("rid")
         seq = seq if type(seq) is int and 0 <= seq < MAX_INT else None
         rid = rid if type(rid) is str and len(rid) <= MAX_NAME else None
         return cls(reason=reason, error=error, seq=seq, rid=rid)
 
 
+# msgspec fixes a class's tag once the class is made: each class's `OP` is its tag.
+for _kind in Message.__subclasses__():
+    _kind.OP = Op(_kind.__struct_config__.tag)
+del _kind
+
 Request = Hello | Put | Admit | Heartbeat | Get | Commit | SetVersion | Ping | StatsRequest
 Reply = HelloReply | Ack | Acks | Granted | BatchReply | Empty | Committed | Ok | StatsReply | Error
 
-REQUESTS: dict[str, type[Request]] = {
-    m.OP: m for m in (Hello, Put, Admit, Heartbeat, Get, Commit, SetVersion, Ping, StatsRequest)
+_EITHER: dict[type[Request], tuple[type[Reply], ...]] = {
+    Ping: (StatsReply,),
+    StatsRequest: (StatsReply,),
 }
+PROTOCOL: dict[str, dict[type[Request], tuple[type[Reply], ...]]] = {
+    "producer": {
+        Hello: (HelloReply,),
+        Put: (Ack, Acks),  # Acks: only to puts that set batch_ack
+        Admit: (Granted,),
+        Heartbeat: (Ok,),
+        **_EITHER,
+    },
+    "consumer": {
+        Get: (BatchReply, Empty),
+        Commit: (Committed,),
+        SetVersion: (Ok,),
+        **_EITHER,
+    },
+}
+"""Each socket's requests and the replies each may get; an `Error` may answer any of them."""
+
+REQUESTS: dict[str, type[Request]] = {k.OP: k for served in PROTOCOL.values() for k in served}
 REPLIES: dict[str, type[Reply]] = {
-    m.OP: m
-    for m in (HelloReply, Ack, Acks, Granted, BatchReply, Empty, Committed, Ok, StatsReply, Error)
-}
+    k.OP: k for served in PROTOCOL.values() for replies in served.values() for k in replies
+} | {Error.OP: Error}
+
+
+class _Versioned(msgspec.Struct):
+    """A header's version alone: the message classes default `v` (to send it), so this decode
+    is what refuses a header without one."""
+
+    v: Version
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_VERSIONED = msgspec.msgpack.Decoder(_Versioned)
+_REQUEST = msgspec.msgpack.Decoder(Request)
+_REPLY = msgspec.msgpack.Decoder(Reply)
+
+
+def _compiled(decoder: msgspec.msgpack.Decoder, frame: bytes | memoryview) -> Any:
+    try:
+        _VERSIONED.decode(frame)
+        return decoder.decode(frame)
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+
+
+def decode_request(frame: bytes | memoryview) -> Request | None:
+    """The request in frame 0, every field checked in one compiled pass; None for a header it
+    refuses: `unpack_header` and `REQUESTS[op].decode` then decide it and name what is wrong."""
+    return _compiled(_REQUEST, frame)
 
 
 def decode_reply(frame: bytes | memoryview) -> Reply:
     """The reply in frame 0 (clients); `SchemaError` for a malformed one."""
+    reply = _compiled(_REPLY, frame)
+    if reply is not None:
+        return reply
     h = unpack_header(frame)
     kind = REPLIES.get(h["op"])
     if kind is None:

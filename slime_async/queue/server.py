@@ -1,18 +1,15 @@
 """The trajectory buffer process: one thread, two ROUTER sockets, an optional write-ahead log.
 
     generators (ProducerClient, DEALER) --connect--> [ROUTER  producer_endpoint]
-        Hello{producer}                 -> HelloReply{next_seq}  (numbering survives restarts)
-        Put{seq, producer}, traj, ...   -> Ack{seq, ok|duplicate|busy|stale} | Error{reason}
-                                           (batch_ack: one Acks{seqs, status} per turn and peer)
-        Admit{producer, want}           -> Granted{n}            (Admission: staleness budget)
-        Heartbeat{producer}             -> Ok                    (keeps admission grants alive)
                                                  |  BufferState: pending -> ready -> delivered
                                                  |  WAL: PUT / DELIVER / COMMIT / DROP records
     learner (ConsumerClient, DEALER)   --connect--> [ROUTER  consumer_endpoint]
-        Get{num_groups|num_tokens, timeout_s} -> BatchReply{batch_id, sizes}, traj, ... | Empty
-        Commit{batch_id, through}       -> Committed{n}
-        SetVersion{version, groups_per_step} -> Ok
-    either socket: Ping / StatsRequest -> StatsReply{stats} (readiness probe)
+
+What each socket serves and answers is `messages.PROTOCOL`: producers say hello (their put
+numbering survives restarts), put groups (acknowledged ok, duplicate, busy or stale), ask for
+admission (`Admission`: the staleness budget) and send heartbeats (their grants stay alive); the
+learner gets batches of whole groups, commits them and announces its policy version; either
+side may ping for the stats (the readiness probe).
 
 Every header is a typed message of `messages.py`, checked on decode (and in range: timeouts,
 versions, groups_per_step, batch ids): a bad request is answered with a bounded `Error` naming
@@ -51,6 +48,7 @@ from slime_async.metrics import names as m
 from slime_async.queue import security
 from slime_async.queue.groups import PutRejected
 from slime_async.queue.messages import (
+    PROTOCOL,
     Ack,
     Acks,
     Admit,
@@ -71,6 +69,7 @@ from slime_async.queue.messages import (
     SetVersion,
     StatsReply,
     StatsRequest,
+    decode_request,
     send_frames,
     split,
     unpack_header,
@@ -87,13 +86,10 @@ _RCVHWM = 64  # messages queued per peer inside ZeroMQ
 MAX_HEADER = 64 << 10
 """Largest header frame decoded (real ones are a few hundred bytes)."""
 _DISCARD = 100_000  # frames past max_frames discarded per turn, then the other socket is served
-# What each socket serves.
-_PRODUCER_REQUESTS: dict[str, type[Request]] = {
-    k.OP: k for k in (Put, Heartbeat, Admit, Hello, Ping, StatsRequest)
+_SERVED: dict[str, dict[str, type[Request]]] = {
+    socket: {k.OP: k for k in requests} for socket, requests in PROTOCOL.items()
 }
-_CONSUMER_REQUESTS: dict[str, type[Request]] = {
-    k.OP: k for k in (Get, Commit, SetVersion, Ping, StatsRequest)
-}
+"""The requests each socket serves, by op."""
 
 
 def _payload(lengths: list[int] | None, frames: list[zmq.Frame], max_n: int) -> list[memoryview]:
@@ -333,36 +329,38 @@ class Buffer:
         if len(body[0]) > MAX_HEADER:
             error = f"header of {len(body[0])} B exceeds {MAX_HEADER} B"
             return self._refuse(Error(reason="too_large", error=error))
+        head = body[0].buffer  # at most MAX_HEADER bytes
+        msg = decode_request(head)  # None: refused, the checks below name what is wrong
         try:
-            h = unpack_header(body[0].buffer)  # at most MAX_HEADER bytes
+            op = msg.OP.value if msg is not None else unpack_header(head)["op"]
         except SchemaError as e:
             return self._refuse(Error(reason=_reason(e), error=f"header {e}"))
         if size > self.cfg.max_message_bytes:  # refused before any trajectory is decoded
             error = f"message of {size} B exceeds max_message_bytes={self.cfg.max_message_bytes}"
-            return self._refuse(Error.answering(h, "too_large", error))
-        op = h["op"]
+            return self._refuse(Error.answering(head, "too_large", error))
         producer = sock is self.producer_sock
-        kind = (_PRODUCER_REQUESTS if producer else _CONSUMER_REQUESTS).get(op)
+        where = "producer" if producer else "consumer"
+        kind = _SERVED[where].get(op)
         if kind is None:
-            where = "producer" if producer else "consumer"
             error = f"unknown message type {op!r} on the {where} socket"
-            return self._refuse(Error.answering(h, "unknown_op", error))
+            return self._refuse(Error.answering(head, "unknown_op", error))
         if kind is not Put and len(body) > 1:
             error = f"{op}: {len(body) - 1} unexpected frame(s) after the header"
-            return self._refuse(Error.answering(h, "bad_request", error))
+            return self._refuse(Error.answering(head, "bad_request", error))
         try:
-            msg = kind.decode(h)
+            if msg is None:
+                msg = kind.decode(unpack_header(head))
             self._check_owner(msg, conn)
             return self._serve(msg, ident, body[1:])
         except SchemaError as e:
-            return self._refuse(Error.answering(h, "bad_request", f"{op}: {e}"))
+            return self._refuse(Error.answering(head, "bad_request", f"{op}: {e}"))
         except PutRejected as e:
-            return self._refuse(Error.answering(h, "bad_request", str(e)))
+            return self._refuse(Error.answering(head, "bad_request", str(e)))
         except IdInUse as e:
             reason = "producer_in_use" if producer else "consumer_in_use"
-            return self._refuse(Error.answering(h, reason, str(e)))
+            return self._refuse(Error.answering(head, reason, str(e)))
         except TooManyIds as e:
-            return self._refuse(Error.answering(h, "too_many_ids", str(e)))
+            return self._refuse(Error.answering(head, "too_many_ids", str(e)))
 
     def _check_owner(self, msg: Request, conn: int) -> None:
         """IdInUse when `msg` comes from a session other than the live holder of its id."""
@@ -475,8 +473,8 @@ class Buffer:
             version=self.state.version,
             lengths=[len(blob) for blob in blobs],
         )
-        # One payload frame: ZeroMQ's cost per frame exceeds a copy of the bytes (measured
-        # again for 8 frames of 256 KB against one of 2 MB: twice the CPU to send and receive).
+        # One payload frame: ZeroMQ's cost per frame exceeds a copy of the bytes (measured for
+        # 8 frames of 256 KB against one of 2 MB: twice the CPU to send and receive).
         return [header.encode(), b"".join(blobs)]
 
     def _serve_parked(self, out: list) -> None:
