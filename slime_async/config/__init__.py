@@ -117,7 +117,7 @@ class SlimeConfig(Section):
 # Smallest group size at which each built-in estimator trains on anything: a group of one has a
 # zero (grpo, dr_grpo) or undefined (rloo: leave-one-out of nothing) advantage.
 # The built-in estimators' `slime_async.algos.min_group_size`: that module imports torch, which
-# config must not (tests/test_config.py checks the two agree).
+# config must not (tests/unit/config/test_config.py checks the two agree).
 _MIN_GROUP_SIZE = {"grpo": 2, "dr_grpo": 2, "rloo": 2}
 
 

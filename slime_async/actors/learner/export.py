@@ -6,7 +6,7 @@ from the EP group, and yields HF tensors; the other ranks yield empty buckets in
 parameters read are always whole: with megatron's DistributedOptimizer each DP rank steps only
 its shard of the fp32 masters, but the step ends by all-gathering the updated bf16 parameters
 into every rank's model (`overlap_param_gather` is never on), so DP rank 0 holds the complete,
-current weights when the export runs (tests/test_learner_gpu.py checks an HF model built from
+current weights when the export runs (tests/gpu/test_learner_gpu.py checks an HF model built from
 the export against the learner).
 """
 

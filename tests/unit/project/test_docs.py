@@ -121,6 +121,49 @@ def test_the_link_check_sees_a_broken_link_and_anchor(tmp_path):
     ]
 
 
+SOURCE_SPAN = re.compile(r"`([\w./-]+\.py)(?::[\w.]+)?`")
+EXTERNAL_SOURCES = ("python/sglang/", "srt/", "managers/", "utils/weight_versions.py", "my_")
+"""Code spans that name another project's files (SGLang's source) or the user's own."""
+
+
+def stale_source_paths(path: Path, sources: list[str], root: Path = ROOT) -> list[str]:
+    """`file.py` code spans that no file of the checkout ends with (a moved or deleted module or
+    test): each is written relative to some folder, so a suffix match is the check."""
+    bad = []
+    fenced = False
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        for m in [] if fenced else SOURCE_SPAN.finditer(line):
+            name = m.group(1).removeprefix("./")
+            if name.startswith(EXTERNAL_SOURCES):
+                continue
+            if not any(s == name or s.endswith("/" + name) for s in sources):
+                bad.append(f"{path.relative_to(root)}:{n}: {name}")
+    return bad
+
+
+def test_source_files_named_in_the_docs_exist():
+    """Dated history (docs/benchmarks/, CHANGELOG.md) may name files as they were then."""
+    sources = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py") if ".venv" not in p.parts]
+    files = [f for f in doc_files() if "benchmarks" not in f.parts and f.name != "CHANGELOG.md"]
+    files.append(ROOT / "tests" / "README.md")
+    bad = [b for f in files for b in stale_source_paths(f, sources)]
+    assert not bad, "docs name source files that do not exist:\n" + "\n".join(bad)
+
+
+def test_the_source_path_check_sees_a_moved_file(tmp_path):
+    sources = ["slime_async/queue/state.py", "tests/unit/queue/test_queue_wal.py"]
+    page = tmp_path / "page.md"
+    page.write_text(
+        "`queue/state.py` `tests/test_queue_wal.py` `srt/managers/io_struct.py`\n"
+        "```\n`gone.py`\n```\n"
+    )
+    bad = stale_source_paths(page, sources, root=tmp_path)
+    assert [b.split(": ", 1)[1] for b in bad] == ["tests/test_queue_wal.py"]
+
+
 def test_slugs_follow_github():
     assert slug("`[run.ray]`") == "runray"
     assert slug("Fixed lag (`buffer.fixed_lag = k`)") == "fixed-lag-bufferfixed_lag--k"
