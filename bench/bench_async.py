@@ -12,7 +12,7 @@ span (learner ready -> last step), the speedup, generator idle % (no rollout in 
 idle % (waiting for a batch), tokens/s and the reward (mean of the first and of the last 10 steps).
 
 Equal work, not time per step: both runs evaluate the policy every `--eval-interval`
-versions on the held-out set (pinned evaluation, `learner.eval_interval`), and the comparison is
+versions on the held-out set (pinned evaluation, `eval.interval`), and the comparison is
 (a) the wall-clock each needs to first reach sync's final evaluation accuracy (the "time to
 accuracy" ratio, AReaL's 2.77x), and (b) trained tokens per second (the async run may train
 shorter responses than the sync one in the same number of steps). Both are printed as ratios.
@@ -127,7 +127,7 @@ def main() -> int:
     args = ap.parse_args()
     configs = [c for c in args.config if "=" not in c] or ["configs/quickstart.toml"]
     overrides = [c for c in args.config if "=" in c]
-    overrides.append(f"learner.eval_interval={args.eval_interval}")
+    overrides.append(f"eval.interval={args.eval_interval}")
     out = (REPO / args.out).resolve()
     results = {}
     started = {}
@@ -183,7 +183,7 @@ def time_to_accuracy(s: dict, a: dict) -> dict:
     """Seconds (since the learner was ready) until each run first reaches sync's final
     evaluation accuracy, and their ratio."""
     if not s["eval_curve"] or not a["eval_curve"]:
-        return {"lines": ["time to accuracy: no evaluation records (learner.eval_interval)"]}
+        return {"lines": ["time to accuracy: no evaluation records (eval.interval)"]}
     target = s["eval_curve"][-1][2]
     ts, ta = _first_reach(s["eval_curve"], target), _first_reach(a["eval_curve"], target)
     curves = [

@@ -20,9 +20,9 @@ same path over gloo (a dry run).
     python bench/bench_engine.py --push --model qwen3-0.5b --device cuda --bucket-mb 512
 
 GRPO-shaped load (`--grpo`): 64 prompts x n = 8 samples (one request each, `sampling_params.n`),
-512 new tokens, temperature 1, against one engine with `engine.prefix_sharing` on and one with it
+512 new tokens, temperature 1, against one engine with `engine.embedded.prefix_sharing` on and one with it
 off (each prompt prefilled 8 times), in the same run; then each engine's peak GPU memory against
-`engine.mem_fraction` of the GPU.
+`engine.embedded.mem_fraction` of the GPU.
 
     python bench/bench_engine.py --grpo --model qwen3-0.5b --device cuda
 
@@ -96,11 +96,11 @@ def start_engine(
     args = [
         f"engine.model_path={model_dir}",
         f"engine.port={port}",
-        f"engine.device={device}",
-        f"engine.dtype={dtype}",
-        f"engine.max_running_requests={max_running}",
-        "engine.max_context_len=1024",
-        f"engine.torch_threads={threads}",
+        f"engine.embedded.device={device}",
+        f"engine.embedded.dtype={dtype}",
+        f"engine.embedded.max_running_requests={max_running}",
+        "engine.embedded.max_context_len=1024",
+        f"engine.embedded.torch_threads={threads}",
         *extra,
     ]
     child = Child("engine", python_module("slime_async", "engine", *args), log_path=log)
@@ -236,9 +236,9 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> None:
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.grpo_sharing]
     for sharing in modes:
         extra = (
-            f"engine.prefix_sharing={str(sharing).lower()}",
-            f"engine.mem_fraction={args.mem_fraction}",
-            "engine.max_prefill_tokens=16384",
+            f"engine.embedded.prefix_sharing={str(sharing).lower()}",
+            f"engine.embedded.mem_fraction={args.mem_fraction}",
+            "engine.embedded.max_prefill_tokens=16384",
         )
         child, url = start_engine(
             model_dir, args.device, args.dtype, slots, work / f"engine_{sharing}.log", 0, extra

@@ -86,8 +86,8 @@ def main() -> None:
             str(model),
             "--port",
             str(port),
-            "engine.device=cpu",
-            f"engine.max_running_requests={args.concurrency}",
+            "engine.embedded.device=cpu",
+            f"engine.embedded.max_running_requests={args.concurrency}",
         ),
         log_path=work / "engine.log",
     )

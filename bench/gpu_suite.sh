@@ -7,14 +7,14 @@
 #          the trajectory codec's (compiled against reference path)
 #   engine the embedded engine on one GPU: its -m gpu tests, the decode kernels, the throughput
 #          table (1/64/128/256 concurrent vs HF generate); engine_grpo: the GRPO-shaped load with
-#          prompt sharing on and off, and peak memory against engine.mem_fraction
+#          prompt sharing on and off, and peak memory against engine.embedded.mem_fraction
 #   learner the learner on one GPU: its -m gpu tests (megatron optimizer vs MasterAdamW, packed
 #          vs padded, recomputation, export after DistributedOptimizer steps, resume, the
 #          Triton log-prob kernels), then bench_learner.py --full (0.51B Qwen3 shape, 8 x 1,024
 #          vs HF; RL lengths auto / packed / padded; plain megatron-core step; recomputation;
 #          the options without fast paths; LEARNER_BENCH_ARGS may add --variants and --profile "$OUT")
 #   onegpu the quickstart (4 steps) on one GPU: engine on the CPU, engine on the learner's GPU
-#          (push over gloo, engine.push_backend = auto), and the latter with NCCL forced
+#          (push over gloo, push.backend = auto), and the latter with NCCL forced
 #   SUITE="push e2e" bash bench/gpu_suite.sh [overrides for the e2e/async runs...]
 # The image has torch and transformers but not megatron-core, pyzmq or pydantic: their wheels
 # travel in .whl/ (docs/development.md).
@@ -84,13 +84,13 @@ for part in $SUITE; do
     onegpu)
       # The quickstart on a one-GPU machine, off the buffer's cores: the learner on the GPU with
       # the engine on the CPU (the quickstart as written), the engine on the learner's own GPU
-      # (engine.push_backend = auto chooses gloo for both), and the same with NCCL forced (the
+      # (push.backend = auto chooses gloo for both), and the same with NCCL forced (the
       # failure auto avoids: NCCL refuses two ranks on one device).
       echo "== the quickstart on one GPU (host CPUs ${ONEGPU_CPUS:-2-15})"
-      QS="configs/quickstart.toml learner.num_steps=${ONEGPU_STEPS:-4} learner.eval_interval=0
+      QS="configs/quickstart.toml learner.num_steps=${ONEGPU_STEPS:-4} eval.interval=0
         learner.save_interval=0 run.progress=plain"
-      ONGPU="engine.device=cuda engine.kv_cache_tokens=16384"
-      for case in "engine_cpu:" "engine_gpu:$ONGPU" "engine_gpu_nccl:$ONGPU engine.push_backend=nccl"; do
+      ONGPU="engine.embedded.device=cuda engine.embedded.kv_cache_tokens=16384"
+      for case in "engine_cpu:" "engine_gpu:$ONGPU" "engine_gpu_nccl:$ONGPU push.backend=nccl"; do
         name=${case%%:*}
         ( timeout "${ONEGPU_S:-240}" taskset -c "${ONEGPU_CPUS:-2-15}" python3 -m slime_async run \
             $QS ${case#*:} run.run_dir="/tmp/onegpu_$name" >"$OUT/onegpu_$name.log" 2>&1

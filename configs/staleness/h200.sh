@@ -29,15 +29,15 @@ BASE="configs/quickstart.toml configs/staleness/arithmetic.toml"
 METRIC=eval/accuracy_sampled
 mkdir -p "$OUT" "$WORK"
 t0=$(date +%s)
-CUDA_ARGS="engine.device=cuda engine.kv_cache_tokens=16384 engine.compile=false
-  engine.decode_attention=gathered learner.optimizer=master_adamw"
+CUDA_ARGS="engine.embedded.device=cuda engine.embedded.kv_cache_tokens=16384 engine.embedded.compile=false
+  engine.embedded.decode_attention=gathered learner.optimizer=master_adamw"
 
 pilot() {  # pilot NAME ENV ARGS...: a 6-step run; its estimated seconds for the grid's steps
   local name=$1 env=$2
   shift 2
   local s=$(date +%s.%N)
   env $env timeout 150 $PY -m slime_async run $BASE $EXTRA buffer.fixed_lag=0 algo.loss=ppo_clip \
-    learner.num_steps=6 learner.eval_interval=0 learner.save_interval=0 \
+    learner.num_steps=6 eval.interval=0 learner.save_interval=0 \
     run.run_dir="$WORK/pilot-$name" run.progress=plain "$@" >"$WORK/pilot-$name.out" 2>&1
   local rc=$?
   # whole run + the grid's remaining steps at this run's median step time (start-up differs:

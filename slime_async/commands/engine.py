@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args).engine
+    full = config_from_args(args)
+    cfg = full.engine
     model_path = args.model_path or cfg.model_path
     host = args.host or cfg.host
     port = cfg.port if args.port is None else args.port
@@ -32,7 +33,7 @@ def main(args: argparse.Namespace) -> int:
     # Imported here, not at the top: torch and transformers would make `--help` take seconds.
     from slime_async.actors.engine.embedded.server import EmbeddedEngine, serve
 
-    engine = EmbeddedEngine(cfg, model_path)
+    engine = EmbeddedEngine(cfg, model_path, group_timeout_s=full.push.group_timeout_s)
 
     async def run() -> int:
         runner, url = await serve(engine, host, port)

@@ -22,10 +22,11 @@ from pydantic import ValidationError, model_validator
 from slime_async.config.algo import AlgoConfig
 from slime_async.config.base import ConfigError, Section
 from slime_async.config.buffer import BufferConfig, CurveConfig
-from slime_async.config.engine import EngineConfig
+from slime_async.config.engine import EmbeddedEngineConfig, EngineConfig
 from slime_async.config.eval import EvalConfig
 from slime_async.config.generator import GeneratorConfig, SamplingConfig
 from slime_async.config.learner import LearnerConfig
+from slime_async.config.moved import moved_key_errors
 from slime_async.config.paths import (
     RunPaths,
     add_import_dirs,
@@ -34,6 +35,7 @@ from slime_async.config.paths import (
     run_paths,
     written_path,
 )
+from slime_async.config.push import PushConfig
 from slime_async.config.run import RunConfig
 
 __all__ = [
@@ -41,10 +43,12 @@ __all__ = [
     "BufferConfig",
     "ConfigError",
     "CurveConfig",
+    "EmbeddedEngineConfig",
     "EngineConfig",
     "EvalConfig",
     "GeneratorConfig",
     "LearnerConfig",
+    "PushConfig",
     "RunConfig",
     "RunPaths",
     "SamplingConfig",
@@ -74,7 +78,9 @@ class SlimeConfig(Section):
     algo: AlgoConfig = AlgoConfig()
     """Advantages and the policy loss."""
     eval: EvalConfig = EvalConfig()
-    """Pinned evaluation on a held-out set (learner.eval_interval)."""
+    """Pinned evaluation on a held-out set, every eval.interval versions."""
+    push: PushConfig = PushConfig()
+    """The weights from the learner to the engines."""
 
     @model_validator(mode="after")
     def _derived(self) -> SlimeConfig:
@@ -92,8 +98,8 @@ class SlimeConfig(Section):
         if self.run.mode == "sync":
             if self.buffer.max_staleness != 0:
                 self.buffer.max_staleness = 0
-            if self.learner.push_interval != 1:
-                self.learner.push_interval = 1
+            if self.push.interval != 1:
+                self.push.interval = 1
         _check_across_sections(self)
         return self
 
@@ -111,7 +117,11 @@ class SlimeConfig(Section):
 
     @classmethod
     def read_json(cls, path: str | Path) -> SlimeConfig:
-        return cls.model_validate(json.loads(Path(path).read_text()))
+        tree = json.loads(Path(path).read_text())
+        moved = moved_key_errors(tree, lambda _key: str(path))
+        if moved:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(moved))
+        return cls.model_validate(tree)
 
 
 # Smallest group size at which each built-in estimator trains on anything: a group of one has a
@@ -123,14 +133,14 @@ _MIN_GROUP_SIZE = {"grpo": 2, "dr_grpo": 2, "rloo": 2}
 
 def _check_across_sections(cfg: SlimeConfig) -> None:
     """Refuse combinations that hang, or silently train nothing, naming the keys."""
-    lag = cfg.learner.push_interval - 1
+    lag = cfg.push.interval - 1
     if lag > cfg.buffer.max_staleness:
         raise ValueError(
-            f"learner.push_interval = {cfg.learner.push_interval} needs buffer.max_staleness >= "
+            f"push.interval = {cfg.push.interval} needs buffer.max_staleness >= "
             f"{lag} (got {cfg.buffer.max_staleness}): between pushes the engines' weights lag the "
-            f"learner by up to push_interval - 1 = {lag} versions, so the buffer would hold no "
+            f"learner by up to push.interval - 1 = {lag} versions, so the buffer would hold no "
             "batch within the bound and the learner would wait for ever; raise "
-            "buffer.max_staleness or lower learner.push_interval"
+            "buffer.max_staleness or lower push.interval"
         )
     need = _MIN_GROUP_SIZE.get(cfg.algo.advantage, 1)
     if cfg.generator.group_size < need:
@@ -154,10 +164,10 @@ def _check_staleness_research(cfg: SlimeConfig) -> None:
     """Fixed lag and pinned evaluation: refuse what could not deliver them."""
     k = cfg.buffer.fixed_lag
     if k is not None:
-        if cfg.learner.push_interval != 1:
+        if cfg.push.interval != 1:
             raise ValueError(
-                f"buffer.fixed_lag = {k} needs learner.push_interval = 1 (got "
-                f"{cfg.learner.push_interval}): the lag counts pushed versions"
+                f"buffer.fixed_lag = {k} needs push.interval = 1 (got "
+                f"{cfg.push.interval}): the lag counts pushed versions"
             )
         if cfg.buffer.max_staleness < k:
             why = " (run.mode = 'sync' sets it to 0)" if cfg.run.mode == "sync" else ""
@@ -165,15 +175,13 @@ def _check_staleness_research(cfg: SlimeConfig) -> None:
                 f"buffer.fixed_lag = {k} needs buffer.max_staleness >= {k} (got "
                 f"{cfg.buffer.max_staleness}{why}): every batch is trained {k} versions late"
             )
-    if cfg.learner.eval_interval and not cfg.eval.data:
+    if cfg.eval.interval and not cfg.eval.data:
         raise ValueError(
-            f"learner.eval_interval = {cfg.learner.eval_interval} needs eval.data (a held-out "
-            "JSONL file)"
+            f"eval.interval = {cfg.eval.interval} needs eval.data (a held-out JSONL file)"
         )
-    if cfg.learner.eval_interval and not cfg.eval.greedy and not cfg.eval.samples:
+    if cfg.eval.interval and not cfg.eval.greedy and not cfg.eval.samples:
         raise ValueError(
-            "learner.eval_interval > 0 with eval.greedy = false and eval.samples = 0 evaluates "
-            "nothing"
+            "eval.interval > 0 with eval.greedy = false and eval.samples = 0 evaluates nothing"
         )
 
 
@@ -270,6 +278,9 @@ def load_config(
         cursor[parts[-1]] = _parse_value(raw.strip())
         _merge(tree, nested, COMMAND_LINE, origins)
     if model is SlimeConfig:  # relative paths are relative to the file that sets them
+        moved = moved_key_errors(tree, lambda key: _origin_of(key, origins))
+        if moved:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(moved))
         resolve_file_paths(tree, origins, [Path(f) for f in files])
     try:
         cfg = model.model_validate(tree)

@@ -15,9 +15,7 @@ class CurveConfig(Section):
     server_public_key: str | None = None
     """Path of the buffer's public key file; clients need it to connect."""
     client_secret_key: str | None = None
-    """Path of this client's secret key file."""
-    client_public_key: str | None = None
-    """Path of this client's public key file."""
+    """Path of this client's secret key file (its public key is derived from it)."""
     authorized_clients_dir: str | None = None
     """Directory of client public keys the buffer accepts; others are refused."""
 
@@ -33,7 +31,7 @@ class BufferConfig(Section):
     """The staleness bound: versions between the weights the engines hold (the version the learner
     announced after its last push) and a token's version. Admission throttles generation so a
     group started now is trained within it; `stale_policy` decides about a group that still
-    crosses it. Must be >= learner.push_interval - 1 (the engines' lag behind the learner)."""
+    crosses it. Must be >= push.interval - 1 (the engines' lag behind the learner)."""
     stale_policy: Literal["drop", "mask", "keep"] = "keep"
     """A group that crosses max_staleness anyway (a long or multi-turn rollout): "drop" it in the
     buffer (counted, and the producer is told: AckStatus.STALE), "mask" (the learner zeroes the
@@ -98,7 +96,7 @@ class BufferConfig(Section):
     v only groups generated at v - fixed_lag, drops later ones ("fixed_lag_late") and groups whose
     tokens span versions ("fixed_lag_spans_versions"), and the learner holds each push until the
     groups of the version the engines serve have arrived, so no rollout crosses a weight update.
-    0 is synchronous on-policy RL. Needs learner.push_interval = 1 and max_staleness >= it."""
+    0 is synchronous on-policy RL. Needs push.interval = 1 and max_staleness >= it."""
     fixed_lag_timeout_s: float = Field(600.0, gt=0)
     """With fixed_lag: longest the learner waits for the groups of the current version before
     pushing the next one; past it the learner stops with an error naming the version."""

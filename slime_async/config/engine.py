@@ -1,4 +1,5 @@
-"""`[engine]`: engines that speak SGLang's native HTTP API (embedded or external)."""
+"""`[engine]`: engines that speak SGLang's native HTTP API (embedded or external), and
+`[engine.embedded]`: what only the project's embedded engine reads."""
 
 from typing import Literal
 
@@ -7,74 +8,29 @@ from pydantic import Field, model_validator
 from slime_async.config.base import Section
 
 
-class EngineConfig(Section):
-    kind: Literal["embedded", "external"] = "embedded"
-    """`embedded`: `slime-async run` starts our own engines; `external`: use `urls` (e.g. SGLang)."""
-    urls: list[str] = []
-    """Base URLs of the engines themselves (weights are pushed to each), e.g. http://10.0.0.5:30000."""
-    router_url: str | None = None
-    """An sglang-router in front of `urls`: generators send /generate there, weights still go to `urls`."""
-    num_engines: int = Field(1, ge=1)
-    """How many embedded engines `slime-async run` starts; >1 puts sglang-router in front."""
-    model_path: str | None = None
-    """HF model directory the engine serves at start (None: the learner's initial model)."""
-    host: str = "127.0.0.1"
-    """Address the embedded engine binds."""
-    port: int = Field(30000, ge=0, le=65535)
-    """Port of the (first) embedded engine; 0 picks a free one."""
+class EmbeddedEngineConfig(Section):
+    """The embedded engine's own settings; real SGLang servers take theirs on their command line."""
+
     device: str = "auto"
     """torch device of the embedded engine: auto, cpu, cuda, cuda:1, ..."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and KV-cache dtype of the embedded engine."""
+    """Weights and KV-cache dtype."""
     max_running_requests: int = Field(64, ge=1)
     """Most requests decoded together (continuous batching); others wait in the queue."""
     max_context_len: int = Field(2048, ge=2)
     """Longest prompt + output of one request (capped by the model's max positions); sizes the KV cache."""
     cuda_graphs: bool = True
-    """Replay the embedded engine's decode step from CUDA graphs (GPU only): far fewer launches."""
-    seed: int = 0
-    """Seed of the embedded engine's sampler (unset in a full config: run.seed)."""
+    """Replay the decode step from CUDA graphs (GPU only): far fewer launches."""
     torch_threads: int = Field(0, ge=0)
-    """CPU threads of the embedded engine's torch (0: torch's default)."""
-    weight_sync_timeout_s: float = Field(300.0, gt=0)
-    """How long a weight-update group waits for its peers (handshake and each broadcast)."""
-    api_key: str | None = None
-    """If set, every endpoint but /health and /health_generate needs `Authorization: Bearer <key>`."""
+    """CPU threads of the engine's torch (0: torch's default)."""
     strict_sglang: bool = False
-    """Embedded engine: fail where SGLang 0.5.23 fails (flush refused while requests run, an update
-    whose flush fails stops the engine, /health 503 while paused); tests of the push use it."""
+    """Fail where SGLang 0.5.23 fails (flush refused while requests run, an update whose flush
+    fails stops the engine, /health 503 while paused); tests of the push use it."""
     initial_weight_version: str = "default"
-    """Embedded engine: the weight_version served before the first update (SGLang's "default")."""
-    push_pause_mode: Literal["abort", "retract", "in_place"] = "abort"
-    """How the learner pauses the engines for a push. abort: running requests end with finish
-    reason abort (the generator resumes them); retract: they are re-queued and recomputed after the
-    push; in_place: they keep running under the new weights (no cache flush, which SGLang refuses
-    while requests run; per-token versions come from the response's spans)."""
-    flush_timeout_s: float = Field(60.0, gt=0)
-    """Longest wait for an engine's /flush_cache to answer 200 after a pause (polled)."""
-    push_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """torch.distributed backend of the weight push. auto: NCCL when the learner and every engine
-    are on GPUs of their own, else gloo (an engine on the CPU, or an embedded engine sharing the
-    learner's GPU, where NCCL refuses two ranks on one device); decided at each (re)connect from
-    the engines' /server_info and logged. nccl needs the learner on a GPU."""
-    push_timeout_s: float = Field(300.0, gt=0)
-    """Longest wait for one weight-push call (pause, one bucket's update, continue) per engine."""
-    resync_wait_s: float = Field(60.0, ge=0)
-    """How long a push waits for an engine that is down (restarting) before pushing without it;
-    it rejoins the weight group, with the current weights, at a later push."""
-    router_policy: Literal["round_robin", "cache_aware", "random", "power_of_two"] = "round_robin"
-    """sglang-router load-balancing policy when several engines are used."""
-    router_port: int = Field(30100, ge=0, le=65535)
-    """Port of the sglang-router that `slime-async run` starts (0 picks a free one)."""
-    request_timeout_s: float = Field(600.0, gt=0)
-    """Client-side timeout of one /generate call."""
-    max_retries: int = Field(10, ge=0)
-    """Client-side retries of a failed call, with exponential back-off (doubling from 0.2 s,
-    capped at 30 s: about 110 s in all, enough to ride out an engine's restart)."""
-
+    """The weight_version served before the first update (SGLang's "default")."""
     mem_fraction: float = Field(0.8, gt=0, le=1)
-    """Embedded engine on a GPU: the share of the GPU's memory its weights, activations and paged
-    KV cache may take together; the cache gets what is left (and no more than is free)."""
+    """On a GPU: the share of the GPU's memory the weights, activations and paged KV cache may
+    take together; the cache gets what is left (and no more than is free)."""
     block_size: int = Field(16, ge=1, le=1024)
     """Tokens per KV-cache block (a power of two; the Triton decode kernel needs >= 16)."""
     kv_cache_tokens: int | None = Field(None, ge=2)
@@ -94,42 +50,66 @@ class EngineConfig(Section):
     """Launch decode step t+1 before the host reads step t's tokens (host work overlaps the GPU)."""
 
     @model_validator(mode="after")
-    def _paged_cache(self) -> "EngineConfig":
-        """Block sizes the cache and the kernel can use; the embedded-only keys of the cache."""
+    def _paged_cache(self) -> "EmbeddedEngineConfig":
+        """Block sizes the cache and the kernel can use; one way to size the cache."""
         if self.block_size & (self.block_size - 1):
-            raise ValueError(f"engine.block_size must be a power of two, got {self.block_size}")
+            raise ValueError(
+                f"engine.embedded.block_size must be a power of two, got {self.block_size}"
+            )
         if self.decode_attention == "triton" and self.block_size < 16:
             raise ValueError(
-                "engine.decode_attention = 'triton' needs engine.block_size >= 16 "
-                f"(got {self.block_size})"
+                "engine.embedded.decode_attention = 'triton' needs engine.embedded.block_size "
+                f">= 16 (got {self.block_size})"
             )
         # Values, not fields_set: config.json (what every child reads) spells out every default.
         if self.kv_cache_tokens is not None and self.mem_fraction != _default("mem_fraction"):
             raise ValueError(
-                "engine.kv_cache_tokens and engine.mem_fraction both size the KV cache: set one"
+                "engine.embedded.kv_cache_tokens and engine.embedded.mem_fraction both size the "
+                "KV cache: set one"
             )
         return self
+
+    def changed(self) -> list[str]:
+        """The keys set to something other than their default."""
+        return [k for k in type(self).model_fields if getattr(self, k) != _default(k)]
+
+
+class EngineConfig(Section):
+    kind: Literal["embedded", "external"] = "embedded"
+    """`embedded`: `slime-async run` starts our own engines; `external`: use `urls` (e.g. SGLang)."""
+    urls: list[str] = []
+    """Base URLs of the engines themselves (weights are pushed to each), e.g. http://10.0.0.5:30000."""
+    router_url: str | None = None
+    """An sglang-router in front of `urls`: generators send /generate there, weights still go to `urls`."""
+    num_engines: int = Field(1, ge=1)
+    """How many engines `slime-async run` starts; >1 puts sglang-router in front."""
+    model_path: str | None = None
+    """HF model directory the started engines serve (None: the learner's initial model)."""
+    host: str = "127.0.0.1"
+    """Address a started engine binds."""
+    port: int = Field(30000, ge=0, le=65535)
+    """Port of the (first) started engine, the next ones on the following ports; 0 picks free ones."""
+    seed: int = 0
+    """Seed of the first started engine's sampler, the next ones seed + i (unset: run.seed)."""
+    api_key: str | None = None
+    """If set, every endpoint but /health and /health_generate needs `Authorization: Bearer <key>`."""
+    router_policy: Literal["round_robin", "cache_aware", "random", "power_of_two"] = "round_robin"
+    """sglang-router load-balancing policy when several engines are used."""
+    router_port: int = Field(30100, ge=0, le=65535)
+    """Port of the sglang-router that `slime-async run` starts (0 picks a free one)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Client-side timeout of one /generate call."""
+    max_retries: int = Field(10, ge=0)
+    """Client-side retries of a failed call, with exponential back-off (doubling from 0.2 s,
+    capped at 30 s: about 110 s in all, enough to ride out an engine's restart)."""
+    embedded: EmbeddedEngineConfig = EmbeddedEngineConfig()
+    """The embedded engine's own settings (refused with `kind = "external"`)."""
 
     @model_validator(mode="after")
     def _embedded_only(self) -> "EngineConfig":
         """Keys that only the embedded engine reads are refused with external engines."""
         if self.kind == "external":
-            used = []
-            if self.strict_sglang:
-                used.append("engine.strict_sglang")
-            if self.initial_weight_version != "default":
-                used.append("engine.initial_weight_version")
-            cache_keys = (
-                "mem_fraction",
-                "block_size",
-                "kv_cache_tokens",
-                "max_prefill_tokens",
-                "prefix_sharing",
-                "decode_attention",
-                "compile",
-                "overlap_schedule",
-            )
-            used += [f"engine.{k}" for k in cache_keys if getattr(self, k) != _default(k)]
+            used = [f"engine.embedded.{k}" for k in self.embedded.changed()]
             if used:
                 raise ValueError(
                     f"{', '.join(used)}: only the embedded engine reads it, and "
@@ -139,4 +119,4 @@ class EngineConfig(Section):
 
 
 def _default(key: str):
-    return EngineConfig.model_fields[key].default
+    return EmbeddedEngineConfig.model_fields[key].default

@@ -1,4 +1,4 @@
-"""`[eval]`: pinned evaluation of one policy version on a held-out set (learner.eval_interval)."""
+"""`[eval]`: pinned evaluation of one policy version on a held-out set, every `interval` versions."""
 
 from pydantic import Field
 
@@ -6,9 +6,13 @@ from slime_async.config.base import Section
 
 
 class EvalConfig(Section):
+    interval: int = Field(0, ge=0)
+    """Evaluate the policy every this many versions on `data` (pinned: every token of every
+    evaluation answer comes from that one version; the learner holds its next push until the
+    evaluation is done). Version 0 (the start) and the last version are evaluated too. 0: off."""
     data: str | None = None
     """Held-out JSONL file (the same fields as generator.dataset; rewards by generator.reward).
-    Relative paths resolve from the config file that sets it. Needed when learner.eval_interval > 0."""
+    Relative paths resolve from the config file that sets it. Needed when `interval` > 0."""
     max_examples: int = Field(0, ge=0)
     """Evaluate on the first this many records of `data` (0: all of them)."""
     greedy: bool = True

@@ -42,10 +42,6 @@ class LearnerConfig(Section):
     """Groups (prompts x group_size trajectories) consumed per optimizer step."""
     micro_batch_tokens: int = Field(4096, ge=1)
     """Most tokens in one micro-batch (after padding); micro-batches accumulate gradients."""
-    push_interval: int = Field(1, ge=1)
-    """Push weights to the engines every this many optimizer steps."""
-    push_bucket_bytes: int = Field(256 << 20, ge=1 << 10)
-    """Size of a weight-push bucket."""
     num_steps: int = Field(100, ge=1)
     """Optimizer steps to train."""
     torch_threads: int = Field(0, ge=0)
@@ -55,10 +51,6 @@ class LearnerConfig(Section):
     many-th batch and log how far the interpolation is from it (prox/interp_abs_err; 0: never)."""
     seed: int = 1234
     """Seed of parameter init and dropout (unset in a full config: run.seed)."""
-    weight_master_addr: str | None = None
-    """Address of the weight-update group's TCP store, hosted by learner rank 0, that every engine
-    dials (SGLang's master_address). None: this node's routable address (never loopback unless
-    nothing else exists); `slime-async run` with engines on loopback sets 127.0.0.1."""
     expert_parallel: int = Field(1, ge=1)
     """Expert-parallel size of a mixture-of-experts model: its experts are split over this many
     ranks, carved out of the data-parallel ranks (world size must be divisible by it)."""
@@ -67,10 +59,6 @@ class LearnerConfig(Section):
     routing_replay: bool = False
     """MoE: the learner's forward takes the experts each token went through at generation
     (`Trajectory.routed_experts`, which the engines return) instead of routing again."""
-    eval_interval: int = Field(0, ge=0)
-    """Evaluate the policy every this many versions on `eval.data` (pinned: every token of every
-    evaluation answer comes from that one version; the learner holds its next push until the
-    evaluation is done). Version 0 (the start) and the last version are evaluated too. 0: off."""
     optimizer: Literal["auto", "megatron", "master_adamw"] = "auto"
     """"megatron": megatron-core's DistributedDataParallel + (Distributed)Optimizer (GPU only);
     "master_adamw": torch AdamW on fp32 masters with one all-reduce per parameter (CPU and GPU);

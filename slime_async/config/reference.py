@@ -40,7 +40,7 @@ key or a wrong type is refused with the key and the file that set it
 ([README, "Configuration"](../README.md#configuration)). `slime-async config CONFIG...` prints
 every resolved value. Types are Python's; `"a" | "b"` lists the accepted strings, and a bound
 such as `>= 1` is checked when the config is loaded. Cross-key rules (for example
-`learner.push_interval - 1 <= buffer.max_staleness`) are checked too and named in the error.
+`push.interval - 1 <= buffer.max_staleness`) are checked too and named in the error.
 """
 
 _BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))

@@ -56,7 +56,7 @@ class RunConfig(Section):
     run_dir: str | None = None
     """Exact run directory (overrides runs_dir/name); `slime-async run` writes the one it uses here."""
     mode: Literal["async", "sync"] = "async"
-    """async: generation and training overlap; sync: generate a batch, train, push, repeat (forces buffer.max_staleness=0, learner.push_interval=1)."""
+    """async: generation and training overlap; sync: generate a batch, train, push, repeat (forces buffer.max_staleness=0, push.interval=1)."""
     prepare: str | None = None
     """Function `package.module:fn(cfg)` that `slime-async run` calls first (build datasets, base model)."""
     seed: int = 0

@@ -5,7 +5,7 @@ one plain line per update, at most every `min_interval_s` seconds, and always th
 
     step 12/100 (12%) | eta 3m05s | reward 0.531 | accuracy 0.400 | staleness 1.20 | gen 1.2k tok/s | train 3.4k tok/s
 
-With a pinned evaluation (learner.eval_interval) the last evaluated version and its greedy and
+With a pinned evaluation (eval.interval) the last evaluated version and its greedy and
 sampled accuracy on the held-out set replace the training reward and accuracy:
 
     step 60/250 (24%) | eta 1m31s | eval v 50 | greedy 0.890 | sampled 0.585 | staleness 1.69 | ...
@@ -56,7 +56,7 @@ def _duration(s: float) -> str:
 def summary_text(numbers: Mapping[str, Any]) -> str:
     """`reward 0.531 | accuracy 0.400 | ...` for the key numbers present in `numbers`."""
     parts = []
-    # With a pinned evaluation (learner.eval_interval) its accuracies replace the training reward.
+    # With a pinned evaluation (eval.interval) its accuracies replace the training reward.
     skip = (m.REWARD, m.ACCURACY) if m.EVAL_VERSION in numbers else ()
     for key, label, fmt in KEY_NUMBERS:
         v = numbers.get(key)

@@ -273,13 +273,13 @@ def plan_roles(
         _arg("engine.urls", engine_urls),  # weights go to each engine, never through the router
         _arg("learner.save", str(save_dir)),
     ]
-    if cfg.learner.weight_master_addr is None and where is not None:
+    if cfg.push.master_addr is None and where is not None:
         # The weight group's store is hosted by rank 0: its node, as the engines reach it.
-        learner_args.append(_arg("learner.weight_master_addr", where.learner_master[0]))
-    elif cfg.learner.weight_master_addr is None and _loopback_only(engine_urls):
+        learner_args.append(_arg("push.master_addr", where.learner_master[0]))
+    elif cfg.push.master_addr is None and _loopback_only(engine_urls):
         # Every engine is on this machine's loopback: so is the weight group's store (the
         # default, this node's routable address, is for engines on other nodes).
-        learner_args.append(_arg("learner.weight_master_addr", LOOPBACK))
+        learner_args.append(_arg("push.master_addr", LOOPBACK))
 
     def learner_argv(resume: bool) -> list[str]:
         args = list(learner_args)

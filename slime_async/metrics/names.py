@@ -159,7 +159,7 @@ BUFFER_DROPPED_REWARD = "buffer/dropped_stale_reward"
 """Mean reward of the trajectories of those groups."""
 STALENESS_LEARNER_MAX = "staleness/learner_max"
 """The learner's own version before the step minus the oldest model-token version of the batch:
-staleness on the learner's clock, not the buffer's (with push_interval P up to max_staleness +
+staleness on the learner's clock, not the buffer's (with push.interval P up to max_staleness +
 P - 1; the end-to-end test checks it independently of the buffer's bookkeeping)."""
 MOE_ROUTING_DIFF = "moe/routing_diff_frac"
 """learner.routing_replay: fraction of (token, MoE layer) pairs whose top-k experts under the

@@ -2,7 +2,7 @@
 
     learner: engines hold version v (pushed, announced) and v is due -> writes eval/request_v<v>.json
     generator 0 (evaluate.py): sees the request -> evaluates v on the engines -> eval/result_v<v>.json
-    learner: before pushing v + 1, waits for result_v<v>.json (learner.eval_interval's "hold")
+    learner: before pushing v + 1, waits for result_v<v>.json (eval.interval's "hold")
 
 The learner holds only its push, not its training: generation and training go on at version v
 while the evaluation runs, and no weight update can reach an evaluation answer. On a cluster the

@@ -71,7 +71,7 @@ def test_pipeline_runs_pushes_and_loses_nothing(tiny_setup, mode):
     assert all(r["gen/buffer_send_waits"] == 0 for r in gen), gen[-1]
     assert all(r["gen/buffer_resends"] >= 0 and r["gen/buffer_busy_replies"] >= 0 for r in gen)
     # The staleness bound held end to end (sync mode: 0), on the buffer's clock (the version
-    # the engines hold) and on the learner's own (push_interval = 1: the same bound), which does
+    # the engines hold) and on the learner's own (push.interval = 1: the same bound), which does
     # not depend on the buffer's bookkeeping; no token crossed it, so none was kept over it.
     bound = 0 if mode == "sync" else MAX_STALENESS
     assert all(r["staleness/max"] <= bound for r in learner)

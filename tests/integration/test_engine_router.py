@@ -36,7 +36,7 @@ def logs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(models, logs):
-    started = start_engines(2, models[0], logs, "engine.max_context_len=1200")
+    started = start_engines(2, models[0], logs, "engine.embedded.max_context_len=1200")
     try:
         yield started
     finally:
@@ -108,7 +108,7 @@ async def test_in_flight_versions_survive_the_router(engines, router, models):
 
 
 async def test_pool_fails_over_and_takes_a_returning_engine_back(models, logs):
-    first, second = start_engines(2, models[0], logs, "engine.max_context_len=256")
+    first, second = start_engines(2, models[0], logs, "engine.embedded.max_context_len=256")
     children = [first[0], second[0]]
     urls = [first[1], second[1]]
     try:
@@ -120,7 +120,9 @@ async def test_pool_fails_over_and_takes_a_returning_engine_back(models, logs):
             assert urls[0] in pool.down and pool.failures[urls[0]] >= 1
             # The engine comes back on the same port: the pool's probe finds it and uses it again.
             port = int(urls[0].rsplit(":", 1)[1])
-            children[0] = start_engine(models[0], logs, "engine.max_context_len=256", port=port)[0]
+            children[0] = start_engine(
+                models[0], logs, "engine.embedded.max_context_len=256", port=port
+            )[0]
             for _ in range(300):
                 if urls[0] not in pool.down:
                     break
@@ -140,7 +142,9 @@ def test_a_push_broken_by_a_dead_engine_leaves_the_other_engine_free(models, log
     could only time out (30 s) and the rebuilt group waited for it. The learner now closes its
     end first: the survivor leaves the broadcast at once and answers destroy and init."""
     caplog.set_level("WARNING", logger="slime_async.actors.engine.weight_push")
-    ((doomed, doomed_url),) = start_engines(1, models[0], logs, "engine.max_context_len=256")
+    ((doomed, doomed_url),) = start_engines(
+        1, models[0], logs, "engine.embedded.max_context_len=256"
+    )
     survivor = engines[0][1]
     sd = list(
         AutoModelForCausalLM.from_pretrained(models[0], local_files_only=True).state_dict().items()
@@ -182,7 +186,7 @@ def test_a_handshake_that_cannot_complete_names_the_engine_and_why(models, logs)
     the learner counts one rank too many for it (tp_sizes=[2] for a 1-rank engine), so the
     rendezvous can never complete (the engine waits in it longer than the learner: 30 s, 4 s)."""
     ((child, url),) = start_engines(
-        1, models[0], logs, "engine.max_context_len=256", "engine.weight_sync_timeout_s=30"
+        1, models[0], logs, "engine.embedded.max_context_len=256", "push.group_timeout_s=30"
     )
     pusher = WeightPusher([url], master_addr="127.0.0.1", timeout_s=4, tp_sizes=[2])
     try:

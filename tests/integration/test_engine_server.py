@@ -31,7 +31,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
     child, url = start_engine(
-        model_dir, tmp_path_factory.mktemp("logs"), "engine.max_context_len=1024", api_key=KEY
+        model_dir,
+        tmp_path_factory.mktemp("logs"),
+        "engine.embedded.max_context_len=1024",
+        api_key=KEY,
     )
     try:
         yield url

@@ -43,7 +43,7 @@ def other_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
     child, url = start_engine(
-        model_dir, tmp_path_factory.mktemp("logs"), "engine.max_context_len=512"
+        model_dir, tmp_path_factory.mktemp("logs"), "engine.embedded.max_context_len=512"
     )
     try:
         yield url
@@ -287,7 +287,9 @@ async def test_behaviour_logprobs_are_full_vocab_log_softmax_before_top_k_top_p(
 
 
 async def test_engine_errors_are_5xx_and_the_server_serves_on(model_dir, caplog):
-    eng = EmbeddedEngine(EngineConfig(model_path=str(model_dir), device="cpu", port=0))
+    eng = EmbeddedEngine(
+        EngineConfig(model_path=str(model_dir), port=0, embedded={"device": "cpu"})
+    )
     runner, url = await serve(eng, "127.0.0.1", 0)
     real = eng.runner.decode
     calls = {"n": 0}
@@ -385,8 +387,10 @@ async def test_handshake_failure_names_the_engine_at_once():
 
 
 def test_embedded_only_keys_refused_with_external_engines():
-    with pytest.raises(ConfigError, match=r"engine\.strict_sglang: only the embedded engine"):
-        load_config([], ["engine.kind=external", "engine.strict_sglang=true"])
+    with pytest.raises(
+        ConfigError, match=r"engine\.embedded\.strict_sglang: only the embedded engine"
+    ):
+        load_config([], ["engine.kind=external", "engine.embedded.strict_sglang=true"])
 
 
 async def test_flush_is_polled_until_200_and_its_timeout_is_named():

@@ -15,14 +15,14 @@ from slime_async.actors.engine.client import EngineClient, EngineError
 from slime_async.actors.engine.weight_push import WeightPusher, routable_address
 from slime_async.actors.engine.weight_sync import choose_backend
 from slime_async.actors.learner.process import push_backend
-from slime_async.config import LearnerConfig
+from slime_async.config import PushConfig
 from slime_async.models.toy import make_tiny_model
 from slime_async.utils.procs import wait_until
 from tests.support.engine_util import hf_greedy, launch_engine, start_engine, start_engines
 
 PROMPTS = [[2, 9, 10, 11], [2, 30, 31], [2, 40, 41, 42, 43, 44]]
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
-STRICT = ("engine.max_context_len=1200", "engine.strict_sglang=true")
+STRICT = ("engine.embedded.max_context_len=1200", "engine.embedded.strict_sglang=true")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def engines(started):
 @pytest.fixture(scope="module")
 def pusher(engines, tmp_path_factory):
     state = tmp_path_factory.mktemp("state") / "weight_group.json"
-    # backend "auto", as the learner starts it (engine.push_backend's default)
+    # backend "auto", as the learner starts it (push.backend's default)
     p = WeightPusher(
         engines, backend="auto", master_addr="127.0.0.1", timeout_s=60, state_path=state
     )
@@ -93,9 +93,7 @@ def test_push_backend_choice_names_why():
     assert push_backend("auto", learner_on_gpu=False) == "gloo"
     assert push_backend("auto", learner_on_gpu=True) == "auto"
     assert push_backend("nccl", learner_on_gpu=True) == "nccl"
-    with pytest.raises(
-        ValueError, match=r"engine.push_backend = 'nccl' needs the learner on a GPU"
-    ):
+    with pytest.raises(ValueError, match=r"push.backend = 'nccl' needs the learner on a GPU"):
         push_backend("nccl", learner_on_gpu=False)
 
 
@@ -284,7 +282,7 @@ async def test_restarted_learner_recreates_its_group_with_every_engine(engines, 
 async def test_weight_group_address_from_config(models, logs):
     """Found 2: the store address is configurable; an engine told 127.0.0.2 joins there, while
     the learner's own default (its node's routable address) is something else."""
-    assert LearnerConfig().weight_master_addr is None
+    assert PushConfig().master_addr is None
     assert routable_address() != "127.0.0.2"
     child, url = start_engine(models[0], logs, *STRICT)
     try:

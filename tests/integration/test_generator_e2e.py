@@ -67,9 +67,9 @@ def start_engine(model_dir: Path, log_dir: Path, name: str) -> tuple[Child, str]
             str(model_dir),
             "--port",
             str(port),
-            "engine.device=cpu",
-            "engine.torch_threads=1",
-            "engine.strict_sglang=true",
+            "engine.embedded.device=cpu",
+            "engine.embedded.torch_threads=1",
+            "engine.embedded.strict_sglang=true",
         ),
         log_path=log_dir / f"{name}.log",
     )

@@ -214,7 +214,7 @@ def test_job_on_three_nodes_places_trains_and_loses_nothing(cluster):
     assert len(cuda) == 2 and None not in cuda
     sup = (run_dir / "logs" / "supervisor.log").read_text()
     argv_line = next(line for line in sup.splitlines() if "argv learner:" in line)
-    assert f'learner.weight_master_addr="{LEARNER_IP}"' in argv_line
+    assert f'push.master_addr="{LEARNER_IP}"' in argv_line
     assert f"http://{ENGINE_IP}:" in argv_line
     assert "engine0 is ready (GET http://127.0.0.2:" in sup
     # Both ranks ran the learner (rank 1 logs to learner.rank1.log), under gloo over 127.0.0.3.

@@ -477,7 +477,7 @@ def test_tiny_moe_run_with_routing_replay_trains_and_pushes(tmp_path):
         run_dir=tmp_path / "run",
         run={"name": "moe", "mode": "sync"},
         buffer={"max_staleness": 0, "wal_dir": None},
-        engine={"max_running_requests": 8},
+        engine__embedded={"max_running_requests": 8},
         generator={"max_inflight": 8},
         generator__sampling={"max_new_tokens": 8},
         learner={

@@ -38,9 +38,9 @@ def launch_engine(
         f"engine.model_path={model_dir}",
         f"engine.port={port}",
         "engine.host=127.0.0.1",
-        "engine.device=cpu",
-        "engine.torch_threads=1",
-        "engine.max_running_requests=64",
+        "engine.embedded.device=cpu",
+        "engine.embedded.torch_threads=1",
+        "engine.embedded.max_running_requests=64",
         *overrides,
     ]
     if api_key:

@@ -4,7 +4,7 @@
 file: every role on loopback with OS-chosen ports, one strict (SGLang-like) embedded engine on one
 thread, a single-turn rollout with a reward that varies between random responses (so every
 batch has a gradient), GRPO with decoupled PPO. Each keyword names a section (`run`, `buffer`,
-`engine`, `generator`, `generator.sampling`, `learner`, `algo`, `eval`, `run.ray`, ...) whose keys
+`engine`, `engine.embedded`, `generator`, `generator.sampling`, `learner`, `algo`, `eval`, `run.ray`, ...) whose keys
 replace or extend the defaults below; `None` as a value removes the key. Without `run_dir` the
 run's directory is left to whoever starts it (`slime-async sweep` names one per point).
 
@@ -44,8 +44,8 @@ def _defaults(model: Path, data: Path, run_dir: Path | None) -> dict[str, dict[s
             "max_staleness": 1,
             "wal_dir": "wal",
         },
-        "engine": {
-            "port": 0,
+        "engine": {"port": 0},
+        "engine.embedded": {
             "device": "cpu",
             "torch_threads": 1,
             "max_running_requests": 16,
@@ -65,9 +65,9 @@ def _defaults(model: Path, data: Path, run_dir: Path | None) -> dict[str, dict[s
             "groups_per_step": 2,
             "num_steps": 4,
             "save_interval": 2,
-            "push_interval": 1,
             "micro_batch_tokens": 2048,
         },
+        "push": {"interval": 1},
         "algo": {"advantage": "grpo", "loss": "decoupled_ppo"},
     }
 

@@ -38,8 +38,8 @@ def write_config(root: Path, model: Path, data: Path, evals: Path) -> Path:
         run={"name": "sweep-test"},
         buffer={"max_staleness": 2, "wal_dir": None},
         generator__sampling={"max_new_tokens": 10},
-        learner={"num_steps": STEPS, "save_interval": 0, "eval_interval": EVAL_INTERVAL},
-        eval={"data": str(evals), "max_examples": 4, "samples": 1},
+        learner={"num_steps": STEPS, "save_interval": 0},
+        eval={"interval": EVAL_INTERVAL, "data": str(evals), "max_examples": 4, "samples": 1},
     )
 
 

@@ -8,7 +8,7 @@
         check the engines (GET /model_info): one that restarted (its weight_version is not the
         last pushed one) or came back, or one that is gone -> rebuild the group with the live ones
         POST /pause_generation {mode}                       abort (default) | retract | in_place
-        abort, retract: poll POST /flush_cache until 200    (bounded: engine.flush_timeout_s)
+        abort, retract: poll POST /flush_cache until 200    (bounded: push.flush_timeout_s)
         per bucket: POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
                     flush_cache: false, weight_version (last bucket only)} to all members, and
                     while those calls are in flight broadcast(src=0) each tensor in `names` order
@@ -236,7 +236,7 @@ class WeightPusher:
                 self._server_infos([u for u in live if u not in self.infos])
             self.backend, why = choose_backend(gpu_uuid(), {u: self.infos[u] for u in live})
             self.device = torch.device("cuda" if self.backend == "nccl" else "cpu")
-            log.info("weight push over %s: %s (engine.push_backend = auto)", self.backend, why)
+            log.info("weight push over %s: %s (push.backend = auto)", self.backend, why)
         world = 1 + sum(ranks)
         port = self.master_port or free_port(self.master_addr)
         name = f"{self.group_prefix}_{uuid.uuid4().hex[:12]}"
@@ -322,7 +322,7 @@ class WeightPusher:
                         url,
                         "init_weights_update_group",
                         f"{f.exception()} (group store at {self.master_addr}:{port}; "
-                        "learner.weight_master_addr must be reachable from the "
+                        "push.master_addr must be reachable from the "
                         "engine's node); did not join: "
                         f"{url}: {self._why_not_joined(url, name)}",
                     )
@@ -561,7 +561,7 @@ class WeightPusher:
                     pending[0],
                     "flush_cache",
                     f"still refused (400: requests running) "
-                    f"after {self.flush_timeout_s:.0f}s (engine.flush_timeout_s)",
+                    f"after {self.flush_timeout_s:.0f}s (push.flush_timeout_s)",
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.5)

@@ -142,7 +142,7 @@ def gpu_uuid(device: torch.device | None = None) -> str | None:
 
 
 def choose_backend(learner_gpu: str | None, engines: dict[str, dict[str, Any]]) -> tuple[str, str]:
-    """The weight push's backend for `engine.push_backend = "auto"`, and why.
+    """The weight push's backend for `push.backend = "auto"`, and why.
 
     NCCL when the learner and every engine hold GPUs of their own. gloo when the learner is on
     the CPU, when an engine says (SGLang's `device` server arg) it is not on a GPU, or when an

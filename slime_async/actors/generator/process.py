@@ -72,7 +72,7 @@ async def _run(cfg: SlimeConfig, gen_cfg, urls: list[str], tok_path: str) -> int
                 config=cfg.model_dump(mode="json"),
                 project=cfg.run.wandb_project,
             )
-            if cfg.learner.eval_interval and gen_cfg.shard_index == 0:  # generator 0 evaluates
+            if cfg.eval.interval and gen_cfg.shard_index == 0:  # generator 0 evaluates
                 from slime_async.actors.generator.evaluate import Evaluator
 
                 eval_metrics = MetricsLogger(cfg.run.run_dir, "eval", wandb_mode="disabled")

@@ -1,7 +1,7 @@
 """The learner process (`slime-async learner`): buffer -> Megatron-core learner -> engines.
 
     buffer (consumer endpoint) --batch of whole groups--> rank 0 --groups split by DP rank--> ranks
-    ranks --train_step--> version v+1 --every push_interval steps: HF-named buckets--> engines
+    ranks --train_step--> version v+1 --every push.interval steps: HF-named buckets--> engines
     rank 0 --set_version(pushed version) after the push--> buffer (staleness + admission)
     rank 0 --commit through the last checkpointed batch--> buffer
 
@@ -15,9 +15,9 @@ on twice across a resume.
 
 The version announced to the buffer is the one the engines hold: it is announced after each push,
 not after each step. So the buffer's clock is the version new tokens are made with, a group started
-now is never stale on arrival whatever push_interval is, and admission's budget counts from the
+now is never stale on arrival whatever push.interval is, and admission's budget counts from the
 pushed version: batches trained since the last push stay in the budget until the next one (with
-push_interval P the engines lag the learner by up to P - 1 versions, which the config requires
+push.interval P the engines lag the learner by up to P - 1 versions, which the config requires
 max_staleness to cover). A rollout admitted at version v starts on engines that already hold v,
 which is what makes `run.mode = "sync"` (max_staleness 0) generate-train-push in lock step.
 
@@ -109,7 +109,7 @@ def push_backend(setting: str, learner_on_gpu: bool) -> str:
         return setting
     if setting == "nccl":
         raise ValueError(
-            "engine.push_backend = 'nccl' needs the learner on a GPU (this learner sees none): "
+            "push.backend = 'nccl' needs the learner on a GPU (this learner sees none): "
             "use 'auto' or 'gloo'"
         )
     return "gloo"
@@ -123,16 +123,16 @@ class _Rank0:
         self.consumer = ConsumerClient(cfg.buffer, "learner")
         self.pusher: WeightPusher | None = None
         if cfg.engine.urls:
-            ec = cfg.engine
+            push = cfg.push
             self.pusher = WeightPusher(
-                ec.urls,
+                cfg.engine.urls,
                 backend=backend,
-                master_addr=cfg.learner.weight_master_addr,
-                api_key=ec.api_key,
-                pause_mode=ec.push_pause_mode,
-                timeout_s=ec.push_timeout_s,
-                flush_timeout_s=ec.flush_timeout_s,
-                resync_wait_s=ec.resync_wait_s,
+                master_addr=push.master_addr,
+                api_key=cfg.engine.api_key,
+                pause_mode=push.pause_mode,
+                timeout_s=push.timeout_s,
+                flush_timeout_s=push.flush_timeout_s,
+                resync_wait_s=push.resync_wait_s,
                 # A restarted learner destroys its dead predecessor's group on the engines first.
                 state_path=run_dir / "weight_group.json" if run_dir is not None else None,
             )
@@ -209,7 +209,7 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
         max_staleness=cfg.buffer.max_staleness,
         stale_policy=cfg.buffer.stale_policy,
     )
-    backend = push_backend(cfg.engine.push_backend, torch.cuda.is_available())
+    backend = push_backend(cfg.push.backend, torch.cuda.is_available())
     rank0 = _Rank0(cfg, run_dir, backend) if learner.is_rank0 else None
     try:
         buffer_version = 0
@@ -245,8 +245,8 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
             # Every engine gets this learner's weights before training: engines start from the
             # base model, and after a learner restart they may hold a dead learner's later
             # weights, or still be paused by its unfinished push (the push continues them).
-            _push(learner, rank0)
-            _resync(learner, rank0)
+            _push(learner, rank0, cfg.push.bucket_bytes)
+            _resync(learner, rank0, cfg.push.bucket_bytes)
         if rank0 is not None:
             rank0.consumer.set_version(learner.version, lc.groups_per_step)
             if claimed:  # reported with the first step's record
@@ -268,9 +268,9 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
         learner.close()
 
 
-def _push(learner: Learner, rank0: _Rank0 | None) -> float:
+def _push(learner: Learner, rank0: _Rank0 | None, bucket_bytes: int) -> float:
     """Every rank exports (TP gathers); rank 0 streams the buckets to the engines."""
-    buckets = learner.export_hf_buckets(learner.cfg.push_bucket_bytes)
+    buckets = learner.export_hf_buckets(bucket_bytes)
     if rank0 is None or rank0.pusher is None:
         for _ in buckets:
             pass
@@ -283,7 +283,7 @@ RESYNC_ATTEMPTS = 3
 """Pushes in a row that may fail (an engine died midway) before the learner gives up."""
 
 
-def _resync(learner: Learner, rank0: _Rank0 | None) -> tuple[float, int]:
+def _resync(learner: Learner, rank0: _Rank0 | None, bucket_bytes: int) -> tuple[float, int]:
     """Push again while the pusher asks for it (an engine restarted, came back, or a push failed
     midway): the group is rebuilt with the live engines and they get the current weights.
     Returns the seconds spent and the pushes made (after one, the engines hold learner.version)."""
@@ -295,7 +295,7 @@ def _resync(learner: Learner, rank0: _Rank0 | None) -> tuple[float, int]:
         if attempt == RESYNC_ATTEMPTS:
             raise RuntimeError(f"the weight push failed {RESYNC_ATTEMPTS} times in a row")
         log.warning("weight resync of version %d (attempt %d)", learner.version, attempt + 1)
-        seconds += _push(learner, rank0)
+        seconds += _push(learner, rank0, bucket_bytes)
     return seconds, RESYNC_ATTEMPTS
 
 
@@ -358,15 +358,15 @@ def _train(
         train_s = time.perf_counter() - t_train
         push_s = 0.0
         last = learner.step == lc.num_steps
-        due = learner.step % lc.push_interval == 0 or last
+        due = learner.step % cfg.push.interval == 0 or last
         holds: dict[str, float] = {}
         if has_pusher and due and learner.version != pushed:
             if rank0 is not None:  # the other ranks wait in the export's collectives
                 holds = _hold_push(cfg, rank0, pushed, last)
-            push_s = _push(learner, rank0)
+            push_s = _push(learner, rank0, cfg.push.bucket_bytes)
             pushed = learner.version
         if has_pusher:  # a failed push, or an engine that restarted: the current weights again
-            resync_s, resyncs = _resync(learner, rank0)
+            resync_s, resyncs = _resync(learner, rank0, cfg.push.bucket_bytes)
             push_s += resync_s
             if resyncs:
                 pushed = learner.version
@@ -436,14 +436,13 @@ def _request_eval(
     cfg: SlimeConfig, rank0: _Rank0, learner: Learner, has_pusher: bool, last: bool
 ) -> None:
     """Ask generator 0 to evaluate the version the engines now hold, when it is due
-    (learner.eval_interval, and the last version): see slime_async/utils/eval_pin.py."""
-    n, v = cfg.learner.eval_interval, learner.version
+    (eval.interval, and the last version): see slime_async/utils/eval_pin.py."""
+    n, v = cfg.eval.interval, learner.version
     if not n or not (v % n == 0 or last) or rank0.eval_pending == v:
         return
     if rank0.run_dir is None or not has_pusher:
         log.warning(
-            "learner.eval_interval = %d: no evaluation without a run directory and "
-            "engines to push to",
+            "eval.interval = %d: no evaluation without a run directory and engines to push to",
             n,
         )
         return

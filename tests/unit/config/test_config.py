@@ -1,6 +1,7 @@
 """Typed config: composition, overrides, errors naming key and file, docs on every field."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ import pytest
 from pydantic import BaseModel
 
 from slime_async.config import ConfigError, Section, SlimeConfig, load_config
+from slime_async.config.moved import MOVED
 from tests.support.repo import REPO
 
 ALL_TOMLS = sorted([*REPO.glob("configs/**/*.toml"), *REPO.glob("examples/**/*.toml")])
@@ -128,10 +130,10 @@ def test_cli_reports_config_errors(tmp_path):
 
 
 def test_sync_mode_means_no_staleness_and_push_every_step():
-    cfg = load_config([], ["run.mode=sync", "buffer.max_staleness=3", "learner.push_interval=4"])
-    assert cfg.buffer.max_staleness == 0 and cfg.learner.push_interval == 1
-    cfg = load_config([], ["buffer.max_staleness=3", "learner.push_interval=4"])
-    assert cfg.buffer.max_staleness == 3 and cfg.learner.push_interval == 4
+    cfg = load_config([], ["run.mode=sync", "buffer.max_staleness=3", "push.interval=4"])
+    assert cfg.buffer.max_staleness == 0 and cfg.push.interval == 1
+    cfg = load_config([], ["buffer.max_staleness=3", "push.interval=4"])
+    assert cfg.buffer.max_staleness == 3 and cfg.push.interval == 4
 
 
 def test_buffer_step_size_follows_the_learner_unless_set():
@@ -141,16 +143,16 @@ def test_buffer_step_size_follows_the_learner_unless_set():
 
 
 def test_push_interval_beyond_the_staleness_bound_is_refused():
-    """The engines lag the learner by up to push_interval - 1 versions: a bound below that would
+    """The engines lag the learner by up to push.interval - 1 versions: a bound below that would
     hold no admissible batch and hang the run (issue 14 item 1)."""
     with pytest.raises(ConfigError) as e:
-        load_config([], ["learner.push_interval=4", "buffer.max_staleness=1"])
+        load_config([], ["push.interval=4", "buffer.max_staleness=1"])
     msg = str(e.value)
-    assert "learner.push_interval" in msg and "buffer.max_staleness" in msg and ">= 3" in msg
+    assert "push.interval" in msg and "buffer.max_staleness" in msg and ">= 3" in msg
     assert "got {" not in msg  # the message, not a dump of the whole config
-    assert load_config([], ["learner.push_interval=4", "buffer.max_staleness=3"])
+    assert load_config([], ["push.interval=4", "buffer.max_staleness=3"])
     # Sync mode sets both itself.
-    assert load_config([], ["run.mode=sync", "learner.push_interval=4", "buffer.max_staleness=1"])
+    assert load_config([], ["run.mode=sync", "push.interval=4", "buffer.max_staleness=1"])
 
 
 @pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo"])
@@ -182,3 +184,44 @@ def test_stale_policy_defaults_to_keep_and_is_validated():
     assert load_config([], ["buffer.stale_policy=drop"]).buffer.stale_policy == "drop"
     with pytest.raises(ConfigError, match="stale_policy"):
         load_config([], ["buffer.stale_policy=discard"])
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_key_is_refused_naming_its_new_place(tmp_path, old):
+    """Wherever an old key is set (a file, the command line, a run's config.json), the error
+    names the key it became."""
+    new = MOVED[old]
+    section, key = old.rsplit(".", 1)
+    path = tmp_path / "old.toml"
+    path.write_text(f"[{section}]\n{key} = 1\n")
+    with pytest.raises(
+        ConfigError, match=rf"old\.toml: '{re.escape(old)}' is now '{re.escape(new)}'"
+    ):
+        load_config([path])
+    with pytest.raises(ConfigError, match=rf"command line: '{re.escape(old)}' is now"):
+        load_config([], [f"{old}=1"])
+    tree = SlimeConfig().model_dump(mode="json")
+    node = tree
+    for part in section.split("."):
+        node = node.setdefault(part, {})
+    node[key] = 1
+    (tmp_path / "config.json").write_text(json.dumps(tree))
+    with pytest.raises(ConfigError, match=rf"config\.json: '{re.escape(old)}' is now"):
+        SlimeConfig.read_json(tmp_path / "config.json")
+
+
+def test_the_new_places_of_moved_keys_exist():
+    cfg = SlimeConfig()
+    for new in MOVED.values():
+        node = cfg
+        for part in new.split("."):
+            node = getattr(node, part)
+
+
+def test_a_removed_key_says_what_to_set_instead(tmp_path):
+    path = tmp_path / "keys.toml"
+    path.write_text('[buffer.curve]\nclient_public_key = "/k/learner.key"\n')
+    with pytest.raises(
+        ConfigError, match=r"'buffer.curve.client_public_key' was removed: .*client_secret_key"
+    ):
+        load_config([path])

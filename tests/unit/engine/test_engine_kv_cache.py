@@ -4,7 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from slime_async.actors.engine.embedded.kv_cache import SCRATCH_BLOCK, BlockPool, OutOfBlocks
-from slime_async.config import EngineConfig
+from slime_async.config import EmbeddedEngineConfig, EngineConfig
 
 
 def test_blocks_are_counted_and_the_scratch_block_is_never_handed_out():
@@ -48,15 +48,21 @@ def test_idle_cached_blocks_are_reused_then_evicted_least_recent_first():
 
 def test_cache_keys_refuse_impossible_combinations():
     with pytest.raises(ValidationError, match="block_size must be a power of two"):
-        EngineConfig(block_size=24)
+        EmbeddedEngineConfig(block_size=24)
     with pytest.raises(
-        ValidationError, match=r"decode_attention = 'triton' needs engine\.block_size"
+        ValidationError, match=r"decode_attention = 'triton' needs engine\.embedded\.block_size"
     ):
-        EngineConfig(block_size=8, decode_attention="triton")
+        EmbeddedEngineConfig(block_size=8, decode_attention="triton")
     with pytest.raises(ValidationError):
-        EngineConfig(mem_fraction=1.5)
-    with pytest.raises(ValidationError, match=r"kv_cache_tokens and engine\.mem_fraction"):
-        EngineConfig(kv_cache_tokens=4096, mem_fraction=0.5)
-    with pytest.raises(ValidationError, match=r"engine\.prefix_sharing: only the embedded engine"):
-        EngineConfig(kind="external", urls=["http://127.0.0.1:1"], prefix_sharing=False)
-    assert EngineConfig(block_size=8).decode_attention == "auto"
+        EmbeddedEngineConfig(mem_fraction=1.5)
+    with pytest.raises(
+        ValidationError, match=r"kv_cache_tokens and engine\.embedded\.mem_fraction"
+    ):
+        EmbeddedEngineConfig(kv_cache_tokens=4096, mem_fraction=0.5)
+    with pytest.raises(
+        ValidationError, match=r"engine\.embedded\.prefix_sharing: only the embedded engine"
+    ):
+        EngineConfig(
+            kind="external", urls=["http://127.0.0.1:1"], embedded={"prefix_sharing": False}
+        )
+    assert EmbeddedEngineConfig(block_size=8).decode_attention == "auto"

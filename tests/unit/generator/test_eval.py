@@ -119,7 +119,7 @@ def test_the_watch_answers_requests_written_by_the_learner(tmp_path):
 
 def test_eval_interval_without_data_is_refused():
     with pytest.raises(ConfigError, match=r"eval\.data"):
-        load_config([], ["learner.eval_interval=5"])
+        load_config([], ["eval.interval=5"])
 
 
 def test_the_run_summary_reports_evaluation_accuracy_first_to_last_version():

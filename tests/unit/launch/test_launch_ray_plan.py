@@ -106,7 +106,7 @@ def test_table_takes_each_roles_node_address(tmp_path):
     argv = learner.argv(False)
     assert "torch.distributed.run" not in argv  # one process per rank, no torchrun
     args = dict(a.split("=", 1) for a in argv if "=" in a)
-    assert json.loads(args["learner.weight_master_addr"]) == "10.0.0.4"
+    assert json.loads(args["push.master_addr"]) == "10.0.0.4"
     assert json.loads(args["buffer.consumer_endpoint"]) == "tcp://10.0.0.1:5556"
     assert json.loads(args["engine.urls"]) == ["http://10.0.0.2:30000", "http://10.0.0.3:30001"]
     assert [e["RANK"] for e in learner.rank_envs] == ["0", "1"]

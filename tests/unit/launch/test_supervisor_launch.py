@@ -100,15 +100,15 @@ def test_weight_group_address_and_restarts_by_default(tmp_path):
     cfg, run_dir, stages = planned(tmp_path)
     assert cfg.run.restart_failed >= 1
     learner = {s.name: s for st in stages for s in st}["learner"]
-    assert child_config(run_dir, learner.argv(False)).learner.weight_master_addr == "127.0.0.1"
+    assert child_config(run_dir, learner.argv(False)).push.master_addr == "127.0.0.1"
     _cfg, run_dir, stages = planned(
         tmp_path / "ext", "engine.kind=external", 'engine.urls=["http://10.0.0.5:30000"]'
     )
     learner = {s.name: s for st in stages for s in st}["learner"]
-    assert child_config(run_dir, learner.argv(False)).learner.weight_master_addr is None
-    _cfg, run_dir, stages = planned(tmp_path / "set", "learner.weight_master_addr=10.1.2.3")
+    assert child_config(run_dir, learner.argv(False)).push.master_addr is None
+    _cfg, run_dir, stages = planned(tmp_path / "set", "push.master_addr=10.1.2.3")
     learner = {s.name: s for st in stages for s in st}["learner"]
-    assert child_config(run_dir, learner.argv(False)).learner.weight_master_addr == "10.1.2.3"
+    assert child_config(run_dir, learner.argv(False)).push.master_addr == "10.1.2.3"
 
 
 def test_run_command_refuses_bad_invocations(tmp_path):

@@ -93,8 +93,8 @@ def test_late_and_version_spanning_groups_are_dropped_with_their_reason():
     [
         (["buffer.fixed_lag=2", "buffer.max_staleness=1"], "buffer.max_staleness >= 2"),
         (
-            ["buffer.fixed_lag=1", "learner.push_interval=2", "buffer.max_staleness=4"],
-            "learner.push_interval = 1",
+            ["buffer.fixed_lag=1", "push.interval=2", "buffer.max_staleness=4"],
+            "push.interval = 1",
         ),
         (["buffer.fixed_lag=1", "run.mode=sync"], "run.mode = 'sync'"),
     ],

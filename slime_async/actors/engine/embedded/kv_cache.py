@@ -167,7 +167,7 @@ def blocks_for_memory(
     }
     if n < 2:
         raise ValueError(
-            f"engine.mem_fraction={mem_fraction}: no room for a KV cache on {device} "
+            f"engine.embedded.mem_fraction={mem_fraction}: no room for a KV cache on {device} "
             f"(total {total / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB, weights "
             f"{ours / 2**30:.1f} GiB, activations reserve {reserve_bytes / 2**30:.1f} GiB)"
         )

@@ -148,8 +148,8 @@ class ModelRunner:
         if not (attention.triton_available(self.device) and d_ok):
             if choice == "triton":
                 raise ValueError(
-                    "engine.decode_attention = 'triton' needs a CUDA device with Triton, a "
-                    "power-of-two head_dim and engine.block_size >= 16"
+                    "engine.embedded.decode_attention = 'triton' needs a CUDA device with Triton, a "
+                    "power-of-two head_dim and engine.embedded.block_size >= 16"
                 )
             return "gathered"
         if self.device.type == "cuda":

@@ -22,7 +22,7 @@ stop checks, streaming) runs while the GPU computes step t+1. A request that fin
 a retraction) the step in flight is read first, so commands see every token, and each step runs
 under one weight version: the version recorded with its tokens.
 
-Strict mode (`engine.strict_sglang`) imitates SGLang 0.5.23's failures: `flush()` fails while any
+Strict mode (`engine.embedded.strict_sglang`) imitates SGLang 0.5.23's failures: `flush()` fails while any
 request holds KV (running; in_place pause keeps them), and `fail_fatally()` stops the loop for good
 (SGLang's scheduler exits when a weight update's flush fails). A failed step finishes its requests
 with an `error` mark, which the server answers with a 5xx (SGLang's answer to engine errors).
@@ -364,7 +364,7 @@ class Scheduler:
                         self._waiting.popleft()
                         r.error = (
                             f"request of {n} tokens needs {need} KV blocks; the cache has "
-                            f"{pool.available} (engine.mem_fraction / block_size)"
+                            f"{pool.available} (engine.embedded.mem_fraction / block_size)"
                         )
                         log.error("refused %s: %s", r.rid, r.error)
                         self._finish(r, {"type": "abort", "message": r.error})

@@ -22,7 +22,7 @@ Per-token versions: each response's `meta_info` holds `weight_versions`, SGLang'
 `[{version, start, end}, ...]` over the output tokens (end exclusive, one span per version that
 produced tokens), and `weight_version`, the latest span's version.
 
-Strict mode (`engine.strict_sglang`) fails where SGLang 0.5.23 fails: /flush_cache answers 400
+Strict mode (`engine.embedded.strict_sglang`) fails where SGLang 0.5.23 fails: /flush_cache answers 400
 while requests run, a weight update asked to flush (`flush_cache: true`, SGLang's default) while
 requests run stops the engine for good (SGLang's scheduler asserts and exits), and /health answers
 503 while generation is paused (SGLang's health probe is a generation that cannot run then).
@@ -51,7 +51,7 @@ from slime_async.actors.engine.weight_sync import (
     init_weight_group,
     receive_tensors,
 )
-from slime_async.config import EngineConfig
+from slime_async.config import EngineConfig, PushConfig
 from slime_async.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -111,37 +111,47 @@ def resolve_device(name: str) -> torch.device:
 class EmbeddedEngine:
     """Model runner + scheduler + tokenizer behind an aiohttp app."""
 
-    def __init__(self, cfg: EngineConfig, model_path: str | None = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_path: str | None = None,
+        *,
+        group_timeout_s: float = PushConfig().group_timeout_s,
+    ):
+        """`cfg.embedded` holds this engine's own settings; `group_timeout_s` is how long its
+        side of a weight-update group waits for the learner (`push.group_timeout_s`)."""
         path = model_path or cfg.model_path
         if not path:
             raise ValueError("engine.model_path is not set (the HF model directory to serve)")
-        if cfg.torch_threads > 0:
-            torch.set_num_threads(cfg.torch_threads)
+        emb = cfg.embedded
+        if emb.torch_threads > 0:
+            torch.set_num_threads(emb.torch_threads)
         self.cfg = cfg
+        self.group_timeout_s = group_timeout_s
         self.model_path = str(path)
-        self.device = resolve_device(cfg.device)
+        self.device = resolve_device(emb.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # NCCL weight groups use the current device
         self.gpu_uuid = gpu_uuid(self.device)
         """This engine's GPU (None on the CPU): the learner pushes over gloo to an engine that
         shares its own GPU, since NCCL refuses two ranks on one device (`weight_push`)."""
         num_blocks = None
-        if cfg.kv_cache_tokens is not None:
-            num_blocks = -(-cfg.kv_cache_tokens // cfg.block_size) + 1  # + the scratch block
+        if emb.kv_cache_tokens is not None:
+            num_blocks = -(-emb.kv_cache_tokens // emb.block_size) + 1  # + the scratch block
         self.runner = ModelRunner(
             path,
             self.device,
-            _DTYPES[cfg.dtype],
-            cfg.max_running_requests,
-            cfg.max_context_len,
-            block_size=cfg.block_size,
+            _DTYPES[emb.dtype],
+            emb.max_running_requests,
+            emb.max_context_len,
+            block_size=emb.block_size,
             num_blocks=num_blocks,
-            mem_fraction=cfg.mem_fraction,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            compile=cfg.compile,
-            decode_attention=cfg.decode_attention,
+            mem_fraction=emb.mem_fraction,
+            max_prefill_tokens=emb.max_prefill_tokens,
+            compile=emb.compile,
+            decode_attention=emb.decode_attention,
         )
-        if cfg.cuda_graphs and self.device.type == "cuda":
+        if emb.cuda_graphs and self.device.type == "cuda":
             t0 = time.perf_counter()
             try:
                 sizes = self.runner.capture_cuda_graphs()
@@ -158,11 +168,11 @@ class EmbeddedEngine:
             self.runner,
             seed=cfg.seed,
             decode_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-            strict=cfg.strict_sglang,
-            initial_version=cfg.initial_weight_version,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            prefix_sharing=cfg.prefix_sharing,
-            overlap=cfg.overlap_schedule,
+            strict=emb.strict_sglang,
+            initial_version=emb.initial_weight_version,
+            max_prefill_tokens=emb.max_prefill_tokens,
+            prefix_sharing=emb.prefix_sharing,
+            overlap=emb.overlap_schedule,
         )
         self.groups: dict[str, WeightGroup] = {}
         self.ignored_fields = 0
@@ -487,7 +497,7 @@ class EmbeddedEngine:
     async def health(self, request: web.Request) -> web.Response:
         if not self.scheduler.alive():
             return _error(503, self.scheduler.fatal or "scheduler stopped")
-        if self.cfg.strict_sglang and self.scheduler.paused:
+        if self.cfg.embedded.strict_sglang and self.scheduler.paused:
             # SGLang's probe is a one-token generation, which cannot run while paused.
             return _error(503, "generation is paused")
         return web.Response(status=200)
@@ -527,7 +537,7 @@ class EmbeddedEngine:
                 "engine": "slime_async.embedded",
                 "device": str(self.device),
                 "gpu_uuid": self.gpu_uuid,
-                "dtype": self.cfg.dtype,
+                "dtype": self.cfg.embedded.dtype,
                 "tp_size": 1,
                 "dp_size": 1,
                 "pp_size": 1,
@@ -537,7 +547,7 @@ class EmbeddedEngine:
                 "context_length": self.runner.max_context_len,
                 "weight_version": self.scheduler.version,
                 "paused": self.scheduler.paused,
-                "strict_sglang": self.cfg.strict_sglang,
+                "strict_sglang": self.cfg.embedded.strict_sglang,
                 "weight_groups": sorted(self.groups),
                 "decode_steps": self.scheduler.steps,
                 **self.scheduler.stats(),
@@ -624,7 +634,7 @@ class EmbeddedEngine:
 
         def join() -> WeightGroup:
             return init_weight_group(
-                addr, port, rank, world, name, backend, self.device, self.cfg.weight_sync_timeout_s
+                addr, port, rank, world, name, backend, self.device, self.group_timeout_s
             )
 
         try:

@@ -1,0 +1,45 @@
+"""`[push]`: the learner's weights to the engines, every `interval` versions, while generation goes on.
+
+Learner rank 0 builds one torch.distributed group with every engine (SGLang's recipe), pauses
+them, broadcasts HF-named buckets through `/update_weights_from_distributed`, sets the version and
+lets them continue (`slime_async/actors/engine/weight_push.py`). Both ends read this section: the
+learner for the push, an embedded engine for its side of the group.
+"""
+
+from typing import Literal
+
+from pydantic import Field
+
+from slime_async.config.base import Section
+
+
+class PushConfig(Section):
+    interval: int = Field(1, ge=1)
+    """Push the weights to the engines every this many optimizer steps (must be at most
+    buffer.max_staleness + 1: between pushes the engines lag the learner by interval - 1)."""
+    bucket_bytes: int = Field(256 << 20, ge=1 << 10)
+    """Size of one bucket of HF-named tensors broadcast per update call."""
+    master_addr: str | None = None
+    """Address of the weight-update group's TCP store, hosted by learner rank 0, that every engine
+    dials (SGLang's master_address). None: this node's routable address (never loopback unless
+    nothing else exists); `slime-async run` with engines on loopback sets 127.0.0.1."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend of the push. auto: NCCL when the learner and every engine are on
+    GPUs of their own, else gloo (an engine on the CPU, or an embedded engine sharing the
+    learner's GPU, where NCCL refuses two ranks on one device); decided at each (re)connect from
+    the engines' /server_info and logged. nccl needs the learner on a GPU."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """How the engines are paused for a push. abort: running requests end with finish reason
+    abort (the generator resumes them); retract: they are re-queued and recomputed after the
+    push; in_place: they keep running under the new weights (no cache flush, which SGLang refuses
+    while requests run; per-token versions come from the response's spans)."""
+    flush_timeout_s: float = Field(60.0, gt=0)
+    """Longest wait for an engine's /flush_cache to answer 200 after a pause (polled)."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Longest wait for one push call (pause, one bucket's update, continue) per engine."""
+    resync_wait_s: float = Field(60.0, ge=0)
+    """How long a push waits for an engine that is down (restarting) before pushing without it;
+    it rejoins the weight group, with the current weights, at a later push."""
+    group_timeout_s: float = Field(300.0, gt=0)
+    """How long a member of the weight-update group waits for its peers (handshake and each
+    broadcast)."""
