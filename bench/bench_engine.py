@@ -52,6 +52,7 @@ from transformers import AutoModelForCausalLM
 from slime_async.actors.engine.client import EngineClient
 from slime_async.actors.engine.weight_push import WeightPusher
 from slime_async.actors.engine.weight_sync import init_weight_group
+from slime_async.config import PushConfig
 from slime_async.models.toy import (
     QWEN3_05B_SHAPE,
     char_tokenizer,
@@ -415,9 +416,10 @@ def bench_push(args: argparse.Namespace, work: Path) -> None:
     try:
         if gpu:
             torch.cuda.set_device(0)
-        pusher = WeightPusher(
-            [url], backend=backend, device=learner_dev, master_addr="127.0.0.1", timeout_s=600
+        push_cfg = PushConfig(
+            backend=backend, master_addr="127.0.0.1", timeout_s=600, resync_wait_s=0.0
         )
+        pusher = WeightPusher([url], push_cfg, device=learner_dev)
         pusher.connect()
         push = []
         for v in range(args.reps + 1):  # the first push sets the communicator up

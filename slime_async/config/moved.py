@@ -1,7 +1,7 @@
 """Keys that moved to another section or were removed: one table, checked before validation.
 
-An old key in a TOML file, a command-line override, a sweep grid or a run's `config.json` is
-refused with the key it became, instead of pydantic's bare "unknown key":
+An old key in a TOML file, a command-line override, a sweep's `--grid` or `--exclude`, or a run's
+`config.json` is refused with the key it became, instead of pydantic's bare "unknown key":
 
     configs/mine.toml: 'learner.push_interval' is now 'push.interval'
 """
@@ -54,19 +54,24 @@ REMOVED: dict[str, str] = {
 """Old dotted key -> why it went and what to set instead."""
 
 
+def moved_key(key: str) -> str | None:
+    """Why the dotted `key` is refused (the key it became, or why it went); None if it is current."""
+    if key in MOVED:
+        return f"'{key}' is now '{MOVED[key]}'"
+    if key in REMOVED:
+        return f"'{key}' was removed: {REMOVED[key]}"
+    return None
+
+
 def moved_key_errors(
     tree: dict[str, Any], origin_of: Callable[[tuple[str, ...]], str]
 ) -> list[str]:
     """One message per old key present in `tree` (a config's nested dict), with where it was set."""
     errors = []
-    for old, new in MOVED.items():
+    for old in (*MOVED, *REMOVED):
         path = tuple(old.split("."))
         if _has(tree, path):
-            errors.append(f"{origin_of(path)}: '{old}' is now '{new}'")
-    for old, why in REMOVED.items():
-        path = tuple(old.split("."))
-        if _has(tree, path):
-            errors.append(f"{origin_of(path)}: '{old}' was removed: {why}")
+            errors.append(f"{origin_of(path)}: {moved_key(old)}")
     return errors
 
 

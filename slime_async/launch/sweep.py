@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slime_async.config.moved import moved_key
 from slime_async.metrics import names as M
 from slime_async.metrics import read_metrics
 
@@ -513,6 +514,8 @@ def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
         vals = [v.strip() for v in values.split(",") if v.strip()]
         if not sep or "." not in key or not vals:
             raise ValueError(f"--grid {spec!r}: expected section.key=v1,v2,...")
+        if (why := moved_key(key.strip())) is not None:  # an --exclude pair would match nothing
+            raise ValueError(f"--grid {spec!r}: {why}")
         grid.append((key.strip(), vals))
     return grid
 

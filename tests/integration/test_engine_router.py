@@ -10,7 +10,7 @@ from slime_async.actors.engine.client import EngineClient
 from slime_async.actors.engine.pool import EnginePool
 from slime_async.actors.engine.weight_push import PushError, WeightPusher
 from slime_async.models.toy import make_tiny_model
-from tests.support.engine_util import start_engine, start_engines
+from tests.support.engine_util import push_config, start_engine, start_engines
 from tests.support.router import Router
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -80,7 +80,7 @@ async def test_generate_through_router_round_robin(engines, router):
 
 async def test_in_flight_versions_survive_the_router(engines, router, models):
     urls = [u for _, u in engines]
-    pusher = WeightPusher(urls, master_addr="127.0.0.1", pause_mode="in_place", timeout_s=60)
+    pusher = WeightPusher(urls, push_config(pause_mode="in_place", timeout_s=60))
     await asyncio.to_thread(pusher.connect)
     try:
         sd = AutoModelForCausalLM.from_pretrained(models[1], local_files_only=True).state_dict()
@@ -149,7 +149,7 @@ def test_a_push_broken_by_a_dead_engine_leaves_the_other_engine_free(models, log
     sd = list(
         AutoModelForCausalLM.from_pretrained(models[0], local_files_only=True).state_dict().items()
     )
-    pusher = WeightPusher([survivor, doomed_url], master_addr="127.0.0.1", timeout_s=60)
+    pusher = WeightPusher([survivor, doomed_url], push_config(timeout_s=60))
     try:
         pusher.connect()
 
@@ -188,7 +188,7 @@ def test_a_handshake_that_cannot_complete_names_the_engine_and_why(models, logs)
     ((child, url),) = start_engines(
         1, models[0], logs, "engine.embedded.max_context_len=256", "push.group_timeout_s=30"
     )
-    pusher = WeightPusher([url], master_addr="127.0.0.1", timeout_s=4, tp_sizes=[2])
+    pusher = WeightPusher([url], push_config(timeout_s=4), tp_sizes=[2])
     try:
         with pytest.raises(PushError) as e:
             pusher.connect()

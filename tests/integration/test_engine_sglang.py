@@ -21,7 +21,7 @@ from slime_async.actors.engine.weight_push import PushError, WeightPusher, engin
 from slime_async.config import ConfigError, EngineConfig, load_config
 from slime_async.models.tokenizer import load_tokenizer
 from slime_async.models.toy import make_tiny_model
-from tests.support.engine_util import start_engine
+from tests.support.engine_util import push_config, start_engine
 
 PROMPT = [2, 11, 12, 13, 14]
 
@@ -336,7 +336,7 @@ async def test_rank_layout_from_server_info_with_dp_size():
         await site.start()
         runners.append(r)
         ports.append(site._server.sockets[0].getsockname()[1])
-    p = WeightPusher([f"http://127.0.0.1:{q}" for q in ports], master_addr="127.0.0.1")
+    p = WeightPusher([f"http://127.0.0.1:{q}" for q in ports], push_config())
     try:
         ranks = await asyncio.to_thread(p._ranks, p.urls)
     finally:
@@ -375,7 +375,7 @@ async def test_handshake_failure_names_the_engine_at_once():
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    p = WeightPusher([url], master_addr="127.0.0.1", timeout_s=300)
+    p = WeightPusher([url], push_config(timeout_s=300))
     try:
         t0 = asyncio.get_running_loop().time()
         with pytest.raises(PushError, match=r"step init_weights_update_group, engine http://127"):
@@ -414,7 +414,7 @@ async def test_flush_is_polled_until_200_and_its_timeout_is_named():
         return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
 
     runner, url = await serve_flush(ok_after=3)  # refused three times, then flushed
-    p = WeightPusher([url], master_addr="127.0.0.1", flush_timeout_s=20)
+    p = WeightPusher([url], push_config(flush_timeout_s=20))
     try:
         await asyncio.to_thread(p._flush, [url])
         assert answers["n"] == 4 and p.counters["flush_polls"] == 3
@@ -422,7 +422,7 @@ async def test_flush_is_polled_until_200_and_its_timeout_is_named():
         await asyncio.to_thread(p.close)
         await runner.cleanup()
     runner, url = await serve_flush(ok_after=None)  # never flushed
-    p = WeightPusher([url], master_addr="127.0.0.1", flush_timeout_s=0.5)
+    p = WeightPusher([url], push_config(flush_timeout_s=0.5))
     try:
         with pytest.raises(
             PushError, match=r"step flush_cache, engine http://127.*flush_timeout_s"

@@ -18,7 +18,13 @@ from slime_async.actors.learner.process import push_backend
 from slime_async.config import PushConfig
 from slime_async.models.toy import make_tiny_model
 from slime_async.utils.procs import wait_until
-from tests.support.engine_util import hf_greedy, launch_engine, start_engine, start_engines
+from tests.support.engine_util import (
+    hf_greedy,
+    launch_engine,
+    push_config,
+    start_engine,
+    start_engines,
+)
 
 PROMPTS = [[2, 9, 10, 11], [2, 30, 31], [2, 40, 41, 42, 43, 44]]
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
@@ -58,9 +64,7 @@ def engines(started):
 def pusher(engines, tmp_path_factory):
     state = tmp_path_factory.mktemp("state") / "weight_group.json"
     # backend "auto", as the learner starts it (push.backend's default)
-    p = WeightPusher(
-        engines, backend="auto", master_addr="127.0.0.1", timeout_s=60, state_path=state
-    )
+    p = WeightPusher(engines, push_config(backend="auto", timeout_s=60), state_path=state)
     p.connect()
     try:
         yield p
@@ -259,9 +263,7 @@ async def test_restarted_learner_recreates_its_group_with_every_engine(engines, 
     old = pusher.group_name
     state = json.loads(pusher.state_path.read_text())
     assert state["group_name"] == old
-    second = WeightPusher(
-        engines, master_addr="127.0.0.1", timeout_s=60, state_path=pusher.state_path
-    )
+    second = WeightPusher(engines, push_config(timeout_s=60), state_path=pusher.state_path)
     try:
         second.connect()
         assert second.group_name != old
@@ -286,7 +288,7 @@ async def test_weight_group_address_from_config(models, logs):
     assert routable_address() != "127.0.0.2"
     child, url = start_engine(models[0], logs, *STRICT)
     try:
-        with WeightPusher([url], master_addr="127.0.0.2", timeout_s=60) as p:
+        with WeightPusher([url], push_config(master_addr="127.0.0.2", timeout_s=60)) as p:
             assert p.master_addr == "127.0.0.2"
             await asyncio.to_thread(p.push, buckets_of(models[1]), 7)
         async with EngineClient(url) as c:

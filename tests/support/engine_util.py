@@ -1,5 +1,5 @@
 """Helpers of the engine tests: embedded engines started as child processes, HF greedy references,
-and the model runner and scheduler driven directly."""
+the model runner and scheduler driven directly, and the weight pusher's settings."""
 
 from __future__ import annotations
 
@@ -11,9 +11,18 @@ from pathlib import Path
 import torch
 
 from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
+from slime_async.config import PushConfig
 from slime_async.utils.procs import Child, free_port, python_module, wait_until
 
 PROMPTS = [[2, 10, 11, 12, 13], [2, 20, 21], [2, 5, 6, 7, 8, 9, 10, 11, 12], [2, 30]]
+
+
+def push_config(**keys) -> PushConfig:
+    """`[push]` for a `WeightPusher` of these tests: gloo, the group's store on loopback, and no
+    wait for an engine that is down; `keys` override any of them or set the others."""
+    return PushConfig(
+        **{"backend": "gloo", "master_addr": "127.0.0.1", "resync_wait_s": 0.0, **keys}
+    )
 
 
 def engine_ready(url: str, api_key: str | None = None) -> bool:

@@ -61,12 +61,11 @@ from slime_async.actors.engine.weight_sync import (
     gpu_uuid,
     init_weight_group,
 )
+from slime_async.config import PushConfig
 from slime_async.metrics import names as M
 from slime_async.utils.procs import free_port
 
 log = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class PushError(RuntimeError):
@@ -113,45 +112,38 @@ class WeightPusher:
     def __init__(
         self,
         urls: list[str],
-        backend: str = "gloo",
-        master_addr: str | None = None,
+        push: PushConfig,
         master_port: int | None = None,
         group_prefix: str = "slime_async_weights",
         api_key: str | None = None,
         device: str | torch.device | None = None,
         tp_sizes: list[int] | None = None,
-        pause_mode: str = "abort",
-        timeout_s: float = 300.0,
-        flush_timeout_s: float = 60.0,
         probe_timeout_s: float = 5.0,
-        resync_wait_s: float = 0.0,
         state_path: str | Path | None = None,
     ):
+        """Push to the engines at `urls` as `push` says (its backend, pause mode, group address
+        and timeouts); `push.interval` and `push.bucket_bytes` are the caller's."""
         if not urls:
             raise ValueError("WeightPusher needs at least one engine URL")
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        if backend not in ("auto", "nccl", "gloo"):
-            raise ValueError(f"backend must be auto, nccl or gloo, got {backend!r}")
         self.urls = [u.rstrip("/") for u in urls]
-        self.auto_backend = backend == "auto"
+        self.auto_backend = push.backend == "auto"
         """Choose the backend at each (re)connect from the engines' /server_info."""
-        self.backend = "gloo" if self.auto_backend else backend
-        self.master_addr = master_addr or routable_address()
+        self.backend = "gloo" if self.auto_backend else push.backend
+        self.master_addr = push.master_addr or routable_address()
         self.master_port = master_port
         self.group_prefix = group_prefix
-        self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
+        self.device = torch.device(device or ("cuda" if push.backend == "nccl" else "cpu"))
         self.tp_sizes = dict(zip(self.urls, tp_sizes, strict=True)) if tp_sizes else {}
         self.infos: dict[str, dict[str, Any]] = {}
         """Each engine's /server_info as of its last (re)join (its ranks and device)."""
-        self.pause_mode = pause_mode
-        self.timeout_s = timeout_s
-        self.flush_timeout_s = flush_timeout_s
+        self.pause_mode = push.pause_mode
+        self.timeout_s = push.timeout_s
+        self.flush_timeout_s = push.flush_timeout_s
         self.probe_timeout_s = probe_timeout_s
-        self.resync_wait_s = resync_wait_s
+        self.resync_wait_s = push.resync_wait_s
         self.state_path = Path(state_path) if state_path else None
         self.clients = {
-            u: EngineClient(u, api_key, timeout_s=timeout_s, max_retries=0) for u in self.urls
+            u: EngineClient(u, api_key, timeout_s=push.timeout_s, max_retries=0) for u in self.urls
         }
         self.group: WeightGroup | None = None
         self.group_name: str | None = None

@@ -44,7 +44,7 @@ from slime_async.actors.engine.weight_push import WeightPusher
 from slime_async.actors.learner.batch import TrainGroup
 from slime_async.actors.learner.checkpoint import is_checkpoint
 from slime_async.actors.learner.trainer import Learner
-from slime_async.config import SlimeConfig
+from slime_async.config import PushConfig, SlimeConfig
 from slime_async.metrics import MetricsLogger, int_histogram
 from slime_async.queue.client import Batch, ConsumerClient
 from slime_async.queue.schema import decode_trajectory, encode_trajectory
@@ -118,21 +118,15 @@ def push_backend(setting: str, learner_on_gpu: bool) -> str:
 class _Rank0:
     """What only learner rank 0 holds: the buffer consumer, the weight pusher, the metrics."""
 
-    def __init__(self, cfg: SlimeConfig, run_dir: Path | None, backend: str):
+    def __init__(self, cfg: SlimeConfig, run_dir: Path | None, push: PushConfig):
         self.cfg = cfg
         self.consumer = ConsumerClient(cfg.buffer, "learner")
         self.pusher: WeightPusher | None = None
         if cfg.engine.urls:
-            push = cfg.push
             self.pusher = WeightPusher(
                 cfg.engine.urls,
-                backend=backend,
-                master_addr=push.master_addr,
+                push,
                 api_key=cfg.engine.api_key,
-                pause_mode=push.pause_mode,
-                timeout_s=push.timeout_s,
-                flush_timeout_s=push.flush_timeout_s,
-                resync_wait_s=push.resync_wait_s,
                 # A restarted learner destroys its dead predecessor's group on the engines first.
                 state_path=run_dir / "weight_group.json" if run_dir is not None else None,
             )
@@ -210,7 +204,8 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
         stale_policy=cfg.buffer.stale_policy,
     )
     backend = push_backend(cfg.push.backend, torch.cuda.is_available())
-    rank0 = _Rank0(cfg, run_dir, backend) if learner.is_rank0 else None
+    push = cfg.push.model_copy(update={"backend": backend})
+    rank0 = _Rank0(cfg, run_dir, push) if learner.is_rank0 else None
     try:
         buffer_version = 0
         if rank0 is not None:
