@@ -9,7 +9,7 @@ from slime_async.config.base import Section
 
 
 class EmbeddedEngineConfig(Section):
-    """The embedded engine's own settings; real SGLang servers take theirs on their command line."""
+    """Real SGLang servers take these on their own command line instead."""
 
     device: str = "auto"
     """torch device of the embedded engine: auto, cpu, cuda, cuda:1, ..."""
@@ -103,7 +103,8 @@ class EngineConfig(Section):
     """Client-side retries of a failed call, with exponential back-off (doubling from 0.2 s,
     capped at 30 s: about 110 s in all, enough to ride out an engine's restart)."""
     embedded: EmbeddedEngineConfig = EmbeddedEngineConfig()
-    """The embedded engine's own settings (refused with `kind = "external"`)."""
+    """The embedded engine's own settings (with `kind = "external"`, any set to other than its
+    default is refused)."""
 
     @model_validator(mode="after")
     def _embedded_only(self) -> "EngineConfig":

@@ -14,6 +14,10 @@ from slime_async.config.base import Section
 
 
 class PushConfig(Section):
+    """Learner rank 0 pauses the engines, broadcasts the weights in HF-named buckets over one
+    torch.distributed group, sets the new version and lets them continue; an embedded engine
+    reads `group_timeout_s` for its side of the group."""
+
     interval: int = Field(1, ge=1)
     """Push the weights to the engines every this many optimizer steps (must be at most
     buffer.max_staleness + 1: between pushes the engines lag the learner by interval - 1)."""
