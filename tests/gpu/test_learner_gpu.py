@@ -37,7 +37,7 @@ def test_bf16_learner_agrees_with_hf_and_trains(tmp_path, repo_root):
     assert res["version"] == 3
 
 
-# ----------------------------------------------------------------- issue 17: the fast paths
+# ----------------------------------------------------------------- the fast paths
 
 
 @pytest.fixture(scope="module")

@@ -136,7 +136,7 @@ async def test_pool_fails_over_and_takes_a_returning_engine_back(models, logs):
 
 
 def test_a_push_broken_by_a_dead_engine_leaves_the_other_engine_free(models, logs, engines, caplog):
-    """Issue 12 (the handshake that waited for one engine): an engine killed in the middle of a
+    """The handshake must not wait for one engine: an engine killed in the middle of a
     push left the other one inside the broadcast, on the thread that also serves destroy and
     init; the learner asked it to destroy the group before closing its own end, so that call
     could only time out (30 s) and the rebuilt group waited for it. The learner now closes its
@@ -181,7 +181,7 @@ async def _server_info(url: str) -> dict:
 
 
 def test_a_handshake_that_cannot_complete_names_the_engine_and_why(models, logs):
-    """Issue 12: the wait for the weight group failed after 300 s naming every engine. Now the
+    """The wait for the weight group once failed after 300 s naming every engine. Now the
     failure names the engine whose init call had not returned and what it says of itself. Here
     the learner counts one rank too many for it (tp_sizes=[2] for a 1-rank engine), so the
     rendezvous can never complete (the engine waits in it longer than the learner: 30 s, 4 s)."""

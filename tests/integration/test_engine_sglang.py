@@ -1,5 +1,5 @@
 """The embedded engine behaves as SGLang 0.5.23 where a client written for SGLang depends on it
-(found 5 and 6 of issue 12), field by field: n > 1 with one prefill, SSE streaming, prompt
+field by field: n > 1 with one prefill, SSE streaming, prompt
 log-probs and max_new_tokens = 0, top_logprobs_num, text input, sampling_seed,
 spaces_between_special_tokens, unknown top-level keys ignored, string versions, 5xx on engine
 errors, min_new_tokens, /abort_request {}, behaviour log-probs before top-k/top-p, and the rank

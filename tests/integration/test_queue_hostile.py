@@ -1,5 +1,5 @@
 """The real buffer process (`slime-async buffer`) under hostile and careless input: each test is
-one finding of issue 16. Afterwards the buffer is alive and answering, nothing acknowledged is
+one finding of a hostile-input review. Afterwards the buffer is alive and answering, nothing acknowledged is
 lost or delivered twice, and its memory stays under the configured bound."""
 
 import asyncio

@@ -229,7 +229,7 @@ os._exit(0)  # the lock goes with us
 
 @pytest.mark.parametrize("clean", [False, True])
 def test_watchdog_waits_for_the_lock_of_a_dying_supervisor(tmp_path, clean):
-    """Found under load (issue 16): a SIGKILLed supervisor's pipe reached EOF while its lock was
+    """Found under load: a SIGKILLed supervisor's pipe reached EOF while its lock was
     still held for a moment; the watchdog saw the lock held, took it for a new owner and left
     everything running. It now waits for a lock still held by its own (dying) parent, and a
     supervisor that stops cleanly says so, so the watchdog exits at once and stops nothing."""

@@ -549,7 +549,7 @@ def test_decoupled_gspo_with_fresh_samples_is_gspo_against_prox():
 
 
 def test_ratio_outside_counts_both_sides_of_the_trust_region():
-    """ratio_outside (issue 15's metric of naive PPO's failure against a far-away mu): the share
+    """ratio_outside (the metric of naive PPO's failure against a far-away mu): the share
     of tokens whose ratio left [1 - eps, 1 + eps], whichever the advantage's sign, by lag."""
     # ratios 0.5, 1, 1.5 against mu; A = 1, -1, 1: the clip cuts only the third token's gradient
     inp = make_input([log(0.5, 1.0, 1.5)], [[0.0, 0.0, 0.0]], [[1.0, -1.0, 1.0]])

@@ -144,7 +144,7 @@ def test_buffer_step_size_follows_the_learner_unless_set():
 
 def test_push_interval_beyond_the_staleness_bound_is_refused():
     """The engines lag the learner by up to push.interval - 1 versions: a bound below that would
-    hold no admissible batch and hang the run (issue 14 item 1)."""
+    hold no admissible batch and hang the run."""
     with pytest.raises(ConfigError) as e:
         load_config([], ["push.interval=4", "buffer.max_staleness=1"])
     msg = str(e.value)

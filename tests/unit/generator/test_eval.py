@@ -1,4 +1,4 @@
-"""Pinned evaluation (issue 15): every answer of an evaluation comes from one policy version.
+"""Pinned evaluation: every answer of an evaluation comes from one policy version.
 
 The tests here drive `Evaluator` with a scripted engine (the SGLang fields it returns: per-token
 versions from `weight_versions` spans). The end-to-end check of a real run (the evaluated

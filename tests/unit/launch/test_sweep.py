@@ -1,4 +1,4 @@
-"""`slime-async sweep` (issue 15): a grid x seeds of real runs, resumable, with a summary table
+"""`slime-async sweep`: a grid x seeds of real runs, resumable, with a summary table
 and overlaid plots; `slime-async plot` of several runs.
 
 Here: the table's arithmetic on synthetic metrics, the resume rules, and the scheduling of points

@@ -1,4 +1,4 @@
-"""The learner's RL batch (issue 14): log-probs at each trajectory's temperature, PPO mini-batches
+"""The learner's RL batch: log-probs at each trajectory's temperature, PPO mini-batches
 against pi_prox from a forward pass at the start of the batch, AReaL's interpolated pi_prox, the
 stale-token policy, and the KL reference that is always the initial model."""
 

@@ -1,4 +1,4 @@
-"""Staleness between the buffer and the learner (issue 14): the stale policy in the buffer, the
+"""Staleness between the buffer and the learner: the stale policy in the buffer, the
 stats of dropped groups, and a restarted learner that never goes back in versions."""
 
 from __future__ import annotations

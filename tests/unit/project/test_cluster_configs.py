@@ -77,7 +77,7 @@ def test_single_machine_plan_of_external_engines_uses_router(curve_toml, tmp_pat
     assert any(a.startswith("engine.router_url=") for a in gen_argv)
 
 
-# ---- issue 20: GLM-4-9B and Qwen3-30B-A3B (expert parallelism, routing replay)
+# ---- GLM-4-9B and Qwen3-30B-A3B (expert parallelism, routing replay)
 
 GLM4 = REPO / "configs" / "cluster" / "glm4_9b.toml"
 QWEN3_MOE = REPO / "configs" / "cluster" / "qwen3_30b_a3b.toml"

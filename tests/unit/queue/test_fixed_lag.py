@@ -1,4 +1,4 @@
-"""`buffer.fixed_lag = k` (issue 15): every batch trained exactly k versions after the policy that
+"""`buffer.fixed_lag = k`: every batch trained exactly k versions after the policy that
 generated it, checked from what the learner trained, not from the buffer's own tags.
 
 The tests here drive `BufferState`. The end-to-end check, which reads the learner's records of
