@@ -7,7 +7,8 @@ megatron.core is imported inside the functions: only after `megatron_compat.appl
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -20,10 +21,26 @@ def post_normed_layer(spec: ModuleSpec, norm: type) -> ModuleSpec:
 
     sub = spec.submodules
     attn = dataclasses.replace(sub.self_attention, module=_post_normed(SelfAttention, norm))
-    mlp = dataclasses.replace(sub.mlp, module=_post_normed(MLP, norm))
+    mlp = post_normed_mlp(sub.mlp, _post_normed(MLP, norm))
     return dataclasses.replace(
         spec, submodules=dataclasses.replace(sub, self_attention=attn, mlp=mlp)
     )
+
+
+def post_normed_mlp(mlp: Any, post_mlp: type) -> Any:
+    """The MLP entry of a layer spec building `post_mlp` (an MLP subclass) instead of the MLP.
+
+    megatron-core 0.16 describes the dense MLP as a `ModuleSpec`; 0.17+ as
+    `functools.partial(MLP.as_mlp_submodule, submodules=...)`, which builds whatever class the
+    classmethod is bound to."""
+    if dataclasses.is_dataclass(mlp):
+        return dataclasses.replace(mlp, module=post_mlp)
+    if (
+        isinstance(mlp, functools.partial)
+        and getattr(mlp.func, "__name__", "") == "as_mlp_submodule"
+    ):
+        return functools.partial(post_mlp.as_mlp_submodule, *mlp.args, **mlp.keywords)
+    raise TypeError(f"GLM-4's post-norm MLP: unexpected MLP spec {mlp!r} in megatron-core's layer")
 
 
 def _post_normed(base: type, norm: type) -> type:

@@ -98,7 +98,7 @@ def test_fused_triton_chunks_equal_the_torch_chunks(repo_root):
     """`fused_equals_torch` in Triton's CPU interpreter, in a fresh process: TRITON_INTERPRET
     must be set before anything imports triton (megatron-core does)."""
     code = (
-        "import sys; sys.path.insert(0, 'tests'); from test_learner_fast import fused_equals_torch"
+        f"from {__name__} import fused_equals_torch"
         "; fused_equals_torch(False); fused_equals_torch(True)"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}

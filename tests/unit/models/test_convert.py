@@ -132,3 +132,28 @@ def test_glm4_and_moe_round_trip_through_a_checkpoint_is_bit_exact(tmp_path, fam
         learner.close()
     assert_same_hf_weights(tmp_path / "out", src)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == family
+
+
+def test_glm4_post_norm_mlp_replaces_either_kind_of_mlp_spec():
+    """megatron-core 0.16 gives the dense MLP as a ModuleSpec, 0.17+ as a partial of
+    `MLP.as_mlp_submodule`: GLM-4's post-norm MLP must take the place of the MLP in both."""
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from slime_async.models.glm4.megatron import post_normed_mlp
+
+    class Base:
+        @classmethod
+        def as_mlp_submodule(cls, submodules=None, **kw):
+            return cls, submodules, kw
+
+    class PostNorm(Base):
+        pass
+
+    spec = post_normed_mlp(ModuleSpec(module=Base, submodules="subs"), PostNorm)
+    assert spec.module is PostNorm and spec.submodules == "subs"
+    built = post_normed_mlp(functools.partial(Base.as_mlp_submodule, submodules="subs"), PostNorm)
+    assert built(config="c") == (PostNorm, "subs", {"config": "c"})
+    with pytest.raises(TypeError, match="unexpected MLP spec"):
+        post_normed_mlp(object(), PostNorm)
