@@ -17,7 +17,7 @@ from tests.support.buffer_process import start_buffer, wal_buffer_config
 @pytest.mark.timeout(180)
 def test_sigkill_mid_stream_loses_nothing_acknowledged_and_repeats_nothing(tmp_path):
     cfg = wal_buffer_config(tmp_path / "wal", wal_sync="flush", wal_segment_bytes=1 << 16)
-    num_groups, kills = 120, 2
+    num_groups, kills, window = 120, 2, 16
     acked: list[str] = []
     producer_error: list[BaseException] = []
 
@@ -26,6 +26,10 @@ def test_sigkill_mid_stream_loses_nothing_acknowledged_and_repeats_nothing(tmp_p
             sem = asyncio.Semaphore(8)  # puts in flight at once, as a generator would have
 
             async def one(i):
+                # Stay at most `window` groups ahead of the consumer, so both kills land while
+                # puts are still in flight however slow the machine is.
+                while i - len(seen) // 3 > window:
+                    await asyncio.sleep(0.01)
                 async with sem:
                     g = synthetic_group(f"g{i}", 3, response_len=64, seed=i)
                     await p.put_group(g)
