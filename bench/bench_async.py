@@ -3,6 +3,7 @@
     python bench/bench_async.py                       # configs/quickstart.toml, 40 steps each
     python bench/bench_async.py --steps 20 configs/quickstart.toml learner.lr=1e-4
     python bench/bench_async.py --steps 80 --eval-interval 10 --metric eval/accuracy_sampled
+    python bench/bench_async.py --steps 12 configs/gpu_two_h200.toml   # no eval.data: evaluation off
 
 Runs `slime-async run` twice, one after the other in this command (`--parallel`: both at once, on
 a machine with cores for both): `run.mode = "sync"` (generate a
@@ -116,7 +117,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per mode")
     ap.add_argument("--out", default="runs/bench_async", help="where the two runs go")
     ap.add_argument(
-        "--eval-interval", type=int, default=10, help="pinned evaluation every N versions"
+        "--eval-interval",
+        type=int,
+        default=None,
+        help="pinned evaluation every N versions (default: 10 when the config has eval.data, "
+        "else 0 with a note; 0: off)",
     )
     ap.add_argument("--metric", default=m.EVAL_ACC_SAMPLED, help="evaluation metric compared")
     ap.add_argument(
@@ -127,7 +132,7 @@ def main() -> int:
     args = ap.parse_args()
     configs = [c for c in args.config if "=" not in c] or ["configs/quickstart.toml"]
     overrides = [c for c in args.config if "=" in c]
-    overrides.append(f"eval.interval={args.eval_interval}")
+    overrides.append(f"eval.interval={eval_interval(configs, overrides, args.eval_interval)}")
     out = (REPO / args.out).resolve()
     results = {}
     started = {}
@@ -173,6 +178,24 @@ def main() -> int:
         print(line)
     (out / "summary.json").write_text(json.dumps(results, indent=2))
     return 0
+
+
+def eval_interval(configs: list[str], overrides: list[str], asked: int | None) -> int:
+    """The pinned-evaluation interval both runs use: the one asked for, else 10 when the config
+    has held-out data (`eval.data`), else 0 with a note (a throughput config such as
+    configs/gpu_two_h200.toml has none, and `eval.interval > 0` without it is refused)."""
+    from slime_async.config import load_config
+
+    has_data = load_config([REPO / c for c in configs], overrides).eval.data is not None
+    if asked is None:
+        if not has_data:
+            print(
+                "note: the config has no eval.data: evaluation off (eval.interval=0); the "
+                "comparison is wall-clock and trained tokens/s, not time to accuracy",
+                flush=True,
+            )
+        return 10 if has_data else 0
+    return asked
 
 
 def _first_reach(curve: list, target: float) -> float | None:

@@ -15,6 +15,8 @@
 #          the options without fast paths; LEARNER_BENCH_ARGS may add --variants and --profile "$OUT")
 #   onegpu the quickstart (4 steps) on one GPU: engine on the CPU, engine on the learner's GPU
 #          (push over gloo, push.backend = auto), and the latter with NCCL forced
+#   onegpu_async  bench_async.py on one GPU (engine and learner sharing it): the quickstart's task,
+#          sync vs async with pinned evaluation, ONEGPU_SEEDS seeds (default 0 1 2)
 #   SUITE="push e2e" bash bench/gpu_suite.sh [overrides for the e2e/async runs...]
 # The image has torch and transformers but not megatron-core, pyzmq or pydantic: their wheels
 # travel in .whl/ (docs/development.md).
@@ -102,6 +104,18 @@ for part in $SUITE; do
       for name in engine_cpu engine_gpu engine_gpu_nccl; do
         echo "-- $name: $(grep "^$name " "$OUT/onegpu_exits.txt")"
         cat "$OUT/onegpu_$name.push.txt"; tail -4 "$OUT/onegpu_$name.log"
+      done ;;
+    onegpu_async)
+      # Time to sync's final pinned-evaluation accuracy on one GPU, one bench_async run per seed.
+      for seed in ${ONEGPU_SEEDS:-0 1 2}; do
+        echo "== sync vs async on one GPU, seed $seed"
+        timeout "${ONEGPU_ASYNC_S:-300}" taskset -c "${ONEGPU_CPUS:-2-15}" python3 \
+          bench/bench_async.py --steps "${ONEGPU_ASYNC_STEPS:-60}" --eval-interval 20 \
+          --out "/tmp/bench_onegpu_$seed" configs/quickstart.toml engine.embedded.device=cuda \
+          eval.samples=4 learner.save_interval=0 "run.seed=$seed" "$@" \
+          >"$OUT/onegpu_async_$seed.log" 2>&1
+        echo "exit $?"; tail -6 "$OUT/onegpu_async_$seed.log"
+        cp "/tmp/bench_onegpu_$seed/summary.json" "$OUT/onegpu_async_$seed.json" 2>/dev/null
       done ;;
   esac
 done
