@@ -151,6 +151,7 @@ def _check_across_sections(cfg: SlimeConfig) -> None:
             "or 'reinforce_pp' for single samples"
         )
     _check_staleness_research(cfg)
+    _check_buffer_bind(cfg)
     trajectories = cfg.learner.groups_per_step * cfg.generator.group_size
     if cfg.algo.mini_batches > trajectories:
         raise ValueError(
@@ -158,6 +159,17 @@ def _check_across_sections(cfg: SlimeConfig) -> None:
             f"(learner.groups_per_step x generator.group_size = {trajectories}): some "
             "mini-batches would always be empty"
         )
+
+
+def _check_buffer_bind(cfg: SlimeConfig) -> None:
+    """The buffer's own bind rule (`slime_async/queue/security.py`), applied when the config is
+    loaded, so `config`, `run` and `slurm` refuse what the buffer would refuse at its start."""
+    from slime_async.queue.security import SecurityError, check_bind
+
+    try:
+        check_bind(cfg.buffer)
+    except SecurityError as e:
+        raise ValueError(str(e)) from None
 
 
 def _check_staleness_research(cfg: SlimeConfig) -> None:
