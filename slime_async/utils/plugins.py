@@ -16,6 +16,7 @@ import importlib
 import inspect
 import os
 import sys
+import sysconfig
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,21 +39,62 @@ def _import_module(name: str) -> Any:
         return importlib.import_module(name)
 
 
-def import_object(path: str) -> Any:
-    """Import `package.module:attribute` (dots after the colon walk attributes)."""
+def searched_places() -> str:
+    """Where an import looked, for an error message: sys.path without the standard library."""
+    stdlib = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")}
+    cwd = os.getcwd()
+    places = []
+    for entry in sys.path:
+        path = entry or cwd
+        if path in stdlib or path.endswith((".zip", "lib-dynload")):
+            continue
+        if path == cwd:
+            places.append(f"{path} (the working directory)")
+        elif "site-packages" in path:
+            places.append(f"{path} (installed packages)")
+        else:
+            places.append(path)
+    return ", ".join(dict.fromkeys(places))
+
+
+_EXAMPLES_HINT = (
+    "; the shipped examples are in the slime_async checkout, not in the installed package: "
+    "name the checkout in generator.import_dirs (relative to the config file, as "
+    'configs/quickstart.toml does with import_dirs = [".."])'
+)
+
+
+def import_object(path: str, key: str | None = None) -> Any:
+    """Import `package.module:attribute` (dots after the colon walk attributes). `key`, the
+    config key that names it, leads every error message."""
+    where = f"{key} = {path!r}" if key else repr(path)
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise PluginError(f"{path!r}: expected an import path of the form 'package.module:name'")
+        raise PluginError(f"{where}: expected an import path of the form 'package.module:name'")
     try:
         obj: Any = _import_module(module_name)
-    except ImportError as e:
-        raise PluginError(f"{path!r}: cannot import module {module_name!r}: {e}") from None
+    except ModuleNotFoundError as e:
+        missing = e.name or module_name
+        if module_name == missing or module_name.startswith(f"{missing}."):
+            hint = _EXAMPLES_HINT if missing == "examples" else ""
+            raise PluginError(
+                f"{where}: no module named {missing!r}; searched {searched_places()}{hint}"
+            ) from None
+        raise PluginError(  # the plug-in's module itself imports something missing
+            f"{where}: importing module {module_name!r} failed: {e}"
+        ) from None
+    except Exception as e:
+        raise PluginError(
+            f"{where}: importing module {module_name!r} failed: {type(e).__name__}: {e}"
+        ) from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
+            origin = getattr(sys.modules.get(module_name), "__file__", None)
+            at = f" ({origin})" if origin else ""
             raise PluginError(
-                f"{path!r}: module {module_name!r} has no attribute {attr!r}"
+                f"{where}: module {module_name!r}{at} has no attribute {attr!r}"
             ) from None
     return obj
 
@@ -109,19 +151,22 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._items)
 
-    def resolve(self, name_or_path: str) -> Callable:
-        """A registered name or an import path; the result's signature is checked."""
+    def resolve(self, name_or_path: str, key: str | None = None) -> Callable:
+        """A registered name or an import path; the result's signature is checked. `key`, the
+        config key that names it, leads every error message."""
         if ":" in name_or_path:
-            fn = import_object(name_or_path)
+            fn = import_object(name_or_path, key)
         elif name_or_path in self._items:
             fn = self._items[name_or_path]
         else:
+            where = f"{key}: " if key else ""
             raise PluginError(
-                f"unknown {self.kind} {name_or_path!r}: registered are {self.names()}, "
+                f"{where}unknown {self.kind} {name_or_path!r}: registered are {self.names()}, "
                 "or give an import path 'package.module:function'"
             )
         if self.params:
+            name = f"{self.kind} {name_or_path!r}"
             check_signature(
-                fn, f"{self.kind} {name_or_path!r}", self.params, is_async=self.is_async
+                fn, f"{key}: {name}" if key else name, self.params, is_async=self.is_async
             )
         return fn

@@ -48,7 +48,7 @@ class Lifecycle:
         if path is None:
             return
         name = f"generator.lifecycle {path!r}"
-        obj = import_object(path)
+        obj = import_object(path, "generator.lifecycle")
         if inspect.isclass(obj):
             try:
                 obj = obj()
