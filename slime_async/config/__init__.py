@@ -21,7 +21,7 @@ from pydantic import ValidationError, model_validator
 
 from slime_async.config.algo import AlgoConfig
 from slime_async.config.base import ConfigError, Section
-from slime_async.config.buffer import BufferConfig, CurveConfig
+from slime_async.config.buffer import BufferConfig, CurveConfig, bind_refusal
 from slime_async.config.engine import EmbeddedEngineConfig, EngineConfig
 from slime_async.config.eval import EvalConfig
 from slime_async.config.generator import GeneratorConfig, SamplingConfig
@@ -162,14 +162,11 @@ def _check_across_sections(cfg: SlimeConfig) -> None:
 
 
 def _check_buffer_bind(cfg: SlimeConfig) -> None:
-    """The buffer's own bind rule (`slime_async/queue/security.py`), applied when the config is
-    loaded, so `config`, `run` and `slurm` refuse what the buffer would refuse at its start."""
-    from slime_async.queue.security import SecurityError, check_bind
-
-    try:
-        check_bind(cfg.buffer)
-    except SecurityError as e:
-        raise ValueError(str(e)) from None
+    """The buffer's own bind rule, applied when the config is loaded, so `config`, `run` and
+    `slurm` refuse what the buffer would refuse at its start."""
+    problem = bind_refusal(cfg.buffer)
+    if problem:
+        raise ValueError(problem)
 
 
 def _check_staleness_research(cfg: SlimeConfig) -> None:

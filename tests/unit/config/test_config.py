@@ -13,7 +13,11 @@ from slime_async.config.moved import MOVED
 from tests.support.keys import write_curve_toml
 from tests.support.repo import REPO
 
-ALL_TOMLS = sorted([*REPO.glob("configs/**/*.toml"), *REPO.glob("examples/**/*.toml")])
+ALL_TOMLS = sorted(
+    p
+    for p in [*REPO.glob("configs/**/*.toml"), *REPO.glob("examples/**/*.toml")]
+    if p.name != "pyproject.toml"  # examples/plugin_package is a package, not a run's config
+)
 
 
 def write(tmp_path, name, text):
