@@ -14,7 +14,7 @@ shows a complete rollout plug-in and docs/algorithms.md the loss and advantage c
 Plug-ins are named in the config by registered name or by `package.module:function`.
 """
 
-from slime_async.actors.generator.lifecycle import SetupContext
+from slime_async.actors.generator.lifecycle import LIFECYCLES, SetupContext
 from slime_async.actors.generator.rewards import (
     REWARDS,
     exact_match,
@@ -39,6 +39,7 @@ from slime_async.utils.plugins import PluginError
 
 __all__ = [
     "ADVANTAGES",
+    "LIFECYCLES",
     "LOSSES",
     "REWARDS",
     "ROLLOUTS",

@@ -23,7 +23,9 @@ import torch
 from slime_async.utils.plugins import Registry
 
 LOSSES = Registry("loss", params=("inp", "cfg"), is_async=False)
-ADVANTAGES = Registry("advantage estimator", params=("inp", "cfg", "state"), is_async=False)
+ADVANTAGES = Registry(
+    "advantage estimator", params=("inp", "cfg", "state"), is_async=False, entry_kind="advantage"
+)
 
 
 @dataclass

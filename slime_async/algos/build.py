@@ -160,8 +160,8 @@ def build_algorithm(cfg: AlgoConfig, *, dry_run: bool = True) -> Algorithm:
     """
     algo = Algorithm(
         cfg=cfg,
-        loss_fn=LOSSES.resolve(cfg.loss),
-        advantage_fn=ADVANTAGES.resolve(cfg.advantage),
+        loss_fn=LOSSES.resolve(cfg.loss, "algo.loss"),
+        advantage_fn=ADVANTAGES.resolve(cfg.advantage, "algo.advantage"),
     )
     if dry_run:
         _dry_run(algo)

@@ -43,12 +43,12 @@ def check_plugins(cfg, algos: bool = True) -> list[str]:
     g = cfg.generator
     lines = []
     if cfg.run.prepare:
-        prepare = import_object(cfg.run.prepare)
+        prepare = import_object(cfg.run.prepare, "run.prepare")
         check_signature(prepare, f"run.prepare {cfg.run.prepare!r}", ("cfg",), is_async=False)
         lines.append(f"run.prepare {cfg.run.prepare}: ok, prepare(cfg)")
-    ROLLOUTS.resolve(g.rollout)
+    ROLLOUTS.resolve(g.rollout, "generator.rollout")
     lines.append(f"generator.rollout {g.rollout}: ok, async rollout(ctx, sample)")
-    resolve_reward(g.reward)
+    resolve_reward(g.reward, "generator.reward")
     lines.append(f"generator.reward {g.reward}: ok, reward(sample, response_text, info)")
     if g.lifecycle:
         lc = Lifecycle(g.lifecycle)
@@ -57,9 +57,9 @@ def check_plugins(cfg, algos: bool = True) -> list[str]:
     if algos:
         from slime_async.algos import ADVANTAGES, LOSSES
 
-        LOSSES.resolve(cfg.algo.loss)
+        LOSSES.resolve(cfg.algo.loss, "algo.loss")
         lines.append(f"algo.loss {cfg.algo.loss}: ok")
-        ADVANTAGES.resolve(cfg.algo.advantage)
+        ADVANTAGES.resolve(cfg.algo.advantage, "algo.advantage")
         lines.append(f"algo.advantage {cfg.algo.advantage}: ok")
     return lines
 

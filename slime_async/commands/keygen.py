@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 HELP = "write CurveZMQ key pairs (server + clients) for a buffer reached across nodes"
 
@@ -20,7 +21,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import sys
-    from pathlib import Path
 
     from slime_async.queue.security import SecurityError, keygen
 
@@ -33,9 +33,16 @@ def main(args: argparse.Namespace) -> int:
     first = args.clients[0]
     # The TOML goes to stdout alone, so `slime-async keygen DIR > curve.toml` is a config file.
     print(f"wrote {len(written)} key pairs under {d}; config on stdout", file=sys.stderr)
-    print("[buffer.curve]")
-    print(f'server_secret_key = "{d}/server.key_secret"')
-    print(f'server_public_key = "{d}/server.key"')
-    print(f'client_secret_key = "{d}/{first}.key_secret"')
-    print(f'authorized_clients_dir = "{d}/authorized_clients"')
+    print(curve_toml(d, first), end="")
     return 0
+
+
+def curve_toml(directory: Path, client: str) -> str:
+    """The `[buffer.curve]` section naming the keys `keygen` wrote under `directory`."""
+    return (
+        "[buffer.curve]\n"
+        f'server_secret_key = "{directory}/server.key_secret"\n'
+        f'server_public_key = "{directory}/server.key"\n'
+        f'client_secret_key = "{directory}/{client}.key_secret"\n'
+        f'authorized_clients_dir = "{directory}/authorized_clients"\n'
+    )

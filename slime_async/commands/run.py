@@ -54,18 +54,14 @@ def main(args: argparse.Namespace) -> int:
             raise ConfigError("name at least one CONFIG.toml (or use --resume RUN_DIR)")
         cfg = load_config(files, overrides)
         _check_launcher(cfg)
-        try:
-            run_dir = RunDir.create(cfg.run.runs_dir, cfg.run.name, cfg.run.run_dir)
-            run_dir.lock()
-        except (FileExistsError, RunDirBusy) as e:
-            raise ConfigError(str(e)) from None
+        run_dir = None  # created once every check below passed: a refused start leaves nothing
     from slime_async.commands.config import check_plugins
 
     check_plugins(cfg)  # import and check every plug-in before any process starts
     if cfg.run.prepare:
         from slime_async.utils.plugins import import_object
 
-        import_object(cfg.run.prepare)(cfg)
+        import_object(cfg.run.prepare, "run.prepare")(cfg)
     if cfg.run.launcher == "local":  # on a cluster the inputs may live on other nodes' disks
         from slime_async.config.paths import missing_inputs
 
@@ -75,6 +71,12 @@ def main(args: argparse.Namespace) -> int:
                 "inputs not found (a relative path is relative to the config file "
                 "that sets it):\n  " + "\n  ".join(missing)
             )
+    if run_dir is None:
+        try:
+            run_dir = RunDir.create(cfg.run.runs_dir, cfg.run.name, cfg.run.run_dir)
+            run_dir.lock()
+        except (FileExistsError, RunDirBusy) as e:
+            raise ConfigError(str(e)) from None
     cfg.run.run_dir = str(run_dir.path)  # every role finds the run directory here
     cfg.write_json(run_dir.config_json)
     print(f"[slime-async] run directory {run_dir.path}", flush=True)

@@ -1,22 +1,19 @@
 """`slime-async slurm CONFIG... --nodes N`: an sbatch script that starts a Ray cluster inside the
 allocation and runs the job on it with the Ray launcher; submitted with `sbatch` unless
-`--dry-run`.
+`--dry-run`. The script itself is built by `slime_async/launch/slurm.py` (its docstring says what
+it does, node by node, and how it requeues and resumes at the time limit).
 
-The script: node 0 runs `ray start --head`, the others `ray start --address` (each `--block` in
-its own `srun` step), waits until N nodes are alive, then runs `slime-async run CONFIG...
-run.launcher="ray" run.ray.address=<head>:<port>` on node 0 and stops Ray when it ends. The first
-`learner_nodes` nodes (enough GPUs for `run.learner_procs` ranks) get the `run.ray.learner_nodes`
-resource, the others the `run.ray.engine_nodes` resource, so the config's placement rules find
-them; the CPU roles run on the head (node 0) unless `run.ray.cpu_nodes` names a resource, which
-the head then gets.
+Before anything is written or submitted, the config gets the checks `slime-async run` makes, so a
+job does not fail after its queue wait: it must name the Ray launcher (`run.launcher = "ray"`) and
+Ray must be installed where the script starts it; the buffer will bind its node's network address,
+so it needs CurveZMQ keys (or `buffer.allow_non_loopback = true`); every plug-in is imported and
+checked (`--no-plugins` skips that); the nodes must hold the job, and all of them be used.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import shlex
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -26,17 +23,75 @@ from slime_async.commands import add_config_arguments
 
 HELP = "write (and submit) an sbatch script: a Ray cluster over N nodes, then the job on it"
 
-NODE_WAIT_S = 600
-"""How long the script waits for every node's raylet to join."""
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from slime_async.launch.slurm import NODE_WAIT_S
+
     add_config_arguments(p)
     p.add_argument("--nodes", type=int, required=True, help="nodes of the allocation")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs of each node (default 8)")
+    p.add_argument(
+        "--cpus-per-task",
+        type=int,
+        help="CPUs of each node's task (#SBATCH --cpus-per-task; also Ray's --num-cpus)",
+    )
+    p.add_argument("--mem", help="memory per node, e.g. 500G (#SBATCH --mem; 0: all of it)")
     p.add_argument("--partition", help="Slurm partition")
     p.add_argument("--time", help="time limit, e.g. 24:00:00")
     p.add_argument("--account", help="Slurm account")
+    p.add_argument(
+        "--no-exclusive", action="store_true", help="share the nodes (no #SBATCH --exclusive)"
+    )
+    p.add_argument(
+        "--sbatch-line",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="one more #SBATCH option, e.g. --sbatch-line=--qos=high (repeatable)",
+    )
+    p.add_argument(
+        "--setup",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="a shell line run before Ray starts, e.g. 'module load cuda/12.4' or "
+        "'source /shared/venv/bin/activate' (repeatable, in order)",
+    )
+    p.add_argument(
+        "--setup-file",
+        help="a file of shell lines inserted where --setup lines go (after them)",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a variable exported for every node's processes, e.g. NCCL_IB_HCA=mlx5 (repeatable)",
+    )
+    p.add_argument(
+        "--no-requeue",
+        action="store_true",
+        help="do not requeue at the time limit (default: stop the run, requeue, resume)",
+    )
+    p.add_argument(
+        "--signal-before",
+        type=int,
+        default=600,
+        metavar="S",
+        help="seconds before the time limit at which the run is stopped and requeued (default 600)",
+    )
+    p.add_argument(
+        "--max-requeues",
+        type=int,
+        default=20,
+        help="most time-limit requeues of one job (default 20)",
+    )
+    p.add_argument(
+        "--node-wait-s",
+        type=int,
+        default=NODE_WAIT_S,
+        help=f"how long to wait for the Ray head, then for every node (default {NODE_WAIT_S})",
+    )
     p.add_argument(
         "--learner-nodes",
         type=int,
@@ -49,31 +104,62 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--python", default=sys.executable, help="the interpreter on the nodes (default: this one)"
     )
+    p.add_argument(
+        "--no-plugins", action="store_true", help="do not import and check the plug-ins here"
+    )
     p.add_argument("--dry-run", action="store_true", help="write the script, do not submit it")
 
 
 def main(args: argparse.Namespace) -> int:
+    from slime_async.commands.config import check_plugins
     from slime_async.config import ConfigError, load_config, split_cli_args
+    from slime_async.launch.slurm import SlurmOptions, build_script, plan_nodes
 
     files, overrides = split_cli_args(args.config)
     if not files:
         raise ConfigError("name at least one CONFIG.toml")
-    overrides = [*overrides, 'run.launcher="ray"']
     cfg = load_config(files, overrides)  # validated here, before anything is written
-    script = build_script(
-        cfg,
-        [str(Path(f).resolve()) for f in files],
-        overrides,
+    check_cluster(cfg, args.python)
+    if not args.no_plugins:
+        check_plugins(cfg)
+    env = []
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"--env {item!r}: expected KEY=VALUE with KEY a variable name")
+        env.append((key, value))
+    setup = list(args.setup)
+    if args.setup_file:
+        setup_file = Path(args.setup_file)
+        if not setup_file.is_file():
+            raise ConfigError(f"--setup-file {setup_file}: not found")
+        setup += setup_file.read_text().splitlines()
+    if not 0 < args.signal_before < 65536:
+        raise ConfigError(f"--signal-before {args.signal_before}: Slurm takes 1-65535 seconds")
+    opts = SlurmOptions(
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         learner_nodes=args.learner_nodes,
+        cpus_per_task=args.cpus_per_task,
+        mem=args.mem,
         partition=args.partition,
         time=args.time,
         account=args.account,
+        exclusive=not args.no_exclusive,
+        sbatch_lines=tuple(args.sbatch_line),
+        setup=tuple(setup),
+        env=tuple(env),
+        requeue=not args.no_requeue,
+        signal_before_s=args.signal_before,
+        max_requeues=args.max_requeues,
+        node_wait_s=args.node_wait_s,
         ray_port=args.ray_port,
         python=args.python,
         workdir=str(Path.cwd()),
     )
+    script = build_script(cfg, [str(Path(f).resolve()) for f in files], overrides, opts)
+    plan = plan_nodes(cfg, args.nodes, args.gpus_per_node, args.learner_nodes)
+    print(f"[slime-async slurm] {plan.words}", file=sys.stderr, flush=True)
     path = Path(args.script or Path(cfg.run.runs_dir) / f"{cfg.run.name}.sbatch").resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.run.runs_dir).mkdir(parents=True, exist_ok=True)  # Slurm writes its output there
@@ -91,117 +177,36 @@ def main(args: argparse.Namespace) -> int:
     return subprocess.run([sbatch, str(path)], check=False).returncode
 
 
-def build_script(
-    cfg,
-    files: list[str],
-    overrides: list[str],
-    *,
-    nodes: int,
-    gpus_per_node: int,
-    learner_nodes: int | None = None,
-    partition: str | None = None,
-    time: str | None = None,
-    account: str | None = None,
-    ray_port: int = 6379,
-    python: str = "python",
-    workdir: str = ".",
-) -> str:
-    """The sbatch script's text (ConfigError when the nodes cannot hold the job)."""
+def check_cluster(cfg, python: str) -> None:
+    """What the job needs from its config on a Slurm allocation, refused here in words."""
     from slime_async.config import ConfigError
 
-    rc = cfg.run.ray
-    if nodes < 1 or gpus_per_node < 0:
-        raise ConfigError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: need nodes >= 1")
-    learner_gpus = cfg.run.learner_procs * rc.gpus_per_learner_rank
-    if learner_nodes is None:
-        learner_nodes = math.ceil(learner_gpus / gpus_per_node) if gpus_per_node else 1
-    learner_nodes = max(1, learner_nodes)
-    engine_gpus = (
-        cfg.engine.num_engines * rc.gpus_per_engine if cfg.engine.kind == "embedded" else 0
-    )
-    if learner_gpus > learner_nodes * gpus_per_node:
+    if cfg.run.launcher != "ray":
         raise ConfigError(
-            f"run.learner_procs = {cfg.run.learner_procs} ranks need {learner_gpus} GPUs; "
-            f"{learner_nodes} learner node(s) x {gpus_per_node} GPUs hold {learner_nodes * gpus_per_node}"
+            f"run.launcher = {cfg.run.launcher!r}: `slime-async slurm` runs the job with the Ray "
+            'launcher over the allocation\'s nodes; set run.launcher = "ray" and place the roles '
+            "with [run.ray] (configs/cluster/ray_two_nodes.toml is an example)"
         )
-    engine_nodes = nodes - learner_nodes
-    if engine_gpus > engine_nodes * gpus_per_node:
+    if not (cfg.buffer.curve.server_secret_key or cfg.buffer.allow_non_loopback):
         raise ConfigError(
-            f"engine.num_engines = {cfg.engine.num_engines} x run.ray.gpus_per_engine = "
-            f"{rc.gpus_per_engine} need {engine_gpus} GPUs; the {engine_nodes} node(s) left after "
-            f"{learner_nodes} learner node(s) hold {engine_nodes * gpus_per_node}: raise --nodes"
+            f"buffer.producer_endpoint = {cfg.buffer.producer_endpoint!r}: on the allocation the "
+            "buffer binds its node's network address, and without CurveZMQ keys it refuses to; "
+            "run `slime-async keygen DIR > curve.toml` and add curve.toml to the configs, or set "
+            "buffer.allow_non_loopback = true on a trusted network"
         )
+    if "/" not in python:
+        return  # found on PATH on the nodes, after the --setup lines: nothing to check here
+    this = Path(python).resolve() == Path(sys.executable).resolve()
+    if this and importlib.util.find_spec("ray") is None:
+        from slime_async.launch.ray import RAY_EXTRA
 
-    def resources(kind: str, head: bool) -> str:
-        res: dict[str, int] = {}
-        rule = rc.learner_nodes if kind == "learner" else rc.engine_nodes
-        if rule is not None:
-            res[rule] = max(gpus_per_node, 1)
-        if head and rc.cpu_nodes not in (None, "head"):
-            res[rc.cpu_nodes] = 1
-        return f" --resources={shlex.quote(json.dumps(res))}" if res else ""
-
-    ray = shlex.quote(str(Path(python).parent / "ray")) if "/" in python else "ray"
-    py = shlex.quote(python)
-    run_argv = [*files, *overrides, 'run.ray.address="$RAY_ADDRESS"']
-    run_args = " ".join(
-        shlex.quote(a) if "$RAY_ADDRESS" not in a else 'run.ray.address=\\"$RAY_ADDRESS\\"'
-        for a in run_argv
-    )
-    sbatch = [
-        f"#SBATCH --job-name={cfg.run.name}",
-        f"#SBATCH --nodes={nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={gpus_per_node}",
-        "#SBATCH --exclusive",
-        f"#SBATCH --output={Path(workdir) / cfg.run.runs_dir}/%x-%j.out",
-    ]
-    if partition:
-        sbatch.append(f"#SBATCH --partition={partition}")
-    if time:
-        sbatch.append(f"#SBATCH --time={time}")
-    if account:
-        sbatch.append(f"#SBATCH --account={account}")
-    lines = [
-        "#!/bin/bash",
-        f"# Written by `slime-async slurm`: a Ray cluster on {nodes} node(s) ({learner_nodes} for "
-        f"the learner, {engine_nodes} for engines), then the job with the Ray launcher.",
-        *sbatch,
-        "set -euo pipefail",
-        f"cd {shlex.quote(workdir)}",
-        'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
-        "head_ip=$(srun --nodes=1 --ntasks=1 -w \"${nodes[0]}\" hostname --ip-address | awk '{print $1}')",
-        f'export RAY_ADDRESS="$head_ip:{ray_port}"',
-        f'srun --nodes=1 --ntasks=1 -w "${{nodes[0]}}" {ray} start --head --node-ip-address="$head_ip" '
-        f"--port={ray_port} --num-gpus={gpus_per_node}{resources('learner', True)} --block &",
-        f"for _ in $(seq 1 {NODE_WAIT_S // 2}); do "
-        f'{ray} status --address="$RAY_ADDRESS" >/dev/null 2>&1 && break; sleep 2; done',
-    ]
-    if learner_nodes > 1:
-        lines.append(
-            f"for i in $(seq 1 {learner_nodes - 1}); do "
-            f'srun --nodes=1 --ntasks=1 -w "${{nodes[$i]}}" {ray} start --address="$RAY_ADDRESS" '
-            f"--num-gpus={gpus_per_node}{resources('learner', False)} --block & done"
+        raise ConfigError(
+            f"run.launcher = 'ray' needs Ray, which is not installed in {python}; install "
+            f"the extra: {RAY_EXTRA}"
         )
-    if engine_nodes > 0:
-        lines.append(
-            f"for i in $(seq {learner_nodes} {nodes - 1}); do "
-            f'srun --nodes=1 --ntasks=1 -w "${{nodes[$i]}}" {ray} start --address="$RAY_ADDRESS" '
-            f"--num-gpus={gpus_per_node}{resources('engine', False)} --block & done"
+    ray = Path(python).parent / "ray"
+    if Path(python).exists() and not ray.exists():
+        raise ConfigError(
+            f"the script starts Ray as {ray}, which does not exist: install Ray into the "
+            f"environment of --python {python} (pip install 'slime_async[ray]')"
         )
-    lines += [
-        f"{py} - <<'EOF'",
-        "import sys, time, ray",
-        'ray.init(address="auto", log_to_driver=False)',
-        f"deadline = time.monotonic() + {NODE_WAIT_S}",
-        f'while sum(n["Alive"] for n in ray.nodes()) < {nodes}:',
-        "    if time.monotonic() > deadline:",
-        f'        sys.exit("timed out after {NODE_WAIT_S}s waiting for {nodes} Ray nodes")',
-        "    time.sleep(2)",
-        "EOF",
-        "status=0",
-        f"{py} -m slime_async run {run_args} || status=$?",
-        f"{ray} stop --force || true",
-        'exit "$status"',
-    ]
-    return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from pydantic import ValidationError, model_validator
 
 from slime_async.config.algo import AlgoConfig
 from slime_async.config.base import ConfigError, Section
-from slime_async.config.buffer import BufferConfig, CurveConfig
+from slime_async.config.buffer import BufferConfig, CurveConfig, bind_refusal
 from slime_async.config.engine import EmbeddedEngineConfig, EngineConfig
 from slime_async.config.eval import EvalConfig
 from slime_async.config.generator import GeneratorConfig, SamplingConfig
@@ -151,6 +151,7 @@ def _check_across_sections(cfg: SlimeConfig) -> None:
             "or 'reinforce_pp' for single samples"
         )
     _check_staleness_research(cfg)
+    _check_buffer_bind(cfg)
     trajectories = cfg.learner.groups_per_step * cfg.generator.group_size
     if cfg.algo.mini_batches > trajectories:
         raise ValueError(
@@ -158,6 +159,14 @@ def _check_across_sections(cfg: SlimeConfig) -> None:
             f"(learner.groups_per_step x generator.group_size = {trajectories}): some "
             "mini-batches would always be empty"
         )
+
+
+def _check_buffer_bind(cfg: SlimeConfig) -> None:
+    """The buffer's own bind rule, applied when the config is loaded, so `config`, `run` and
+    `slurm` refuse what the buffer would refuse at its start."""
+    problem = bind_refusal(cfg.buffer)
+    if problem:
+        raise ValueError(problem)
 
 
 def _check_staleness_research(cfg: SlimeConfig) -> None:

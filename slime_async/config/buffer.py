@@ -1,6 +1,9 @@
-"""`[buffer]`: the ZeroMQ trajectory buffer (slime_async/queue/)."""
+"""`[buffer]`: the ZeroMQ trajectory buffer (slime_async/queue/), and the rule for the addresses it
+may bind (`bind_refusal`: applied by the buffer at its start and when any command loads a config)."""
 
+import ipaddress
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field
 
@@ -100,3 +103,33 @@ class BufferConfig(Section):
     fixed_lag_timeout_s: float = Field(600.0, gt=0)
     """With fixed_lag: longest the learner waits for the groups of the current version before
     pushing the next one; past it the learner stops with an error naming the version."""
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// endpoints on a loopback address."""
+    scheme = endpoint.split("://", 1)[0]
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = urlsplit(endpoint).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # an interface name or "*"
+
+
+def bind_refusal(cfg: BufferConfig) -> str | None:
+    """Why the buffer refuses to bind `cfg`'s endpoints (None: it binds them): a non-loopback
+    address without CURVE keys, unless `allow_non_loopback` says the network is trusted."""
+    if cfg.curve.server_secret_key or cfg.allow_non_loopback:
+        return None
+    for name in ("producer_endpoint", "consumer_endpoint"):
+        endpoint = getattr(cfg, name)
+        if not is_loopback(endpoint):
+            return (
+                f"buffer.{name}={endpoint!r} is not a loopback address and no CURVE keys are "
+                "configured; run `slime-async keygen DIR` and set buffer.curve.*, or set "
+                "buffer.allow_non_loopback=true on a trusted network"
+            )
+    return None

@@ -77,8 +77,10 @@ class GeneratorConfig(Section):
     log_interval_s: float = Field(10.0, gt=0)
     """Seconds between metric log lines."""
     import_dirs: list[str] = []
-    """Directories plug-in modules are imported from besides the working directory: the config
-    files' own directories, filled in when the config is loaded (kept in the run's config.json)."""
+    """Directories plug-in modules are imported from besides the working directory and installed
+    packages. A relative entry is relative to the config file that sets it (the shipped configs
+    set [".."] or ["../.."]: the checkout, where `examples/` is); the config files' own
+    directories are appended when the config is loaded (all kept in the run's config.json)."""
 
     @model_validator(mode="after")
     def _error_budget(self) -> "GeneratorConfig":

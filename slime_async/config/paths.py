@@ -10,8 +10,10 @@ The rule for relative paths: **a relative path is relative to the config file th
   the working directory. Left unset, the generator's cursor is `<run_dir>/state/<producer_id>.json`
   and the learner's checkpoints `<run_dir>/checkpoints`; the write-ahead log stays off.
 - Plug-in modules (`generator.rollout = "my_agent:rollout"`, rewards, `run.prepare`, losses) are
-  imported from the working directory and from the directories of the config files
-  (`generator.import_dirs`, filled in here and kept in config.json for every role).
+  imported from the working directory, from the directories a config file names in
+  `generator.import_dirs` (relative to that file: the shipped configs name the checkout, where
+  `examples/` is) and from the directories of the config files themselves (appended here; the
+  list is kept in config.json for every role).
 
 Defaults that depend on another key (the cursor on `producer_id`) are computed when asked, not
 written into the run's config.json, so a role's own overrides still apply to them.
@@ -132,6 +134,14 @@ def resolve_file_paths(tree: dict[str, Any], origins: dict[tuple, str], files: l
         p = Path(value).expanduser()
         if not p.is_absolute():
             section[key[1]] = str((Path(origin).parent / p).resolve())
+    gen = tree.get("generator")
+    given = gen.get("import_dirs") if isinstance(gen, dict) else None
+    origin = origins.get(("generator", "import_dirs"))
+    if isinstance(given, list) and origin in toml_files:
+        base = Path(origin).parent
+        gen["import_dirs"] = [
+            str((base / Path(d).expanduser()).resolve()) if isinstance(d, str) else d for d in given
+        ]
     dirs = [str(Path(f).parent.resolve()) for f in toml_files]
     if dirs:
         gen = tree.setdefault("generator", {})

@@ -232,3 +232,11 @@ SUP_ROLE_RESTARTS = "supervisor/restarts/"
 SUP_ROLE_EXIT = "supervisor/exit_code/"
 """Prefix: `supervisor/exit_code/<role>`: the exit code of the failure this record is about
 (negative: killed by that signal)."""
+
+# ----- Slurm job records: metrics/slurm.jsonl, one per start of the job (`slime-async slurm`) ---
+SLURM_JOB_ID = "slurm_job_id"
+"""The Slurm job id (the same across requeues)."""
+SLURM_RESTART_COUNT = "slurm_restart_count"
+"""SLURM_RESTART_COUNT at this start: 0 the first time, n after the n-th requeue."""
+SLURM_RESUMED = "slurm_resumed"
+"""1 when this start resumed the run directory (`run --resume`), 0 when it started the run."""

@@ -8,33 +8,18 @@ the handshake; others get no answer at all (ZeroMQ drops them during the handsha
 
 from __future__ import annotations
 
-import ipaddress
 import shutil
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import zmq
 import zmq.auth
 
-from slime_async.config.buffer import BufferConfig, CurveConfig
+from slime_async.config.buffer import BufferConfig, CurveConfig, bind_refusal
+from slime_async.config.buffer import is_loopback as is_loopback  # the rule lives with the config
 
 
 class SecurityError(ValueError):
     """An endpoint or key configuration that would expose the buffer."""
-
-
-def is_loopback(endpoint: str) -> bool:
-    """True for ipc://, inproc:// and tcp:// endpoints on a loopback address."""
-    scheme = endpoint.split("://", 1)[0]
-    if scheme in ("ipc", "inproc"):
-        return True
-    host = urlsplit(endpoint).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # an interface name or "*"
 
 
 def curve_enabled(curve: CurveConfig) -> bool:
@@ -43,16 +28,9 @@ def curve_enabled(curve: CurveConfig) -> bool:
 
 def check_bind(cfg: BufferConfig) -> None:
     """Refuse a non-loopback bind without CURVE keys unless explicitly allowed."""
-    if curve_enabled(cfg.curve) or cfg.allow_non_loopback:
-        return
-    for name in ("producer_endpoint", "consumer_endpoint"):
-        endpoint = getattr(cfg, name)
-        if not is_loopback(endpoint):
-            raise SecurityError(
-                f"buffer.{name}={endpoint!r} is not a loopback address and no CURVE keys are "
-                "configured; run `slime-async keygen DIR` and set buffer.curve.*, or set "
-                "buffer.allow_non_loopback=true on a trusted network"
-            )
+    problem = bind_refusal(cfg)
+    if problem:
+        raise SecurityError(problem)
 
 
 def _load(path: str, want_secret: bool) -> tuple[bytes, bytes | None]:

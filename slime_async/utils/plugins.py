@@ -8,14 +8,24 @@
     fn = LOSSES.resolve("my_pkg.losses:my_loss")     # or `package.module:attribute`
 
 `check_signature` makes a wrong user function fail at start-up with a message naming it.
+
+Installed packages add names through entry points of the group `slime_async.plugins`, each named
+`<kind>.<name>` (kinds: rollout, reward, loss, advantage, lifecycle):
+
+    [project.entry-points."slime_async.plugins"]
+    "reward.keyword" = "my_env.rewards:keyword"
+
+A registry lists them with its own names and loads one only when it is asked for by name.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import inspect
 import os
 import sys
+import sysconfig
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,21 +48,62 @@ def _import_module(name: str) -> Any:
         return importlib.import_module(name)
 
 
-def import_object(path: str) -> Any:
-    """Import `package.module:attribute` (dots after the colon walk attributes)."""
+def searched_places() -> str:
+    """Where an import looked, for an error message: sys.path without the standard library."""
+    stdlib = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")}
+    cwd = os.getcwd()
+    places = []
+    for entry in sys.path:
+        path = entry or cwd
+        if path in stdlib or path.endswith((".zip", "lib-dynload")):
+            continue
+        if path == cwd:
+            places.append(f"{path} (the working directory)")
+        elif "site-packages" in path:
+            places.append(f"{path} (installed packages)")
+        else:
+            places.append(path)
+    return ", ".join(dict.fromkeys(places))
+
+
+_EXAMPLES_HINT = (
+    "; the shipped examples are in the slime_async checkout, not in the installed package: "
+    "name the checkout in generator.import_dirs (relative to the config file, as "
+    'configs/quickstart.toml does with import_dirs = [".."])'
+)
+
+
+def import_object(path: str, key: str | None = None) -> Any:
+    """Import `package.module:attribute` (dots after the colon walk attributes). `key`, the
+    config key that names it, leads every error message."""
+    where = f"{key} = {path!r}" if key else repr(path)
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise PluginError(f"{path!r}: expected an import path of the form 'package.module:name'")
+        raise PluginError(f"{where}: expected an import path of the form 'package.module:name'")
     try:
         obj: Any = _import_module(module_name)
-    except ImportError as e:
-        raise PluginError(f"{path!r}: cannot import module {module_name!r}: {e}") from None
+    except ModuleNotFoundError as e:
+        missing = e.name or module_name
+        if module_name == missing or module_name.startswith(f"{missing}."):
+            hint = _EXAMPLES_HINT if missing == "examples" else ""
+            raise PluginError(
+                f"{where}: no module named {missing!r}; searched {searched_places()}{hint}"
+            ) from None
+        raise PluginError(  # the plug-in's module itself imports something missing
+            f"{where}: importing module {module_name!r} failed: {e}"
+        ) from None
+    except Exception as e:
+        raise PluginError(
+            f"{where}: importing module {module_name!r} failed: {type(e).__name__}: {e}"
+        ) from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
+            origin = getattr(sys.modules.get(module_name), "__file__", None)
+            at = f" ({origin})" if origin else ""
             raise PluginError(
-                f"{path!r}: module {module_name!r} has no attribute {attr!r}"
+                f"{where}: module {module_name!r}{at} has no attribute {attr!r}"
             ) from None
     return obj
 
@@ -88,13 +139,26 @@ def check_signature(
             raise PluginError(f"{name}: required keyword-only parameter {p.name!r} is never passed")
 
 
-class Registry:
-    """Named functions of one kind, plus import paths for the user's own."""
+ENTRY_POINT_GROUP = "slime_async.plugins"
+"""The entry-point group installed packages register their plug-ins in (`<kind>.<name>`)."""
 
-    def __init__(self, kind: str, params: Sequence[str] = (), is_async: bool | None = None):
+
+class Registry:
+    """Named functions of one kind (built in, or from installed packages' entry points), plus
+    import paths for the user's own."""
+
+    def __init__(
+        self,
+        kind: str,
+        params: Sequence[str] = (),
+        is_async: bool | None = None,
+        entry_kind: str | None = None,
+    ):
         self.kind = kind
         self.params = tuple(params)
         self.is_async = is_async
+        self.entry_kind = entry_kind or kind
+        """The `<kind>` of this registry's entry-point names (`reward.keyword`)."""
         self._items: dict[str, Callable] = {}
 
     def register(self, name: str) -> Callable[[Callable], Callable]:
@@ -106,22 +170,64 @@ class Registry:
 
         return deco
 
-    def names(self) -> list[str]:
-        return sorted(self._items)
+    def installed(self) -> dict[str, list[importlib.metadata.EntryPoint]]:
+        """Entry points of installed packages for this kind, by name (read now, not cached:
+        a package installed after start-up is seen)."""
+        prefix = f"{self.entry_kind}."
+        found: dict[str, list[importlib.metadata.EntryPoint]] = {}
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name.startswith(prefix) and len(ep.name) > len(prefix):
+                found.setdefault(ep.name[len(prefix) :], []).append(ep)
+        return found
 
-    def resolve(self, name_or_path: str) -> Callable:
-        """A registered name or an import path; the result's signature is checked."""
+    def names(self) -> list[str]:
+        """Built-in and installed names."""
+        return sorted({*self._items, *self.installed()})
+
+    def resolve(self, name_or_path: str, key: str | None = None) -> Callable:
+        """A registered name, an installed package's entry point, or an import path; the
+        result's signature is checked. `key`, the config key naming it, leads every error."""
+        where = f"{key}: " if key else ""
         if ":" in name_or_path:
-            fn = import_object(name_or_path)
-        elif name_or_path in self._items:
-            fn = self._items[name_or_path]
+            fn = import_object(name_or_path, key)
         else:
-            raise PluginError(
-                f"unknown {self.kind} {name_or_path!r}: registered are {self.names()}, "
-                "or give an import path 'package.module:function'"
-            )
+            eps = self.installed().get(name_or_path, [])
+            if name_or_path in self._items and eps:
+                raise PluginError(
+                    f"{where}{self.kind} {name_or_path!r} is built in and also an entry point of "
+                    f"{_providers(eps)}: rename the entry point"
+                )
+            if len(eps) > 1:
+                raise PluginError(
+                    f"{where}{self.kind} {name_or_path!r} is an entry point of several installed "
+                    f"packages ({_providers(eps)}): uninstall one, or name it by import path"
+                )
+            if name_or_path in self._items:
+                fn = self._items[name_or_path]
+            elif eps:
+                fn = _load_entry_point(eps[0], f"{where}{self.kind} {name_or_path!r}")
+            else:
+                raise PluginError(
+                    f"{where}unknown {self.kind} {name_or_path!r}: registered are {self.names()} "
+                    f"(built in, or installed packages' {ENTRY_POINT_GROUP!r} entry points "
+                    f"'{self.entry_kind}.<name>'), or give an import path 'package.module:function'"
+                )
         if self.params:
+            name = f"{self.kind} {name_or_path!r}"
             check_signature(
-                fn, f"{self.kind} {name_or_path!r}", self.params, is_async=self.is_async
+                fn, f"{key}: {name}" if key else name, self.params, is_async=self.is_async
             )
         return fn
+
+
+def _providers(eps: list[importlib.metadata.EntryPoint]) -> str:
+    return ", ".join(f"{ep.dist.name if ep.dist else '?'} ({ep.name} = {ep.value})" for ep in eps)
+
+
+def _load_entry_point(ep: importlib.metadata.EntryPoint, what: str) -> Any:
+    try:
+        return ep.load()
+    except Exception as e:
+        raise PluginError(
+            f"{what}: the entry point of {_providers([ep])} does not load: {type(e).__name__}: {e}"
+        ) from None

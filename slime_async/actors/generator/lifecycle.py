@@ -23,7 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from slime_async.config.generator import GeneratorConfig
-from slime_async.utils.plugins import PluginError, check_signature, import_object
+from slime_async.utils.plugins import PluginError, Registry, check_signature
+
+LIFECYCLES = Registry("lifecycle")
+"""Nothing built in: installed packages' `lifecycle.<name>` entry points, else import paths."""
 
 
 @dataclass
@@ -48,7 +51,7 @@ class Lifecycle:
         if path is None:
             return
         name = f"generator.lifecycle {path!r}"
-        obj = import_object(path)
+        obj = LIFECYCLES.resolve(path, "generator.lifecycle")
         if inspect.isclass(obj):
             try:
                 obj = obj()

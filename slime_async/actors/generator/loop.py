@@ -171,8 +171,8 @@ class Generator:
         self.engine = engine
         self.sink: GroupSink | None = None
         self.tokenizer = tokenizer
-        self.rollout_fn: Callable = ROLLOUTS.resolve(cfg.rollout)
-        self.reward: RewardFn = resolve_reward(cfg.reward)
+        self.rollout_fn: Callable = ROLLOUTS.resolve(cfg.rollout, "generator.rollout")
+        self.reward: RewardFn = resolve_reward(cfg.reward, "generator.reward")
         self.lifecycle = Lifecycle(cfg.lifecycle)
         self.state: Any = None  # what the lifecycle plug-in set up (ctx.state, info["state"])
         self.run_dir = Path(run_dir) if run_dir else None

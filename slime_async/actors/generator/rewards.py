@@ -105,9 +105,10 @@ class RewardFn:
         return check_reward(self.name, result)
 
 
-def resolve_reward(name_or_path: str) -> RewardFn:
-    """Look up a reward and check its signature (3 positional parameters) at start-up."""
-    return RewardFn(name_or_path, REWARDS.resolve(name_or_path))
+def resolve_reward(name_or_path: str, key: str | None = None) -> RewardFn:
+    """Look up a reward and check its signature (3 positional parameters) at start-up; `key`
+    (the config key naming it) leads the error messages."""
+    return RewardFn(name_or_path, REWARDS.resolve(name_or_path, key))
 
 
 def check_reward(name: str, result: Any) -> tuple[float, dict[str, float]]:

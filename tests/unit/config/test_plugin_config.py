@@ -199,3 +199,112 @@ def test_inspect_decodes_segments_from_the_loss_mask():
         {"kind": "env", "start": 5, "end": 8},
         {"kind": "model", "start": 8, "end": 16},
     ]
+
+
+@pytest.fixture()
+def installed_only(monkeypatch):
+    """This process as if slime_async were installed: the checkout (and its `examples/`) off
+    sys.path, the examples' modules forgotten; both restored afterwards."""
+    repo = str(REPO)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", repo)])
+    for name in [n for n in sys.modules if n == "examples" or n.startswith("examples.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def test_shipped_config_works_from_another_directory(tmp_path, monkeypatch, capsys, installed_only):
+    """`slime-async config <checkout>/configs/quickstart.toml` from elsewhere: the shipped configs
+    name the checkout in generator.import_dirs, relative to themselves."""
+    from slime_async.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    quickstart = REPO / "configs" / "quickstart.toml"
+    assert main(["config", str(quickstart), "generator.import_dirs=[]"]) == 2
+    # Without the entry, the error names the key, the path, where it looked, and what to do.
+    err = capsys.readouterr().err
+    assert (
+        "run.prepare = 'examples.arithmetic.base_model:prepare': no module named 'examples'; "
+        "searched "
+    ) in err
+    assert f"{tmp_path} (the working directory)" in err and str(REPO / "configs") in err
+    assert "name the checkout in generator.import_dirs" in err
+    for config in (quickstart, REPO / "examples" / "guess_number" / "config.toml"):
+        assert main(["config", str(config)]) == 0, capsys.readouterr().err
+        out, err = capsys.readouterr()
+        assert "run.prepare examples." in err
+        assert str(REPO) in json.loads(out)["generator"]["import_dirs"]
+
+
+def test_import_dirs_are_relative_to_the_file_that_sets_them(tmp_path, monkeypatch):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "run.toml").write_text('[generator]\nimport_dirs = ["../lib", "/abs/dir"]\n')
+    monkeypatch.chdir(tmp_path / "lib")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    cfg = load_config([conf / "run.toml"])
+    assert cfg.generator.import_dirs == [str(lib), "/abs/dir", str(conf)]
+    # From the command line: relative to the working directory, as every path there.
+    cli = load_config([conf / "run.toml"], ['generator.import_dirs=["x"]'])
+    assert cli.generator.import_dirs == ["x", str(conf)]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (
+            "generator.reward",
+            "guess_plugin:nothere",
+            "generator.reward = 'guess_plugin:nothere': module 'guess_plugin' (/",
+        ),
+        (
+            "generator.rollout",
+            "no_such_module:rollout",
+            "generator.rollout = 'no_such_module:rollout': no module named 'no_such_module'; "
+            "searched ",
+        ),
+        (
+            "algo.loss",
+            "guess_plugin.sub:loss",
+            "algo.loss = 'guess_plugin.sub:loss': no module named 'guess_plugin.sub'; searched",
+        ),
+        (
+            "generator.lifecycle",
+            "guess_plugin:missing",
+            "generator.lifecycle = 'guess_plugin:missing': module 'guess_plugin'",
+        ),
+        ("generator.reward", "no_such_reward", "generator.reward: unknown reward 'no_such_reward'"),
+    ],
+)
+def test_plugin_import_errors_name_the_key_the_path_and_the_places(
+    project, tmp_path, monkeypatch, capsys, key, value, message
+):
+    from slime_async.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert main(["config", str(project / "run.toml"), f"{key}={value!r}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    if "has no attribute" in message or "(/" in message:  # the module's file, then the name
+        assert "guess_plugin.py) has no attribute" in err
+    if "searched" in message:  # the config file's directory among the places
+        assert str(project) in err
+    if value.startswith("no_such_module"):  # a missing top-level module: the working dir too
+        assert f"{tmp_path} (the working directory)" in err
+
+
+def test_a_refused_start_writes_nothing_to_runs(project, tmp_path):
+    """A run refused by its checks (a plug-in, a missing input) leaves no empty run directory."""
+    runs = tmp_path / "runs"
+    for override in ("generator.reward=guess_plugin:nothere", "learner.model_path='nowhere'"):
+        r = _cli(
+            "run",
+            str(project / "run.toml"),
+            f"run.runs_dir={str(runs)!r}",
+            override,
+            "run.progress=plain",
+            cwd=tmp_path,
+        )
+        assert r.returncode == 2, r.stderr
+        assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())

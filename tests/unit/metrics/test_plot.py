@@ -1,4 +1,5 @@
-"""`slime-async plot RUN_DIR` draws PNGs from synthetic metrics files written by MetricsLogger."""
+"""`slime-async plot RUN_DIR` draws PNGs from synthetic metrics files written by MetricsLogger;
+what the figures show (log axes, smoothing, bold evaluations, sweep intervals): test_figures.py."""
 
 import subprocess
 import sys
@@ -135,4 +136,11 @@ def test_plot_of_a_sweep_directory_takes_its_finished_runs(tmp_path):
         [sys.executable, "-m", "slime_async", "plot", str(tmp_path)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
-    assert len(list((tmp_path / "plots").glob("*.png"))) == 4
+    names = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+    assert names == [
+        "eval_accuracy.png",
+        "iw_by_lag.png",
+        "staleness_hist.png",
+        "sweep_final.png",  # a grid: the last evaluation per point
+        "trust_region_by_lag.png",
+    ]

@@ -1,15 +1,14 @@
 """The cluster recipe (README "Cluster", configs/cluster/): each role on its own node."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from slime_async.config import generate_urls, load_config, split_cli_args
+from slime_async.config import ConfigError, generate_urls, load_config, split_cli_args
 from slime_async.launch.run_dir import RunDir
 from slime_async.launch.table import plan_roles
 from slime_async.queue.security import SecurityError, check_bind
+from tests.support.keys import write_curve_toml
 from tests.support.repo import REPO
 
 CLUSTER = REPO / "configs" / "cluster" / "qwen3_4b.toml"
@@ -17,28 +16,18 @@ CLUSTER = REPO / "configs" / "cluster" / "qwen3_4b.toml"
 
 @pytest.fixture()
 def curve_toml(tmp_path) -> Path:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "slime_async",
-            "keygen",
-            str(tmp_path / "keys"),
-            "--clients",
-            "generator",
-            "learner",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    path = tmp_path / "curve.toml"
-    path.write_text(out)
-    return path
+    return write_curve_toml(tmp_path)
 
 
 def test_cluster_buffer_refuses_its_network_address_without_keys():
-    cfg = load_config([CLUSTER])
+    # Refused when the config is loaded (`config`, `run`, `slurm`, every role), naming the key,
+    # by the rule the buffer itself applies at bind time.
+    with pytest.raises(
+        ConfigError, match=r"buffer.producer_endpoint='tcp://10.0.0.10:5555'.*CURVE"
+    ):
+        load_config([CLUSTER])
+    cfg = load_config([CLUSTER], ["buffer.allow_non_loopback=true"])
+    cfg.buffer.allow_non_loopback = False
     with pytest.raises(SecurityError, match="CURVE"):
         check_bind(cfg.buffer)
 

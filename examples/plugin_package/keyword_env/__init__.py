@@ -1,0 +1,1 @@
+"""A keyword task as an installable plug-in package (entry points in its pyproject.toml)."""
