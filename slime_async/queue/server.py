@@ -504,7 +504,8 @@ class Buffer:
         if not blobs:
             error = Error(reason="bad_request", error="put: no trajectories", seq=msg.seq)
             return self._refuse(error)
-        if self.state.wal is not None and self.state.wal.full:
+        wal = self.state.wal
+        if wal is not None and not wal.room(sum(len(b) for b in blobs)):
             error = str(self._disk_full(f"put {msg.seq}"))
             return self._refuse(Error(reason=m.BUF_WAL_DISK_FULL, error=error, seq=msg.seq))
         try:

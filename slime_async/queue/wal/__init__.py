@@ -73,6 +73,8 @@ _META = F.struct.Struct("<I")
 _NAME = re.compile(r"^wal-(\d{8})\.log$")
 DAMAGED_DIR = "damaged"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_PUT_OVERHEAD = 64 << 10
+"""Room kept per put beyond its payload: its header and meta, and a new segment's snapshot."""
 
 
 def _close(info: dict[str, Any], next_lsn: int) -> None:
@@ -270,6 +272,7 @@ class WriteAheadLog:
             )
             self.torn = None
         self.disk.make_reserve()
+        self.disk.check()
         known = self.segments()
         self._roll(max(known, default=0) + 1)
 
@@ -309,8 +312,15 @@ class WriteAheadLog:
         chunks = self._frame(rtype, self.lsn, meta, blobs)
         self.lsn += 1
         self._pending.extend(chunks)
-        self._size += sum(memoryview(c).nbytes for c in chunks)
+        nbytes = sum(memoryview(c).nbytes for c in chunks)
+        self._size += nbytes
+        self.disk.spent += nbytes
         return self.segment
+
+    def room(self, nbytes: int) -> bool:
+        """Whether a put of `nbytes` of payload fits on the disk now (see `disk.py`); False
+        enters the full state."""
+        return self.disk.room(nbytes + _PUT_OVERHEAD)
 
     def _write_pending(self) -> bool:
         """Write what is queued; False when the disk refused it (cut back, kept queued)."""
@@ -351,6 +361,8 @@ class WriteAheadLog:
         had = bool(self._pending)
         if not self._write_pending():
             return False
+        if had:
+            self.disk.check()  # one statvfs: the low-space warning comes before the disk is full
         if had and self.sync_mode == "fsync" and self._fd is not None:
             try:
                 os.fdatasync(self._fd)

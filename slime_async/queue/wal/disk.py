@@ -1,7 +1,10 @@
 """Disk space of the write-ahead log: a low-space warning, the full state, and a reserve.
 
-The reserve is a file of `buffer.wal_reserve_bytes` allocated at start (`reserve` in the log's
-directory). When a write fails with ENOSPC or EDQUOT the log gives it back at once, so the
+A put is taken only when its record fits in the free space last seen (statvfs, read after each
+write) minus what was queued since (`room`): otherwise the disk counts as full before any write
+fails, and the put is refused. The reserve is a file of `buffer.wal_reserve_bytes` allocated at
+start (`reserve` in the log's directory): when a write fails anyway with ENOSPC or EDQUOT (another
+process filled the disk, a quota statvfs does not show), the log gives it back at once, so the
 records already accepted in that turn, and the small DELIVER / COMMIT / VERSION records of
 serving what the buffer holds, still find room while puts are refused. The full state ends by
 itself once the reserve can be allocated again with at least as much space left beside it.
@@ -18,6 +21,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 RESERVE = "reserve"
+_MIN_FREE = 64 << 10
+"""Free bytes needed to leave the full state without a reserve to allocate."""
 
 
 class DiskSpace:
@@ -35,6 +40,9 @@ class DiskSpace:
         self.low_space_warnings = 0
         self._warned = False
         self._has_reserve = False
+        self._free_seen = 0
+        self.spent = 0
+        """Bytes queued for the log since `_free_seen` was read."""
 
     def free(self) -> int:
         st = os.statvfs(self.dir)
@@ -57,6 +65,15 @@ class DiskSpace:
             return False
         self._has_reserve = True
         return True
+
+    def room(self, nbytes: int) -> bool:
+        """Whether a record of `nbytes` fits; entering the full state (logged) when not."""
+        if self.full:
+            return False
+        if nbytes <= self._free_seen - self.spent:
+            return True
+        self.refused(OSError(28, f"a record of {nbytes} B does not fit"))
+        return False
 
     def refused(self, e: OSError, quiet: bool = False) -> bool:
         """The disk refused a write: enter the full state (logged once per episode). True when
@@ -87,7 +104,8 @@ class DiskSpace:
 
     def check(self) -> None:
         """Warn once below the low-space mark; leave the full state when space came back."""
-        free = self._free_or_zero()
+        free = self._free_seen = self._free_or_zero()
+        self.spent = 0
         if self.low_space_bytes and free < self.low_space_bytes and not self._warned:
             self._warned = True
             self.low_space_warnings += 1
@@ -100,7 +118,7 @@ class DiskSpace:
             )
         elif free >= self.low_space_bytes * 1.1:
             self._warned = False
-        if not self.full or free < 2 * self.reserve_bytes:
+        if not self.full or free < max(2 * self.reserve_bytes, _MIN_FREE):
             return
         if self.make_reserve():
             log.info(
@@ -110,6 +128,7 @@ class DiskSpace:
                 time.monotonic() - self.since,
             )
             self.full = False
+            self._free_seen, self.spent = self._free_or_zero(), 0
 
     def stats(self) -> dict[str, Any]:
         return {
