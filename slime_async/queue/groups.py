@@ -25,10 +25,15 @@ def group_key(producer: str, group_id: str) -> str:
     return f"{len(producer)}:{producer}:{group_id}"
 
 
+def unscoped(key: str) -> tuple[str, str]:
+    """(producer, group id) of a group key."""
+    n, _, rest = key.partition(":")
+    return rest[: int(n)], rest[int(n) + 1 :]
+
+
 def shown(key: str) -> str:
     """A group key as a person reads it: the group id, and its producer."""
-    n, _, rest = key.partition(":")
-    producer, group_id = rest[: int(n)], rest[int(n) + 1 :]
+    producer, group_id = unscoped(key)
     return f"{group_id!r} of producer {producer!r}"
 
 
@@ -216,8 +221,7 @@ def check_put(
         have, size = (len(g.blobs), g.size) if g else (0, new_groups[gid])
         if have + n > size:
             raise PutRejected(
-                f"group_size: group {shown(gid)} would hold {have + n} trajectories, size is "
-                f"{size}"
+                f"group_size: group {shown(gid)} would hold {have + n} trajectories, size is {size}"
             )
     for gid, size in new_groups.items():
         if size > capacity_trajectories:

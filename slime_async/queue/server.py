@@ -442,7 +442,9 @@ class Buffer:
             if gone is None:
                 raise
             self.state.counts[m.BUF_IDS_EVICTED] += 1
-            log.warning("%s id table full: forgot %r (disconnected) for %r", owners.kind, gone, name)
+            log.warning(
+                "%s id table full: forgot %r (disconnected) for %r", owners.kind, gone, name
+            )
             if owners is self.producer_owners:
                 self.state.forget_producer(gone)
             return owners.claim(name, session, conn)
@@ -476,7 +478,9 @@ class Buffer:
                 n = self.state.commit(msg.consumer, msg.batch_id, msg.through)
                 missing = self.state.missing_batches(msg.batch_id) if msg.through else []
                 damage = self.state.damage_summary() if missing else None
-                return [Committed(rid=msg.rid, n=n, missing=missing or None, damage=damage).encode()]
+                return [
+                    Committed(rid=msg.rid, n=n, missing=missing or None, damage=damage).encode()
+                ]
             case Admit():
                 n = self.state.admit(msg.producer, msg.want)
                 return [Granted(rid=msg.rid, n=n).encode()]

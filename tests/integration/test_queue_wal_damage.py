@@ -60,9 +60,12 @@ def _stored(tmp_path, n_groups=10):
     """A log of `n_groups` acknowledged groups of 2 (gen0/g0...), 3 of them committed."""
     cfg = wal_buffer_config(tmp_path / "wal")
     with buffer(cfg, tmp_path / "first.log"):
-        assert asyncio.run(
-            _put_all(cfg, [synthetic_group(f"g{i}", 2, seed=i) for i in range(n_groups)])
-        ) == ["ok"] * n_groups
+        assert (
+            asyncio.run(
+                _put_all(cfg, [synthetic_group(f"g{i}", 2, seed=i) for i in range(n_groups)])
+            )
+            == ["ok"] * n_groups
+        )
         with ConsumerClient(cfg, "learner") as c:
             for _ in range(3):
                 c.commit(c.get_batch(num_groups=1, timeout_s=5).batch_id)
@@ -174,4 +177,3 @@ def test_an_older_format_segment_is_refused_with_a_message(tmp_path):
     cfg = wal_buffer_config(wal)
     out = _start_refused(cfg)
     assert out.returncode == 2 and "format 1" in out.stdout, out.stdout + out.stderr
-

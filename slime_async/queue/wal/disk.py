@@ -82,7 +82,7 @@ class DiskSpace:
             self.full, self.since, self.error = True, time.monotonic(), str(e)
             self.full_events += 1
             log.error(
-                "WAL disk full at %s (%s, %d B free): puts are refused (\"WAL disk full\") until "
+                'WAL disk full at %s (%s, %d B free): puts are refused ("WAL disk full") until '
                 "space returns; batches and commits of what is held are still served",
                 self.dir,
                 e.strerror or e,
