@@ -114,6 +114,8 @@ class _Put:
     sent_at: float
     busy_replies: int = 0
     disk_full_replies: int = 0
+    refused: bool = False
+    """Its last answer was "WAL disk full": not stored, waiting to be sent again."""
 
 
 @dataclass
@@ -368,6 +370,7 @@ class ProducerClient:
             wait = _DISK_RETRY.delay(put.disk_full_replies)
             asyncio.get_running_loop().call_later(wait, self._resend_busy, reply.seq)
             put.sent_at = float("inf")  # answered: not a lost message, keep the watchdog off it
+            put.refused = True
         elif isinstance(reply, Error):
             put.future.set_exception(_refused(reply))
         elif reply.status == AckStatus.BUSY:
@@ -381,9 +384,20 @@ class ProducerClient:
         else:
             put.future.set_result(reply.status)
 
+    def abandon_refused(self) -> int:
+        """Cancel the puts that wait only because the buffer's disk was full (they are not
+        stored), so a stopping generator does not wait for the disk; return how many."""
+        refused = [p for p in self._puts.values() if p.refused and not p.future.done()]
+        for put in refused:
+            put.future.cancel()
+        if refused:
+            log.warning("%d put(s) refused (WAL disk full) abandoned: not stored", len(refused))
+        return len(refused)
+
     def _resend_busy(self, seq: int) -> None:
         put = self._puts.get(seq)
         if put is not None and not put.future.done():
+            put.refused = False
             put.sent_at = time.monotonic()
             task = asyncio.ensure_future(self._send(put.frames))
             self._sends.add(task)  # keep a reference until it is done (asyncio holds weak ones)
