@@ -260,7 +260,12 @@ def main(args: argparse.Namespace) -> int:
             f"{cfg.buffer.wal_dir!r}), so nothing records what the learner trained; "
             'set buffer.wal_dir (e.g. "wal") to keep it'
         )
-    log = read_log(wal_dir)
+    from slime_async.queue.wal import WalFormatError
+
+    try:
+        log = read_log(wal_dir)
+    except WalFormatError as e:
+        raise ConfigError(str(e)) from None
     dec = Decoder(cfg)
     gone = (
         f"steps 1-{log.first_batch - 1} were compacted out of the log"
