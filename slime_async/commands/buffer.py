@@ -19,15 +19,18 @@ def main(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
 
+    from slime_async.queue.damage import WalDamaged
     from slime_async.queue.security import SecurityError
     from slime_async.queue.server import Buffer
+    from slime_async.queue.wal import WalFormatError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s buffer %(levelname)s %(message)s")
     cfg = config_from_args(args)
     wal_dir = cfg.paths().wal_dir
     try:
         buf = Buffer(cfg.buffer, wal_dir=wal_dir)
-    except SecurityError as e:
+    except (SecurityError, WalDamaged, WalFormatError) as e:
+        logging.error("%s", e)
         print(f"slime-async buffer: error: {e}")
         return 2
     signal.signal(signal.SIGTERM, lambda *_: buf.stop())

@@ -65,6 +65,7 @@ class Log:
 def read_log(wal_dir: Path) -> Log:
     """Replay the write-ahead log in `wal_dir` read-only."""
     from slime_async.queue import wal as W
+    from slime_async.queue.groups import unscoped
     from slime_async.queue.schema import decode_trajectory
 
     out = Log()
@@ -84,13 +85,13 @@ def read_log(wal_dir: Path) -> Log:
         elif rtype == W.DELIVER:
             b = int(meta["batch"])
             if meta.get("g") and b not in out.steps:  # a redelivery repeats no group ids
-                out.steps[b] = Step(b, list(meta["g"]), version)
+                out.steps[b] = Step(b, [unscoped(k)[1] for k in meta["g"]], version)
         elif rtype == W.COMMIT:
             if int(meta["batch"]) in out.steps:
                 out.steps[int(meta["batch"])].committed = True
         elif rtype == W.DROP:
-            for gid in meta["g"]:
-                out.dropped[gid] = str(meta.get("why", ""))
+            for key in meta["g"]:
+                out.dropped[unscoped(key)[1]] = str(meta.get("why", ""))
     return out
 
 
@@ -259,7 +260,12 @@ def main(args: argparse.Namespace) -> int:
             f"{cfg.buffer.wal_dir!r}), so nothing records what the learner trained; "
             'set buffer.wal_dir (e.g. "wal") to keep it'
         )
-    log = read_log(wal_dir)
+    from slime_async.queue.wal import WalFormatError
+
+    try:
+        log = read_log(wal_dir)
+    except WalFormatError as e:
+        raise ConfigError(str(e)) from None
     dec = Decoder(cfg)
     gone = (
         f"steps 1-{log.first_batch - 1} were compacted out of the log"

@@ -58,6 +58,21 @@ class BufferConfig(Section):
     """When an appended record is made durable before its ack: OS buffer flush or fsync."""
     wal_segment_bytes: int = Field(64 << 20, ge=1 << 16)
     """Size at which the log rolls to a new segment (old fully-committed segments are deleted)."""
+    wal_on_damage: Literal["refuse", "continue"] = "refuse"
+    """What the buffer does at start when records of its log cannot be read (a bad checksum, bytes
+    overwritten; a torn last record from a crash is normal and is cut off): "refuse" to start,
+    naming the segment, the byte range, the records lost and what follows them, since
+    acknowledged data may be in them; "continue" with what is readable: each damaged segment is
+    kept in `<wal_dir>/damaged/` (never deleted), the losses are logged and counted, and a
+    learner resuming past batches the buffer no longer holds is told which."""
+    wal_reserve_bytes: int = Field(16 << 20, ge=0)
+    """Disk space the log keeps allocated in `<wal_dir>/reserve` and gives back when the disk
+    fills, so that delivering and committing what the buffer holds still works while puts are
+    refused ("WAL disk full"). Puts are accepted again once it can be allocated again with as
+    much space left beside it. 0: no reserve."""
+    wal_low_space_bytes: int = Field(1 << 30, ge=0)
+    """A warning is logged (once, counted in the stats' `wal.low_space_warnings`) when the log's
+    disk has less free space than this. 0: no warning."""
     groups_per_step: int = Field(8, ge=1)
     """Groups per learner step assumed by admission until the learner announces its own."""
     grant_timeout_s: float = Field(30.0, gt=0)
@@ -87,6 +102,10 @@ class BufferConfig(Section):
     """Most producer ids known at once; a hello beyond it is refused."""
     max_consumers: int = Field(64, ge=1)
     """Most consumer ids known at once; a request from one more is refused."""
+    max_ids_per_connection: int = Field(8, ge=1)
+    """Most producer (or consumer) ids one client connection may hold; one more is refused
+    ("too_many_ids"). A client object uses one id; the bound keeps one connection from filling
+    the id tables. Ids that stored nothing are forgotten when their connection closes."""
     peer_timeout_s: float = Field(30.0, gt=0)
     """ZeroMQ heartbeats: a client connection silent for this long is closed, so a vanished
     client's session (its producer or consumer id) is released."""

@@ -94,11 +94,19 @@ class Admission:
         self._counts["granted"] += n
         return n
 
-    def use(self, producer: str) -> None:
-        """A new group of `producer` arrived: one of its grants (if any) is used up."""
+    def holds(self, producer: str) -> int:
+        """Grants `producer` holds and has not used."""
+        g = self._grants.get(producer)
+        return g.n if g is not None else 0
+
+    def use(self, producer: str) -> bool:
+        """A new group of `producer` arrived: one of its grants (if any) is used up; False when
+        it had none (the group came unasked)."""
         g = self._grants.get(producer)
         if g is not None and g.n > 0:
             g.n -= 1
+            return True
+        return False
 
     def void(self, producer: str) -> None:
         """`producer` restarted: grants of its earlier life are released (counted as expired),

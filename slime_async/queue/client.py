@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 
 _NOBLOCK = int(zmq.NOBLOCK)
 _BUSY_RETRY = RetryPolicy(first_s=0.002, max_s=0.1)  # resending a put refused as busy
+_DISK_RETRY = RetryPolicy(first_s=0.2, max_s=5.0)  # resending what the buffer's full disk refused
+DISK_FULL = "wal_disk_full"
+"""The `reason` of an `Error` refusing a request while the buffer's log disk is full."""
 R = TypeVar("R", bound=Reply)
 
 
@@ -110,6 +113,9 @@ class _Put:
     future: asyncio.Future
     sent_at: float
     busy_replies: int = 0
+    disk_full_replies: int = 0
+    refused: bool = False
+    """Its last answer was "WAL disk full": not stored, waiting to be sent again."""
 
 
 @dataclass
@@ -171,6 +177,8 @@ class ProducerClient:
         """Puts the buffer refused as full and that were sent again later (backpressure)."""
         self.send_waits = 0
         """Sends that waited because ZeroMQ's queue to the buffer was full (buffer away or slow)."""
+        self.disk_full_replies = 0
+        """Puts refused because the buffer's log disk was full, and sent again later (backoff)."""
 
     async def __aenter__(self) -> ProducerClient:
         self._loop = asyncio.get_running_loop()
@@ -354,7 +362,16 @@ class ProducerClient:
         put = self._puts.get(reply.seq)
         if put is None or put.future.done():
             return  # the answer to a resend already answered
-        if isinstance(reply, Error):
+        if isinstance(reply, Error) and reply.reason == DISK_FULL:
+            put.disk_full_replies += 1
+            self.disk_full_replies += 1
+            if put.disk_full_replies == 1:
+                log.warning("put %d refused, retrying with backoff: %s", reply.seq, reply.error)
+            wait = _DISK_RETRY.delay(put.disk_full_replies)
+            asyncio.get_running_loop().call_later(wait, self._resend_busy, reply.seq)
+            put.sent_at = float("inf")  # answered: not a lost message, keep the watchdog off it
+            put.refused = True
+        elif isinstance(reply, Error):
             put.future.set_exception(_refused(reply))
         elif reply.status == AckStatus.BUSY:
             put.busy_replies += 1
@@ -367,9 +384,20 @@ class ProducerClient:
         else:
             put.future.set_result(reply.status)
 
+    def abandon_refused(self) -> int:
+        """Cancel the puts that wait only because the buffer's disk was full (they are not
+        stored), so a stopping generator does not wait for the disk; return how many."""
+        refused = [p for p in self._puts.values() if p.refused and not p.future.done()]
+        for put in refused:
+            put.future.cancel()
+        if refused:
+            log.warning("%d put(s) refused (WAL disk full) abandoned: not stored", len(refused))
+        return len(refused)
+
     def _resend_busy(self, seq: int) -> None:
         put = self._puts.get(seq)
         if put is not None and not put.future.done():
+            put.refused = False
             put.sent_at = time.monotonic()
             task = asyncio.ensure_future(self._send(put.frames))
             self._sends.add(task)  # keep a reference until it is done (asyncio holds weak ones)
@@ -432,6 +460,11 @@ class ConsumerClient:
         self._cursor = 0
         self.resends = 0
         """Requests sent again on a fresh connection after no answer (each logged)."""
+        self.disk_full_replies = 0
+        """Requests refused because the buffer's log disk was full, and sent again (backoff)."""
+        self.missing_batches: list[list[int]] = []
+        """After `resume`: ranges [first, last] of batch ids the buffer no longer holds (its
+        log was damaged and it was started with `buffer.wal_on_damage = "continue"`)."""
 
     def _rid(self) -> str:
         return f"{self.session}:{next(self._rids)}"
@@ -443,10 +476,12 @@ class ConsumerClient:
 
     def _roundtrip(self, header: bytes, rid: str, wait_s: float) -> tuple[Reply, list[zmq.Frame]]:
         give_up = time.monotonic() + wait_s + self.cfg.give_up_s
+        refused = 0  # answers "WAL disk full" in a row: sent again after a back-off
         while True:
             self._sock.send_multipart([header])
             deadline = time.monotonic() + wait_s + self.cfg.request_timeout_s
-            while (left := deadline - time.monotonic()) > 0:
+            answered = False
+            while not answered and (left := deadline - time.monotonic()) > 0:
                 if not self._sock.poll(int(left * 1000) + 1):
                     break
                 frames = self._sock.recv_multipart(copy=False)  # decoded straight from zmq's buffer
@@ -454,10 +489,22 @@ class ConsumerClient:
                     reply = decode_reply(frames[0].buffer)
                 except SchemaError:
                     continue
-                if not isinstance(reply, Ack | Acks) and reply.rid == rid:
-                    if isinstance(reply, Error):
-                        raise _refused(reply)
+                if isinstance(reply, Ack | Acks) or reply.rid != rid:
+                    continue
+                if isinstance(reply, Error) and reply.reason == DISK_FULL:
+                    answered, refused = True, refused + 1
+                    self.disk_full_replies += 1
+                    if time.monotonic() > give_up:
+                        raise BufferUnavailable(f"{reply.error} (for {self.cfg.give_up_s:.0f}s)")
+                    if refused == 1:
+                        log.warning("%s; retrying with backoff", reply.error)
+                    time.sleep(_DISK_RETRY.delay(refused))
+                elif isinstance(reply, Error):
+                    raise _refused(reply)
+                else:
                     return reply, frames[1:]
+            if answered:
+                continue  # the same request (same rid) again, on the same connection
             if time.monotonic() > give_up:
                 raise BufferUnavailable(
                     f"no answer from the buffer at {self.cfg.consumer_endpoint} for "
@@ -522,7 +569,7 @@ class ConsumerClient:
         self._cursor = max(self._cursor, h.batch_id)
         return Batch(h.batch_id, groups, h.staleness, h.version)
 
-    def _commit(self, batch_id: int, through: bool) -> int:
+    def _commit(self, batch_id: int, through: bool) -> Committed:
         commit = Commit(
             rid=self._rid(),
             consumer=self.consumer_id,
@@ -530,7 +577,7 @@ class ConsumerClient:
             batch_id=batch_id,
             through=through,
         )
-        return _check(self._request(commit)[0], Committed).n
+        return _check(self._request(commit)[0], Committed)
 
     def commit(self, batch_id: int) -> None:
         """Retire a batch for good (idempotent)."""
@@ -538,16 +585,32 @@ class ConsumerClient:
 
     def commit_through(self, batch_id: int) -> int:
         """Retire every batch of this consumer id up to `batch_id`; return how many were open."""
-        return self._commit(batch_id, through=True)
+        return self._commit(batch_id, through=True).n
 
     def cursor(self) -> int:
         """The newest batch id received: store it in a checkpoint, pass it to `resume`."""
         return self._cursor
 
     def resume(self, cursor: int) -> int:
-        """After a restart from a checkpoint taken at `cursor`: retire what it already holds."""
+        """After a restart from a checkpoint taken at `cursor`: retire what it already holds.
+        Batches up to it that the buffer no longer holds (a damaged log it was told to continue
+        past) are logged with where the log was damaged, and kept in `missing_batches`."""
         self._cursor = max(self._cursor, cursor)
-        return self.commit_through(cursor) if cursor > 0 else 0
+        if cursor <= 0:
+            return 0
+        done = self._commit(cursor, through=True)
+        self.missing_batches = done.missing or []
+        if self.missing_batches:
+            spans = ", ".join(f"{lo}-{hi}" if hi > lo else str(lo) for lo, hi in done.missing)
+            log.warning(
+                "resuming at batch %d: the buffer no longer holds batch(es) %s (they were "
+                "delivered in records its write-ahead log lost: %s); training goes on without "
+                "them",
+                cursor,
+                spans,
+                done.damage,
+            )
+        return done.n
 
     def set_version(self, version: int, groups_per_step: int) -> None:
         """Announce the learner's policy version (staleness) and step size (admission)."""

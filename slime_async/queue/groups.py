@@ -7,20 +7,45 @@ import heapq
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from slime_async.queue.admission import NO_VERSION
-from slime_async.queue.schema import Trajectory
+from slime_async.queue.schema import Summary
 
 
 class PutRejected(ValueError):
     """A request that can never be accepted (bad input); the message names the problem."""
 
 
+def group_key(producer: str, group_id: str) -> str:
+    """A group's key in the buffer: its id scoped to the producer that sent it, so a client
+    that reuses another producer's group id opens a group of its own (the length prefix keeps
+    the key unambiguous whatever characters the ids hold)."""
+    return f"{len(producer)}:{producer}:{group_id}"
+
+
+def unscoped(key: str) -> tuple[str, str]:
+    """(producer, group id) of a group key."""
+    n, _, rest = key.partition(":")
+    return rest[: int(n)], rest[int(n) + 1 :]
+
+
+def shown(key: str) -> str:
+    """A group key as a person reads it: the group id, and its producer."""
+    producer, group_id = unscoped(key)
+    return f"{group_id!r} of producer {producer!r}"
+
+
+def scoped(producer: str, trajs: list[Summary]) -> list[Summary]:
+    """The summaries of a put by `producer` with their group ids turned into group keys."""
+    return [replace(t, group_id=group_key(producer, t.group_id)) for t in trajs]
+
+
 @dataclass
 class Group:
     group_id: str
+    """The group's key (`group_key`): its id scoped to its producer."""
     size: int
     blobs: list = field(default_factory=list)
     """Encoded trajectories as received (zmq.Frame, or bytes after recovery): forwarded as is."""
@@ -33,6 +58,9 @@ class Group:
     segments: set[int] = field(default_factory=set)
     last_put: float = field(default_factory=time.monotonic)
     """When its last member arrived (incomplete groups expire after `group_timeout_s`)."""
+    producer: str = ""
+    granted: bool = False
+    """Opened with one of its producer's grants (see `BufferState.admit` for what it costs)."""
 
 
 @dataclass
@@ -163,12 +191,13 @@ class ReadyGroups:
 
 
 def check_put(
-    trajs: list[Trajectory],
+    trajs: list[Summary],
     pending: dict[str, Group],
     ready: ReadyGroups,
     capacity_trajectories: int,
 ) -> dict[str, int]:
-    """The groups a put starts (id -> size). PutRejected when it can never be stored: a size
+    """The groups a put starts (key -> size); `trajs` are scoped (`scoped`). PutRejected when
+    it can never be stored: a size
     that disagrees with its group's, a group already complete, a trajectory id given twice,
     more trajectories than the group's size, a group larger than the whole buffer."""
     new_groups: dict[str, int] = {}
@@ -178,12 +207,12 @@ def check_put(
         if t.group_size != size:
             raise PutRejected(
                 f"group_size: trajectory {t.id!r} says {t.group_size}, "
-                f"group {t.group_id!r} has size {size}"
+                f"group {shown(t.group_id)} has size {size}"
             )
         if t.group_id in ready:
-            raise PutRejected(f"group_id: group {t.group_id!r} is already complete")
+            raise PutRejected(f"group_id: group {shown(t.group_id)} is already complete")
         if g and t.id in g.traj_ids:
-            raise PutRejected(f"id: trajectory {t.id!r} is already in group {t.group_id!r}")
+            raise PutRejected(f"id: trajectory {t.id!r} is already in group {shown(t.group_id)}")
     ids = [t.id for t in trajs]
     if len(set(ids)) != len(ids):
         raise PutRejected("id: the same trajectory id appears twice in one message")
@@ -192,12 +221,12 @@ def check_put(
         have, size = (len(g.blobs), g.size) if g else (0, new_groups[gid])
         if have + n > size:
             raise PutRejected(
-                f"group_size: group {gid!r} would hold {have + n} trajectories, size is {size}"
+                f"group_size: group {shown(gid)} would hold {have + n} trajectories, size is {size}"
             )
     for gid, size in new_groups.items():
         if size > capacity_trajectories:
             raise PutRejected(
-                f"group_size: group {gid!r} of {size} exceeds capacity_trajectories "
+                f"group_size: group {shown(gid)} of {size} exceeds capacity_trajectories "
                 f"{capacity_trajectories}"
             )
     return new_groups

@@ -330,6 +330,11 @@ class Committed(Message, tag=Op.COMMITTED.value, kw_only=True):
     rid: Name | None = None
     n: Int
     """Batches retired by this commit (0 for a resend)."""
+    missing: list[list[int]] | None = None
+    """Ranges [first, last] of batch ids up to a `through` commit's that this buffer no longer
+    holds: its write-ahead log lost the records that delivered them (`damage` says where)."""
+    damage: Text | None = None
+    """Where the buffer's log was damaged (segment, bytes, records lost)."""
 
 
 class SetVersion(Message, tag=Op.VERSION.value, kw_only=True):

@@ -109,6 +109,10 @@ def _reason(e: SchemaError) -> str:
     return f"field:{e.field}"
 
 
+class DiskFull(Exception):
+    """A request that needs the log refused while its disk is full (reason "wal_disk_full")."""
+
+
 class Buffer:
     """The buffer as an object: `start()` runs it in a thread (tests, benches), `serve_forever()`
     runs it in the calling thread (the `slime-async buffer` process)."""
@@ -119,9 +123,15 @@ class Buffer:
         self.state = BufferState(cfg)
         wal_dir = wal_dir or cfg.wal_dir
         if wal_dir:
-            self.state.attach_wal(
-                WriteAheadLog(wal_dir, cfg.wal_sync, cfg.wal_segment_bytes, self.state.snapshot)
+            wal = WriteAheadLog(
+                wal_dir,
+                cfg.wal_sync,
+                cfg.wal_segment_bytes,
+                self.state.snapshot,
+                reserve_bytes=cfg.wal_reserve_bytes,
+                low_space_bytes=cfg.wal_low_space_bytes,
             )
+            self.state.attach_wal(wal)  # WalDamaged, WalFormatError: refused to start
         self._ctx = zmq.Context()
         self._auth = None
         self._stop = threading.Event()
@@ -129,11 +139,14 @@ class Buffer:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._parked: dict[bytes, tuple[Get, float]] = {}  # consumer -> its get, deadline
-        self.producer_owners = Owners("producer", cfg.max_producers, cfg.producer_idle_s)
-        self.consumer_owners = Owners("consumer", cfg.max_consumers, cfg.producer_idle_s)
+        per = cfg.max_ids_per_connection
+        self.producer_owners = Owners("producer", cfg.max_producers, cfg.producer_idle_s, per)
+        self.consumer_owners = Owners("consumer", cfg.max_consumers, cfg.producer_idle_s, per)
         self._version_session: str | None = None  # who announced the current version
         self._discarding: dict[zmq.Socket, bytes] = {}  # socket -> sender of an oversized message
         self._acks: dict[tuple[bytes, str], list[int]] = {}  # this turn's batched acks
+        # Replies of a turn whose records the disk refused: sent once they are written.
+        self._held: list[tuple[zmq.Socket, list]] = []
         self.producer_sock = self._bind(cfg.producer_endpoint)
         self.consumer_sock = self._bind(cfg.consumer_endpoint)
         self._monitors = {
@@ -221,7 +234,11 @@ class Buffer:
                 self._batched_acks(out)
                 wal = self.state.wal
                 if wal is not None and self.cfg.wal_sync != "none":
-                    wal.sync()
+                    if not wal.sync():  # the disk refused: no ack before its record is written
+                        self._held += out
+                        out = []
+                    elif self._held:
+                        out, self._held = self._held + out, []
                 for sock, frames in out:
                     send_frames(sock, frames)  # a batch's payload: by reference
                 if wal is not None:
@@ -246,10 +263,33 @@ class Buffer:
                 if freed:
                     self.state.counts[m.BUF_DISCONNECTS] += 1
                     log.info("%s id(s) %s released: connection closed", owners.kind, freed)
+                    self._release(owners, freed)
+
+    def _release(self, owners: Owners, names: list[str]) -> None:
+        """Forget at once the ids of a closed connection that stored nothing (a flood of ids
+        over one connection leaves nothing behind); the others wait `producer_idle_s`."""
+        producer = owners is self.producer_owners
+        empty = [
+            n for n in names if (self.state.stores_nothing(n) if producer else self._no_batch(n))
+        ]
+        for name in empty:
+            owners.forget(name)
+            if producer:
+                self.state.release_producer(name)
+        if empty:
+            self.state.counts[m.BUF_IDS_RELEASED] += len(empty)
+
+    def _no_batch(self, consumer: str) -> bool:
+        return not any(b.consumer == consumer for b in self.state.delivered.values())
 
     def _expire(self) -> None:
+        if self.state.wal is not None:
+            self.state.wal.check_space()
         self.state.expire_grants()
         self.state.expire_incomplete()
+        # Ids of closed connections whose grants have expired since, and that stored nothing.
+        idle = [h for h in self.producer_owners.holders.items() if h[1].connection is None]
+        self._release(self.producer_owners, [name for name, _ in idle])
         for owners in (self.producer_owners, self.consumer_owners):
             for name in owners.expire():
                 if owners is self.producer_owners:
@@ -304,16 +344,21 @@ class Buffer:
         return body, nbytes, False
 
     def _discard(self, sock: zmq.Socket, out: list) -> bool:
-        """Drop the rest of a too-long message, `_DISCARD` frames per turn; True once answered."""
+        """Drop the rest of a too-long message, `_DISCARD` frames per turn; True once answered.
+        Other clients of this socket wait meanwhile (ZeroMQ hands over a message's frames only
+        in order), so this is the tightest loop pyzmq allows: a frame's own `more` flag, not a
+        getsockopt per frame (1.1 us against 8.4 us a frame, measured on the 2-core dev machine)."""
+        recv = sock.recv
+        more = bool(sock.getsockopt(zmq.RCVMORE))
         for _ in range(_DISCARD):
-            if not sock.getsockopt(zmq.RCVMORE):
+            if not more:
                 ident = self._discarding.pop(sock)
                 error = f"message of more than max_frames={self.cfg.max_frames} frames"
                 out.append(
                     (sock, [ident, *self._refuse(Error(reason="too_many_frames", error=error))])
                 )
                 return True
-            sock.recv(copy=False)
+            more = recv(0, False, False).more
         return False
 
     # ---------------------------------------------------------------- messages
@@ -361,6 +406,8 @@ class Buffer:
             return self._refuse(Error.answering(head, reason, str(e)))
         except TooManyIds as e:
             return self._refuse(Error.answering(head, "too_many_ids", str(e)))
+        except DiskFull as e:
+            return self._refuse(Error.answering(head, m.BUF_WAL_DISK_FULL, str(e)))
 
     def _check_owner(self, msg: Request, conn: int) -> None:
         """IdInUse when `msg` comes from a session other than the live holder of its id."""
@@ -388,8 +435,32 @@ class Buffer:
         except IdInUse:
             self._disconnections()  # the holder's close may be reported only now
             return owners.claim(name, session, conn)
+        except TooManyIds:
+            if name in owners.holders or len(owners) < owners.limit:
+                raise  # this connection's own bound
+            gone = owners.evict()  # the table is full: the longest-silent disconnected id goes
+            if gone is None:
+                raise
+            self.state.counts[m.BUF_IDS_EVICTED] += 1
+            log.warning(
+                "%s id table full: forgot %r (disconnected) for %r", owners.kind, gone, name
+            )
+            if owners is self.producer_owners:
+                self.state.forget_producer(gone)
+            return owners.claim(name, session, conn)
+
+    def _disk_full(self, what: str) -> DiskFull:
+        wal = self.state.wal
+        assert wal is not None
+        return DiskFull(
+            f"WAL disk full: {what} refused, the buffer's log in {wal.dir} cannot be written "
+            f"({wal.disk.error}); send it again later"
+        )
 
     def _serve(self, msg: Request, ident: bytes, blobs: list[zmq.Frame]) -> list | None:
+        wal = self.state.wal
+        if wal is not None and wal.stuck and isinstance(msg, Get | Commit | SetVersion):
+            raise self._disk_full(msg.OP.value)  # records are waiting for the disk
         match msg:
             case Put():
                 return self._put(msg, ident, blobs)
@@ -405,7 +476,11 @@ class Buffer:
                 return self._get(ident, msg)
             case Commit():
                 n = self.state.commit(msg.consumer, msg.batch_id, msg.through)
-                return [Committed(rid=msg.rid, n=n).encode()]
+                missing = self.state.missing_batches(msg.batch_id) if msg.through else []
+                damage = self.state.damage_summary() if missing else None
+                return [
+                    Committed(rid=msg.rid, n=n, missing=missing or None, damage=damage).encode()
+                ]
             case Admit():
                 n = self.state.admit(msg.producer, msg.want)
                 return [Granted(rid=msg.rid, n=n).encode()]
@@ -433,6 +508,10 @@ class Buffer:
         if not blobs:
             error = Error(reason="bad_request", error="put: no trajectories", seq=msg.seq)
             return self._refuse(error)
+        wal = self.state.wal
+        if wal is not None and not wal.room(sum(len(b) for b in blobs)):
+            error = str(self._disk_full(f"put {msg.seq}"))
+            return self._refuse(Error(reason=m.BUF_WAL_DISK_FULL, error=error, seq=msg.seq))
         try:
             views = _payload(msg.lengths, blobs, self.cfg.max_frames)
             trajs = [validate_trajectory(b) for b in views]
@@ -478,9 +557,11 @@ class Buffer:
         return [header.encode(), b"".join(blobs)]
 
     def _serve_parked(self, out: list) -> None:
+        # While the disk holds back records a delivery cannot be logged: gets wait (their timeout).
+        stuck = self.state.wal is not None and self.state.wal.stuck
         now = time.monotonic()
         for ident, (msg, deadline) in list(self._parked.items()):
-            reply = self._try_get(msg)
+            reply = None if stuck else self._try_get(msg)
             if reply is None and now < deadline:
                 continue
             del self._parked[ident]

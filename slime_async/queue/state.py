@@ -23,6 +23,7 @@ from slime_async.config.buffer import BufferConfig
 from slime_async.metrics import names as m
 from slime_async.queue import wal as W
 from slime_async.queue.admission import FIXED_LAG_LATE, FIXED_LAG_SPANS, NO_VERSION, Admission
+from slime_async.queue.damage import Loss, WalDamaged, describe
 from slime_async.queue.groups import (
     Delivered,
     Group,
@@ -31,6 +32,8 @@ from slime_async.queue.groups import (
     ReadyGroups,
     RecentIds,
     check_put,
+    scoped,
+    shown,
 )
 from slime_async.queue.messages import AckStatus
 from slime_async.queue.schema import (
@@ -88,6 +91,10 @@ class BufferState:
         self._replaying = False
         self.announced = False
         """The learner announced a version in this buffer's life (or the WAL recorded one)."""
+        self.losses: list[Loss] = []
+        """Regions of the log that could not be read (accepted with wal_on_damage = "continue")."""
+        self.lost_groups: list[str] = []
+        """Groups that later records name but whose data was in lost records."""
 
     @property
     def version(self) -> int:
@@ -100,7 +107,10 @@ class BufferState:
 
     # ---------------------------------------------------------------- durability
     def attach_wal(self, wal: W.WriteAheadLog) -> None:
-        """Replay `wal` into this (empty) state, then log new changes to it."""
+        """Replay `wal` into this (empty) state, then log new changes to it. WalDamaged when
+        records could not be read and `buffer.wal_on_damage = "refuse"` (nothing is changed on
+        disk then); with "continue" the damaged segments are set aside (`WriteAheadLog.set_aside`)
+        and the buffer goes on with what was readable, saying what was lost."""
         self.wal = wal
         self._replaying = True
         try:
@@ -108,7 +118,32 @@ class BufferState:
                 self._replay(rtype, rec, blobs)
         finally:
             self._replaying = False
+        fresh = [loss for loss in self.losses if not loss.info.get("accepted")]
+        if fresh:
+            ready = {g.group_id for g in self.ready}
+            may_repeat = len({k for loss in fresh for k in loss.held_before} & ready)
+            report = describe(fresh, may_repeat, len(self.lost_groups))
+            if self.cfg.wal_on_damage == "refuse":
+                raise WalDamaged(
+                    f"write-ahead log in {wal.dir} is damaged: {report}. Acknowledged data in the "
+                    "lost records cannot be accounted for, so the buffer does not start. Restore "
+                    'the segment from a copy, or set buffer.wal_on_damage = "continue" to start '
+                    "with what is readable (the damaged segment is kept in "
+                    f"{wal.dir / W.DAMAGED_DIR}, the learner is told which batches are gone)"
+                )
+            kept = wal.set_aside()
+            self.counts[m.BUF_WAL_DAMAGED_REGIONS] += len(fresh)
+            self.counts[m.BUF_WAL_GROUPS_LOST] += len(self.lost_groups)
+            self.counts[m.BUF_WAL_MAY_REPEAT] += may_repeat
+            log.error(
+                "write-ahead log damaged, continuing without the lost records "
+                '(buffer.wal_on_damage = "continue"): %s. Damaged segment(s) kept as %s',
+                report,
+                ", ".join(str(p) for p in kept),
+            )
         wal.open()
+        if wal.torn_bytes:
+            self.counts[m.BUF_WAL_TORN_BYTES] += wal.torn_bytes
         wal.compact()
 
     def snapshot(self) -> dict[str, Any]:
@@ -131,7 +166,8 @@ class BufferState:
             self.admission.set_version(rec["version"], rec["groups_per_step"])
             self.announced = self.announced or rec.get("announced", rec["version"] > 0)
         elif rtype == W.PUT:
-            self._apply_put(rec["p"], rec["s"], blobs, [validate_trajectory(b) for b in blobs])
+            trajs = scoped(rec["p"], [validate_trajectory(b) for b in blobs])
+            self._apply_put(rec["p"], rec["s"], blobs, trajs)
         elif rtype == W.DELIVER:
             self._apply_deliver(rec["batch"], rec["c"], rec["sess"], rec["g"], rec["rid"])
         elif rtype == W.COMMIT:
@@ -140,6 +176,12 @@ class BufferState:
             self._apply_drop(rec["g"], rec["why"])
         elif rtype == W.VERSION:
             self._apply_version(rec["version"], rec["groups_per_step"])
+        elif rtype == W.DAMAGE:
+            held = {g.group_id for g in self.ready} | set(self.pending)
+            held |= {g.group_id for b in self.delivered.values() for g in b.groups}
+            self.losses.append(Loss(rec, self.next_batch - 1, held_before=held))
+        elif rtype == W.LOST:
+            self.next_batch = max(self.next_batch, rec["floor"])
 
     def _log(self, rtype: int, payload: dict[str, Any], blobs: Sequence = ()) -> int:
         if self.wal is None or self._replaying:
@@ -180,14 +222,37 @@ class BufferState:
         self.admission.forget(pid)
         self.counts[m.BUF_PRODUCERS_EXPIRED] += 1
 
+    def stores_nothing(self, pid: str) -> bool:
+        """`pid` never had a put accepted and holds no grant: forgetting it loses nothing."""
+        ledger = self.producers.get(pid)
+        empty = ledger is None or (ledger.done_below == 0 and not ledger.done)
+        return empty and not self.admission.holds(pid)
+
+    def release_producer(self, pid: str) -> None:
+        """Forget `pid`, which stored nothing, now that its connection closed."""
+        self.producers.pop(pid, None)
+        self.admission.forget(pid)
+
     def reject(self, reason: str) -> None:
         """Count a request refused for `reason`."""
         self.rejected[reason] += 1
 
     def admit(self, pid: str, want: int) -> int:
-        """New groups `pid` may start now, within the staleness budget (see `Admission`)."""
+        """New groups `pid` may start now, within the staleness budget (see `Admission`).
+
+        An incomplete group counts against everyone's budget only while it came from a grant and
+        its members keep arriving (within `grant_timeout_s`); otherwise it is charged to the
+        producer that opened it alone, so that one client's partial groups cannot shut the
+        others out."""
         self._ledger(pid)
-        held = len(self.pending) + len(self.ready) + sum(self.in_training.values())
+        horizon = time.monotonic() - self.cfg.grant_timeout_s
+        shared = mine = 0
+        for g in self.pending.values():
+            if g.granted and g.last_put >= horizon:
+                shared += 1
+            elif g.producer == pid:
+                mine += 1
+        held = shared + mine + len(self.ready) + sum(self.in_training.values())
         return self.admission.grant(pid, want, held)
 
     def expire_grants(self) -> None:
@@ -199,7 +264,7 @@ class BufferState:
         """Store one put of encoded trajectories `blobs`, described by `trajs` (the summaries of
         `validate_trajectory`, or the trajectories themselves); see `AckStatus` for what the
         answer means. PutRejected: bad input."""
-        trajs = [t if type(t) is Summary else summarize(t) for t in trajs]
+        trajs = scoped(pid, [t if type(t) is Summary else summarize(t) for t in trajs])
         st = self._producer(pid)
         if st.seen(seq):
             self.counts["duplicates"] += 1
@@ -229,18 +294,22 @@ class BufferState:
         ):
             self.counts["busy"] += 1
             return AckStatus.BUSY
-        for gid in new_groups:
-            if gid not in self._recent_drops:
-                self.admission.use(pid)
+        granted = {
+            gid for gid in new_groups if gid not in self._recent_drops and self.admission.use(pid)
+        }
         self._log(W.PUT, {"p": pid, "s": seq}, blobs)
-        self._apply_put(pid, seq, blobs, trajs)
+        self._apply_put(pid, seq, blobs, trajs, granted)
         late = self.drop_fixed_lag()  # buffer.fixed_lag: spans versions, or too late
         stale = self.drop_stale([t.group_id for t in trajs])
         if stale or (late and set(late) & {t.group_id for t in trajs}):
             return AckStatus.STALE
         return AckStatus.OK
 
-    def _apply_put(self, pid: str, seq: int, blobs: list, trajs: list[Summary]) -> None:
+    def _apply_put(
+        self, pid: str, seq: int, blobs: list, trajs: list[Summary], granted: set[str] = frozenset()
+    ) -> None:
+        """Store a put; `trajs` are scoped (`groups.scoped`); `granted`: the groups it opens
+        that used up one of the producer's grants."""
         st = self._ledger(pid)
         if st.seen(seq):
             return
@@ -257,7 +326,8 @@ class BufferState:
                 continue
             g = self.pending.get(t.group_id)
             if g is None:
-                g = self.pending[t.group_id] = Group(t.group_id, t.group_size)
+                g = Group(t.group_id, t.group_size, producer=pid, granted=t.group_id in granted)
+                self.pending[t.group_id] = g
             size = len(blob)
             g.blobs.append(blob)
             g.last_put = now
@@ -352,9 +422,9 @@ class BufferState:
         for why, gids in ((FIXED_LAG_SPANS, spans), (FIXED_LAG_LATE, late)):
             if gids:
                 log.warning(
-                    "dropping %d group(s), e.g. %r (%s, buffer.fixed_lag = %d)",
+                    "dropping %d group(s), e.g. %s (%s, buffer.fixed_lag = %d)",
                     len(gids),
-                    gids[0],
+                    shown(gids[0]),
                     why,
                     fixed.k,
                 )
@@ -450,6 +520,8 @@ class BufferState:
             self.delivered[batch_id].session = session
             return self.delivered[batch_id]
         groups = [g for gid in gids if (g := self.ready.pop(gid)) is not None]
+        if self._replaying and self.losses:
+            self._placed(batch_id, gids, groups)
         if not groups:
             return None
         self.in_training[batch_id] = len(groups)
@@ -460,6 +532,35 @@ class BufferState:
         b = self.delivered[batch_id] = Delivered(batch_id, consumer, session, groups)
         return b
 
+    def _placed(self, batch_id: int, gids: list[str], found: list[Group]) -> None:
+        """Replay of a delivery after damage: the first batch after each region, and the groups
+        it names whose data was lost (a member's PUT among the lost records: dropped, counted)."""
+        for loss in self.losses:
+            if loss.batch_after is None and batch_id > loss.batch_before:
+                loss.batch_after = batch_id
+        have = {g.group_id for g in found}
+        gone = [gid for gid in gids if gid not in have]
+        self.lost_groups += gone
+        partial = [gid for gid in gone if gid in self.pending]
+        if partial:
+            self._apply_drop(partial, m.BUF_WAL_DAMAGE)
+
+    def missing_batches(self, batch_id: int) -> list[list[int]]:
+        """Ranges [first, last] of batch ids up to `batch_id` that the lost records of a
+        damaged log may have delivered: this buffer does not hold them."""
+        out = []
+        for loss in self.losses:
+            span = loss.batches()
+            if span is not None and span[0] <= batch_id:
+                out.append([span[0], min(span[1], batch_id)])
+        return out
+
+    def damage_summary(self) -> str | None:
+        """Where the log was damaged, for a learner told that batches are gone."""
+        if not self.losses:
+            return None
+        return describe(self.losses, 0, len(self.lost_groups))
+
     def commit(self, consumer: str, batch_id: int, through: bool = False) -> int:
         """Commit one batch (or every batch of `consumer` up to it); return how many."""
         ids = (
@@ -468,13 +569,30 @@ class BufferState:
             else [batch_id]
         )
         if batch_id >= self.next_batch:
-            raise SchemaError("batch_id", f"batch {batch_id} was never delivered")
+            if not any(lo <= batch_id <= hi for lo, hi in self.missing_batches(batch_id)):
+                raise SchemaError("batch_id", self._never_delivered(batch_id))
+            # Delivered in records the log lost: new batches must not reuse its id.
+            self._log(W.LOST, {"floor": batch_id + 1})
+            self.next_batch = batch_id + 1
         if not through and batch_id not in self.delivered:
             return 0  # committed before (a resend after a lost reply)
         for b in ids:
             self._log(W.COMMIT, {"batch": b})
             self._apply_commit(b)
         return len(ids)
+
+    def _never_delivered(self, batch_id: int) -> str:
+        last = f"its last batch id is {self.next_batch - 1}"
+        if self.wal is None:
+            return (
+                f"batch {batch_id} was never delivered by this buffer ({last}; it keeps no "
+                "write-ahead log, buffer.wal_dir, so a restarted buffer knows no earlier batch)"
+            )
+        return (
+            f"batch {batch_id} was never delivered by this buffer ({last}): its write-ahead log "
+            f"in {self.wal.dir} holds no record of it (a log removed or replaced, or a checkpoint "
+            "of another run)"
+        )
 
     def _apply_commit(self, batch_id: int) -> None:
         self.in_training.pop(batch_id, None)
@@ -496,9 +614,9 @@ class BufferState:
         if old:
             why = m.BUF_INCOMPLETE_TIMEOUT
             log.warning(
-                "dropping %d incomplete group(s), e.g. %r, silent for %.0fs (%s)",
+                "dropping %d incomplete group(s), e.g. %s, silent for %.0fs (%s)",
                 len(old),
-                old[0],
+                shown(old[0]),
                 self.cfg.group_timeout_s,
                 why,
             )
@@ -545,4 +663,8 @@ class BufferState:
             "dropped_stale": self._dropped_stale_stats(),
             "fixed_lag": self._fixed_lag_stats(),
             "wal": self.wal.stats() if self.wal else None,
+            "wal_damage": [
+                {"where": loss.where(), "batches": loss.batches()} for loss in self.losses
+            ],
+            "wal_groups_lost": len(self.lost_groups),
         }

@@ -8,8 +8,10 @@ id (or a second learner under the learner's id) never share a sequence ledger or
 socket monitor reports each disconnection (ZeroMQ heartbeats close silent connections), which
 frees the id: a restarted process (a new session) takes it over at once.
 
-Memory: one entry per id, at most `limit`; entries whose connection is gone are forgotten after
-`idle_s` by `expire`.
+Memory: one entry per id, at most `limit`, at most `per_connection` held by one connection (so
+one connection cannot fill the table); entries whose connection is gone are forgotten after
+`idle_s` by `expire`, at once by `forget` (the buffer forgets ids that stored nothing when their
+connection closes), or, the table being full, the longest-silent one first (`evict`).
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ class Holder:
 class Owners:
     """The id -> holding session table of one kind of client ("producer", "consumer")."""
 
-    def __init__(self, kind: str, limit: int, idle_s: float):
+    def __init__(self, kind: str, limit: int, idle_s: float, per_connection: int | None = None):
         self.kind = kind
         self.limit = limit
         self.idle_s = idle_s
+        self.per_connection = per_connection if per_connection is not None else limit
         self.holders: dict[str, Holder] = {}
         self._by_connection: dict[int, set[str]] = {}
 
@@ -73,6 +76,12 @@ class Owners:
                 f"{now - h.last_heard:.1f}s ago); two clients must not share one {self.kind} id "
                 "(stop the other one, or give this one its own id)"
             )
+        held = self._by_connection.get(connection, ())
+        if len(held) >= self.per_connection and name not in held:
+            raise TooManyIds(
+                f"{self.kind}: this connection holds {len(held)} {self.kind} ids, the limit "
+                f"(buffer.max_ids_per_connection) is {self.per_connection}"
+            )
         if h is None and len(self.holders) >= self.limit:
             raise TooManyIds(
                 f"{self.kind}: {len(self.holders)} {self.kind} ids are known, the limit "
@@ -92,6 +101,21 @@ class Owners:
             if h is not None and h.connection == connection:
                 h.connection = None
         return sorted(names)
+
+    def forget(self, name: str) -> None:
+        """Drop the entry of `name` if its holder is disconnected."""
+        h = self.holders.get(name)
+        if h is not None and h.connection is None:
+            del self.holders[name]
+
+    def evict(self) -> str | None:
+        """Forget the disconnected id silent longest (the table is full); None: all are live."""
+        gone = [(h.last_heard, n) for n, h in self.holders.items() if h.connection is None]
+        if not gone:
+            return None
+        name = min(gone)[1]
+        del self.holders[name]
+        return name
 
     def expire(self) -> list[str]:
         """Forget ids whose holder is disconnected and silent for `idle_s`; return them."""

@@ -34,9 +34,7 @@ def buffer_process(tmp_path, **overrides):
     cfg = BufferConfig(
         producer_endpoint=f"tcp://127.0.0.1:{free_port()}",
         consumer_endpoint=f"tcp://127.0.0.1:{free_port()}",
-        request_timeout_s=2.0,
-        give_up_s=20.0,
-        **overrides,
+        **{"request_timeout_s": 2.0, "give_up_s": 20.0, **overrides},
     )
     args = [
         f"buffer.{k}={v}" if not isinstance(v, str) else f'buffer.{k}="{v}"'
@@ -331,3 +329,116 @@ def test_the_buffer_stays_responsive_while_discarding(tmp_path):
         assert time.monotonic() - t0 < 5
         assert r.sock.poll(60_000)
         assert unpack_header(r.sock.recv_multipart()[0])["reason"] == "too_many_frames"
+
+
+# ---------------------------------------------------------------- a local client jamming others
+def test_partial_groups_of_a_squatter_do_not_shut_a_real_generator_out(tmp_path):
+    """(max_staleness + 1) x groups_per_step one-trajectory puts, asked for or not: the real
+    generator still gets grants (they are charged to the squatter, or stop counting once the
+    squatter's groups go silent)."""
+    overrides = {"max_staleness": 2, "groups_per_step": 4, "grant_timeout_s": 1.0}
+    with buffer_process(tmp_path, **overrides) as (_child, cfg):
+
+        async def squat(ask_first: bool, tag: str) -> int:
+            async with ProducerClient(cfg, f"squatter-{tag}") as p:
+                n = await p.admission(12) if ask_first else 12
+                assert n >= 1
+                for i in range(n):  # one member of each 8-trajectory group, never the rest
+                    g = synthetic_group(f"{tag}{i}", 8)[:1]
+                    assert await p.put_group(g) == "ok"
+                return await p.admission(1)
+
+        async def real() -> int:
+            async with ProducerClient(cfg, "gen0") as p:
+                return await p.admission(4)
+
+        assert asyncio.run(squat(ask_first=False, tag="u")) == 0  # charged to itself
+        assert asyncio.run(real()) == 4
+        asyncio.run(squat(ask_first=True, tag="g"))  # granted, then silent: out of the budget
+        time.sleep(1.5)
+        assert asyncio.run(real()) == 4
+        with ConsumerClient(cfg, "learner") as c:
+            assert c.stats()["groups_pending"] > 12  # still held, until group_timeout_s
+
+
+def test_a_squatter_under_another_producers_group_id_does_not_get_its_group_rejected(tmp_path):
+    with buffer_process(tmp_path) as (_child, cfg):
+        gid = "gen0/e0/o3"  # the id the real generator will use
+        group = synthetic_group(gid, 8)
+
+        async def put(producer, trajs):
+            async with ProducerClient(cfg, producer) as p:
+                return await p.put_group(trajs)
+
+        assert asyncio.run(put("squatter", synthetic_group(gid, 8, seed=1)[:1])) == "ok"
+        assert asyncio.run(put("gen0", group)) == "ok"  # its own group, whole
+        with ConsumerClient(cfg, "learner") as c:
+            b = c.get_batch(num_groups=1, timeout_s=5)
+            assert sorted(t.id for t in b.groups[0]) == sorted(t.id for t in group)
+            c.commit(b.batch_id)
+            # 9 acknowledged = 8 trained + 0 dropped + 1 held (the squatter's, incomplete).
+            s = c.stats()
+            assert s["counts"]["trajectories_in"] == 9 and s["trajectories_held"] == 1
+
+
+def test_a_flood_of_ids_over_one_connection_locks_no_generator_out(tmp_path):
+    with buffer_process(tmp_path, max_producers=64) as (_child, cfg):
+        with raw(cfg.producer_endpoint) as r:
+            refused = 0
+            for i in range(64):
+                h, _ = r.ask(pack_header("heartbeat", rid=f"b{i}", producer=f"f{i}", session="s"))
+                refused += h["op"] == "error" and h["reason"] == "too_many_ids"
+            assert refused == 64 - cfg.max_ids_per_connection
+            assert "max_ids_per_connection" in h["error"], h
+        # Many connections, each within its bound: the table fills, and empties as they close.
+        flooders = [Raw(cfg.producer_endpoint) for _ in range(8)]
+        try:
+            for k, f in enumerate(flooders):
+                for i in range(8):
+                    h, _ = f.ask(pack_header("hello", rid="h", producer=f"c{k}-{i}", session="s"))
+                    assert h["op"] == "hello", h
+        finally:
+            for f in flooders:
+                f.close()
+
+        async def admitted():
+            async with ProducerClient(cfg, "gen0") as p:
+                return await p.admission(1)
+
+        assert asyncio.run(admitted()) == 1  # at once, not producer_idle_s later
+        with ConsumerClient(cfg, "learner") as c:
+            s = c.stats()
+            assert s["counts"]["ids_released"] >= 8 * 8 and s["producers"] <= 2, s["producers"]
+
+
+def test_a_frame_bomb_is_answered_while_another_client_of_its_socket_is_served(tmp_path):
+    """A million empty frames (2 MB): refused ("too_many_frames"), and another client of the
+    same socket keeps getting answers before its give_up_s (ZeroMQ hands a message over whole,
+    so it waits while the frames are read out: about 1 us each, `Buffer._discard`)."""
+    with buffer_process(tmp_path) as (_child, cfg):
+
+        async def other(bombed: asyncio.Event, answered: asyncio.Event) -> tuple[int, int]:
+            async with ProducerClient(cfg, "gen0") as p:
+                calls = 0
+                while not answered.is_set():
+                    await p.admission(0)
+                    calls += bombed.is_set()
+                    await asyncio.sleep(0.05)
+                return calls, p.resends
+
+        async def go():
+            bombed, answered = asyncio.Event(), asyncio.Event()
+            task = asyncio.create_task(other(bombed, answered))
+            with raw(cfg.producer_endpoint) as r:
+                put = pack_header("put", seq=0, producer="x", session="s")
+                frames = [put, *([b""] * 1_000_000)]
+                await asyncio.to_thread(r.sock.send_multipart, frames, copy=False)
+                bombed.set()
+                assert await asyncio.to_thread(r.sock.poll, 60_000), "no answer to the bomb"
+                h = unpack_header(r.sock.recv_multipart()[0])
+            answered.set()
+            return h, *(await task)
+
+        h, calls, _resends = asyncio.run(go())
+        assert h["reason"] == "too_many_frames", h
+        assert calls >= 1

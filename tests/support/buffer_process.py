@@ -16,9 +16,7 @@ def wal_buffer_config(wal_dir: Path, **overrides) -> BufferConfig:
         producer_endpoint=f"tcp://127.0.0.1:{free_port()}",
         consumer_endpoint=f"tcp://127.0.0.1:{free_port()}",
         wal_dir=str(wal_dir),
-        request_timeout_s=1.0,
-        give_up_s=30.0,
-        **overrides,
+        **{"request_timeout_s": 1.0, "give_up_s": 30.0, **overrides},
     )
 
 

@@ -208,8 +208,12 @@ class Generator:
     # ----- the loop ---------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop starting groups; in-flight rollouts are cancelled (redone after a restart)."""
+        """Stop starting groups; in-flight rollouts are cancelled (redone after a restart), and
+        so are pushes the buffer refused and that only wait to be sent again (its disk full)."""
         self._stop.set()
+        abandon = getattr(self.sink, "abandon_refused", None)
+        if abandon is not None:
+            abandon()
 
     async def run(self, sink: GroupSink) -> dict[str, float]:
         """Push groups into `sink` until the epochs are done or `stop()`; return stats.

@@ -120,7 +120,7 @@ def test_partial_puts_complete_a_group_and_late_get_is_served():
         raw = Raw(buf.producer_endpoint)
         try:
             assert raw.put(0, g[:1])["status"] == "ok"
-            assert raw.put(1, g[1:3], producer="other")["status"] == "ok"
+            assert raw.put(1, g[1:3])["status"] == "ok"
             with ConsumerClient(cfg, "learner") as c:
                 assert c.get_batch(num_groups=1, timeout_s=0.1) is None
                 assert c.stats()["groups_pending"] == 1
@@ -291,8 +291,8 @@ def test_staleness_drop_order_and_histogram():
             # A late member of a dropped group is acknowledged and discarded, not re-grown.
             raw = Raw(buf.producer_endpoint)
             try:
-                late = synthetic_group("v0", 2, version=0)
-                assert raw.put(0, late[:1])["status"] == "ok"
+                late = synthetic_group("v0", 2, version=0)  # from the group's own producer
+                assert raw.put(100, late[:1], producer="p0")["status"] == "ok"
                 assert c.stats()["groups_pending"] == 0
                 # A group that is too old on arrival is acknowledged as "stale" and counted.
                 assert raw.put(1, synthetic_group("old", 1, version=3))["status"] == "stale"
