@@ -90,6 +90,16 @@ def take_counts(model: torch.nn.Module) -> tuple[float, float]:
     return diff, total
 
 
+def router_token_mask(input_lens: torch.Tensor, s: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """`[s_local * B]` bool: the real tokens of padded rows of `input_lens` `[B]` in the order a
+    router sees them (sequence-major, this TP rank's sequence chunk); S a multiple of tp_size."""
+    chunk = s // tp_size
+    lo, hi = tp_rank * chunk, (tp_rank + 1) * chunk
+    lens = input_lens.to(input_lens.device)
+    valid = torch.arange(s, device=lens.device)[:, None] < lens[None, :]  # [S, B]
+    return valid[lo:hi].reshape(-1)
+
+
 def replay_targets(
     routed: torch.Tensor, input_lens: torch.Tensor, tp_rank: int, tp_size: int
 ) -> tuple[list[torch.Tensor], torch.Tensor]:

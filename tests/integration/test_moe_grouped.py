@@ -1,0 +1,222 @@
+"""The learner's grouped experts against megatron's SequentialMLP (TP 1 in this process, EP 2 over
+two gloo ranks) and its MoE auxiliary losses against transformers' own (fp32, CPU).
+
+One torchrun job (2 gloo ranks) runs the EP 2 layouts (module fixture). Also the torchrun worker
+itself (`python tests/integration/test_moe_grouped.py OUT model=DIR`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from slime_async.actors.learner.batch import Row, collate
+from slime_async.actors.learner.trainer import Learner
+from slime_async.config import AlgoConfig, LearnerConfig
+from tests.support.repo import REPO, pythonpath_with_repo
+
+SEQS = [[2, 5, 6, 7, 8, 9, 10, 11, 12], [2, 20, 21, 22], [2, 30, 31, 32, 33, 34, 35]]
+SHAPE = dict(num_layers=3, num_heads=4, num_kv_heads=2, mlp_only_layers=(1,))
+
+
+def cfg(model_dir: str, **kw) -> LearnerConfig:
+    base = dict(model_path=model_dir, lr=1e-3, clip_grad=0.0, micro_batch_tokens=24, seed=7)
+    return LearnerConfig(**{**base, **kw})
+
+
+def algo() -> AlgoConfig:
+    return AlgoConfig(
+        loss="tests.support.learner_worker:pg_loss",
+        advantage="tests.support.learner_worker:centered_adv",
+        mini_batches=1,
+    )
+
+
+def worker(out: Path, model_dir: str) -> None:
+    from tests.support.learner_worker import make_groups
+
+    for experts in ("grouped", "sequential"):
+        learner = Learner(cfg(model_dir, expert_parallel=2, moe_experts=experts), algo(), 0.7)
+        res = {"logp": [lp for lp, _ in learner.compute_logprobs(SEQS)]}
+        groups = make_groups(3, 4)
+        res["metrics"] = learner.train_step(groups[:2] if learner.rank == 0 else groups[2:])
+        res["after"] = [lp for lp, _ in learner.compute_logprobs(SEQS)]
+        res["export"] = {n: t.clone() for b in learner.export_hf_buckets(4096) for n, t in b}
+        if learner.is_rank0:
+            torch.save(res, out / f"ep2_{experts}.pt")
+        learner.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.integration.test_model_families import SHAPES, sharpen
+
+    assert SHAPES["qwen3_moe"] == SHAPE
+    return sharpen(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir, tmp_path_factory):
+    from slime_async.utils.procs import Child, free_port, python_module, wait_until
+
+    out = tmp_path_factory.mktemp("moe_two_ranks")
+    argv = python_module(
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        __file__,
+        str(out),
+        f"model={model_dir}",
+    )
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_with_repo()}
+    child = Child("torchrun-moe-grouped", argv, log_path=out / "log.txt", env=env)
+    try:
+        wait_until(lambda: child.poll() is not None, 900, "the two-rank MoE job to finish")
+        assert child.poll() == 0, child.tail(60)
+    finally:
+        child.stop()
+    return out
+
+
+def _train_grads(learner: Learner) -> dict[str, torch.Tensor]:
+    """Gradients of one PPO loss on fixed groups, keyed by HF name (layout independent)."""
+    from slime_async.models import convert
+    from tests.support.learner_worker import make_groups
+
+    captured: dict[str, torch.Tensor] = {}
+    opt = learner.updates.optimizer
+    real_step = opt.step
+
+    def step(lr, tp_group, norm=None):  # read the gradients instead of stepping
+        for name, p in learner.model.named_parameters():
+            for hf, g in convert.megatron_shards_to_hf(name, [p.grad], learner.arch):
+                captured[hf] = g.clone()
+
+    opt.step = step
+    try:
+        learner.train_step(make_groups(3, 4))
+    finally:
+        opt.step = real_step
+    return captured
+
+
+def test_grouped_experts_equal_sequential_mlp_at_tp1(model_dir):
+    """Log-probs and every parameter's gradient of one PPO step are the same function whether
+    the experts run as grouped GEMMs or as megatron's SequentialMLP."""
+    out = {}
+    for experts in ("grouped", "sequential"):
+        learner = Learner(cfg(str(model_dir), moe_experts=experts), algo(), 0.7)
+        try:
+            names = [n for n, _ in learner.model.named_parameters() if ".experts." in n]
+            stacked = any(n.endswith("experts.weight1") for n in names)
+            assert stacked == (experts == "grouped"), names
+            logp = [lp for lp, _ in learner.compute_logprobs(SEQS)]
+            out[experts] = (logp, _train_grads(learner))
+        finally:
+            learner.close()
+    (lp_g, gr_g), (lp_s, gr_s) = out["grouped"], out["sequential"]
+    for a, b in zip(lp_g, lp_s, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), (a - b).abs().max()
+    assert gr_g.keys() == gr_s.keys()
+    assert any(".mlp.experts.5.down_proj" in n for n in gr_g)
+    for n in gr_g:
+        assert torch.allclose(gr_g[n], gr_s[n], atol=1e-6, rtol=1e-5), n
+    # The experts did get a gradient (the comparison has something to catch).
+    assert float(gr_g["model.layers.0.mlp.experts.3.up_proj.weight"].abs().sum()) > 0
+
+
+def test_grouped_experts_equal_sequential_mlp_at_ep2(two_ranks):
+    """At EP 2 (megatron's all-to-all dispatcher, two gloo ranks) the grouped experts give the
+    same log-probs, the same update and the same exported weights as SequentialMLP."""
+    g = torch.load(two_ranks / "ep2_grouped.pt")
+    s = torch.load(two_ranks / "ep2_sequential.pt")
+    for key in ("logp", "after"):
+        for a, b in zip(g[key], s[key], strict=True):
+            assert torch.allclose(a, b, atol=1e-6, rtol=0), key
+    assert g["export"].keys() == s["export"].keys()
+    for n, t in g["export"].items():
+        assert torch.allclose(t, s["export"][n], atol=1e-6, rtol=1e-5), n
+    # The update moved the weights (the "after" comparison has something to catch).
+    assert (
+        max(float((a - b).abs().max()) for a, b in zip(g["logp"], g["after"], strict=True)) > 1e-4
+    )
+
+
+def _hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def _router_grads_of(learner: Learner) -> dict[int, torch.Tensor]:
+    out = {}
+    for n, p in learner.model.named_parameters():
+        if n.endswith("mlp.router.weight"):
+            out[int(n.split(".")[2])] = p.grad.clone()
+    return out
+
+
+@pytest.mark.parametrize("which", ["aux", "z"])
+def test_moe_losses_equal_transformers(model_dir, which):
+    """The load-balancing loss equals transformers' `load_balancing_loss_func` (pooled over the
+    MoE layers, padding masked by the attention mask) and the z-loss the mean of
+    logsumexp(router logits)^2 over layers and real tokens; both values and their gradients on
+    every router weight, from a padded micro-batch of rows of different lengths."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    coeff = 0.37
+    kw = {"moe_aux_loss_coeff": coeff} if which == "aux" else {"moe_z_loss_coeff": coeff}
+    learner = Learner(cfg(str(model_dir), **kw), algo(), 0.7)
+    try:
+        rows = [Row(np.asarray(s, dtype=np.int64), prompt_len=1) for s in SEQS]
+        mb = collate(rows, [0, 1, 2], learner.device)
+        learner.model.zero_grad(set_to_none=True)
+        logp, _ = learner.microbatches.forward(learner.model, mb, False, aux_weight=1.0)
+        (logp.sum() * 0.0).backward()  # only the attached losses give gradients
+        learner.microbatches.end_aux(learner.model)
+        got_grads = _router_grads_of(learner)
+        from slime_async.models.moe_layer import losses_of
+
+        aux, z, n = losses_of(learner.model).take()
+        got = aux if which == "aux" else z
+        assert n == 1
+    finally:
+        learner.close()
+    hf = _hf_model(model_dir)
+    width = max(len(s) - 1 for s in SEQS)
+    ids = torch.zeros(len(SEQS), width, dtype=torch.long)
+    mask = torch.zeros(len(SEQS), width, dtype=torch.long)
+    for i, s in enumerate(SEQS):
+        ids[i, : len(s) - 1] = torch.tensor(s[:-1])
+        mask[i, : len(s) - 1] = 1
+    out = hf(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    logits = tuple(out.router_logits)  # one per MoE layer, [B * S, E]
+    cfg_hf = hf.config
+    if which == "aux":
+        want = load_balancing_loss_func(
+            logits, cfg_hf.num_experts, cfg_hf.num_experts_per_tok, mask
+        )
+    else:
+        flat = mask.reshape(-1).float()
+        lse2 = [torch.logsumexp(g, -1).square() for g in logits]
+        want = sum((v * flat).sum() for v in lse2) / (len(logits) * flat.sum())
+    (coeff * want).backward()
+    assert abs(got - float(want)) <= 1e-6 * max(1.0, abs(float(want))), (got, float(want))
+    assert float(want) > 0
+    layers = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "gate")]
+    assert sorted(got_grads) == layers
+    for i in layers:
+        want_g = hf.model.layers[i].mlp.gate.weight.grad
+        assert float(want_g.abs().sum()) > 0
+        assert torch.allclose(got_grads[i], want_g, atol=1e-6, rtol=1e-4), i
+
+
+if __name__ == "__main__":  # the torchrun worker
+    sys.path.insert(0, str(REPO))
+    args = dict(a.split("=", 1) for a in sys.argv[2:])
+    worker(Path(sys.argv[1]), args["model"])
