@@ -4,7 +4,8 @@ A MoE layer's token-expert pairs are sorted by expert, so each expert's rows are
 block of a `[N, hidden]` matrix (`sort_by_expert`); one grouped GEMM then multiplies every block
 by its expert's weight (`grouped_mm`) instead of one small GEMM per expert.
 
-- `grouped_mm` runs `torch._grouped_mm` on CUDA in bf16 (Hopper's grouped GEMM; the group
+- `grouped_mm` runs torch's grouped GEMM (`torch.nn.functional.grouped_mm`, `torch._grouped_mm`
+  before torch 2.10) on CUDA in bf16 (Hopper's grouped GEMM; the group
   boundaries stay on the device as int32 offsets, nothing is read back by the host), and an
   exact per-expert loop everywhere else (the CPU, fp32 on a GPU, shapes the kernel refuses):
   the same products a per-expert `F.linear` computes, which is what megatron's SequentialMLP and
@@ -24,7 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_GROUPED_MM = hasattr(torch, "_grouped_mm")
+# torch >= 2.10 names it torch.nn.functional.grouped_mm; torch._grouped_mm before (and still).
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +45,7 @@ def kernel_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` takes x `[N, in]` and w `[E, out, in]`: CUDA, bf16, and rows
     16-byte aligned (in and out multiples of 8)."""
     return (
-        _GROUPED_MM
+        _GROUPED_MM is not None
         and x.is_cuda
         and x.dtype == torch.bfloat16
         and w.dtype == torch.bfloat16
@@ -58,7 +60,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     if kernel_fits(x, w):
         offs = counts.cumsum(0).to(torch.int32)
         # The kernel's B operand is [E, in, out] column-major: w's transpose, no copy.
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
     sizes = counts.tolist()
     parts = [F.linear(xe, w[e]) for e, xe in enumerate(torch.split(x, sizes)) if sizes[e]]
     if not parts:  # no token at all: keep w in the graph (its gradient is then zero)
