@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 import numpy as np
+import pytest
 import torch
 
 from slime_async.actors.engine.client import EngineClient
@@ -79,6 +80,7 @@ def _hf_routing(dirs: list, tokens: list[int], version_of: list[int], start: int
     return torch.stack(rows[start:end]).numpy()
 
 
+@pytest.mark.timeout(600)  # 600 tokens on a CPU engine plus the HF replay: minutes under load
 def test_routing_survives_a_weight_push_and_a_resumed_request(tmp_path):
     dirs = []
     for seed in range(3):  # the weights of versions 0, 1, 2: different routers
