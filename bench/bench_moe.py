@@ -143,37 +143,17 @@ def run_side(args, model_dir: Path, side: str) -> dict:
 
 def hf_step_times(model, group, args) -> list[float]:
     """Seconds of each HF step after --warmup: bench_learner's HF baseline (response log-probs,
-    PPO clip, backward, the fp32-master AdamW), step by step for the spread."""
+    PPO clip, backward, the fp32-master AdamW)."""
     import torch.distributed as dist
 
-    from slime_async.actors.learner.optim import MasterAdamW
     from slime_async.utils.procs import free_port
 
     if not dist.is_initialized():  # MasterAdamW reduces over (one-rank) process groups
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
         )
-    opt = MasterAdamW(model, LearnerConfig(lr=1e-6))
-    dev = next(model.parameters()).device
-    tokens = torch.tensor(np.stack([np.concatenate([t.prompt_ids, t.response_ids]) for t in group]))
-    tokens = tokens.long().to(dev)
-    p = len(group.trajectories[0].prompt_ids)
-    rewards = torch.tensor([t.reward for t in group], device=dev)
-    adv = ((rewards - rewards.mean()) / (rewards.std() + 1e-6))[:, None]
-    behavior = torch.tensor(np.stack([t.logprobs for t in group]), device=dev)
-    model.train()
-    times = []
-    for i in range(args.warmup + args.steps):
-        bench_learner.sync()
-        t0 = time.perf_counter()
-        logp = bench_learner.hf_logprobs(model, tokens, p)
-        ratio = torch.exp(logp - behavior)
-        loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
-        loss.backward()
-        opt.step(1e-6, None)
-        bench_learner.sync()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    times: list[float] = []
+    bench_learner.hf_train_steps(model, group, args, args.steps, times=times)
     return times
 
 

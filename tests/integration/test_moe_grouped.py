@@ -1,14 +1,11 @@
 """The learner's grouped experts against megatron's SequentialMLP (TP 1 in this process, EP 2 over
 two gloo ranks) and its MoE auxiliary losses against transformers' own (fp32, CPU).
 
-One torchrun job (2 gloo ranks) runs the EP 2 layouts (module fixture). Also the torchrun worker
-itself (`python tests/integration/test_moe_grouped.py OUT model=DIR`).
+One torchrun job (2 gloo ranks, `tests/support/learner_worker.py`'s `moe_ep2` task) runs the
+EP 2 layouts (module fixture).
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,39 +13,16 @@ import torch
 
 from slime_async.actors.learner.batch import Row, collate
 from slime_async.actors.learner.trainer import Learner
-from slime_async.config import AlgoConfig, LearnerConfig
-from tests.support.repo import REPO, pythonpath_with_repo
+from tests.support.learner_worker import (
+    algo_cfg,
+    capture_grads,
+    learner_cfg,
+    make_groups,
+    run_two_ranks,
+)
 
 SEQS = [[2, 5, 6, 7, 8, 9, 10, 11, 12], [2, 20, 21, 22], [2, 30, 31, 32, 33, 34, 35]]
 SHAPE = dict(num_layers=3, num_heads=4, num_kv_heads=2, mlp_only_layers=(1,))
-
-
-def cfg(model_dir: str, **kw) -> LearnerConfig:
-    base = dict(model_path=model_dir, lr=1e-3, clip_grad=0.0, micro_batch_tokens=24, seed=7)
-    return LearnerConfig(**{**base, **kw})
-
-
-def algo() -> AlgoConfig:
-    return AlgoConfig(
-        loss="tests.support.learner_worker:pg_loss",
-        advantage="tests.support.learner_worker:centered_adv",
-        mini_batches=1,
-    )
-
-
-def worker(out: Path, model_dir: str) -> None:
-    from tests.support.learner_worker import make_groups
-
-    for experts in ("grouped", "sequential"):
-        learner = Learner(cfg(model_dir, expert_parallel=2, moe_experts=experts), algo(), 0.7)
-        res = {"logp": [lp for lp, _ in learner.compute_logprobs(SEQS)]}
-        groups = make_groups(3, 4)
-        res["metrics"] = learner.train_step(groups[:2] if learner.rank == 0 else groups[2:])
-        res["after"] = [lp for lp, _ in learner.compute_logprobs(SEQS)]
-        res["export"] = {n: t.clone() for b in learner.export_hf_buckets(4096) for n, t in b}
-        if learner.is_rank0:
-            torch.save(res, out / f"ep2_{experts}.pt")
-        learner.close()
 
 
 @pytest.fixture(scope="module")
@@ -61,48 +35,22 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(model_dir, tmp_path_factory):
-    from slime_async.utils.procs import Child, free_port, python_module, wait_until
-
     out = tmp_path_factory.mktemp("moe_two_ranks")
-    argv = python_module(
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        __file__,
-        str(out),
-        f"model={model_dir}",
-    )
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_with_repo()}
-    child = Child("torchrun-moe-grouped", argv, log_path=out / "log.txt", env=env)
-    try:
-        wait_until(lambda: child.poll() is not None, 900, "the two-rank MoE job to finish")
-        assert child.poll() == 0, child.tail(60)
-    finally:
-        child.stop()
+    run_two_ranks("moe_ep2", out, [str(model_dir)], timeout=900)
     return out
 
 
 def _train_grads(learner: Learner) -> dict[str, torch.Tensor]:
     """Gradients of one PPO loss on fixed groups, keyed by HF name (layout independent)."""
     from slime_async.models import convert
-    from tests.support.learner_worker import make_groups
 
-    captured: dict[str, torch.Tensor] = {}
-    opt = learner.updates.optimizer
-    real_step = opt.step
-
-    def step(lr, tp_group, norm=None):  # read the gradients instead of stepping
-        for name, p in learner.model.named_parameters():
-            for hf, g in convert.megatron_shards_to_hf(name, [p.grad], learner.arch):
-                captured[hf] = g.clone()
-
-    opt.step = step
-    try:
-        learner.train_step(make_groups(3, 4))
-    finally:
-        opt.step = real_step
-    return captured
+    grads = capture_grads(learner)
+    learner.train_step(make_groups(3, 4))
+    return {
+        hf: g
+        for name, grad in grads.items()
+        for hf, g in convert.megatron_shards_to_hf(name, [grad], learner.arch)
+    }
 
 
 def test_grouped_experts_equal_sequential_mlp_at_tp1(model_dir):
@@ -110,7 +58,7 @@ def test_grouped_experts_equal_sequential_mlp_at_tp1(model_dir):
     the experts run as grouped GEMMs or as megatron's SequentialMLP."""
     out = {}
     for experts in ("grouped", "sequential"):
-        learner = Learner(cfg(str(model_dir), moe_experts=experts), algo(), 0.7)
+        learner = Learner(learner_cfg(str(model_dir), moe_experts=experts), algo_cfg(), 0.7)
         try:
             names = [n for n, _ in learner.model.named_parameters() if ".experts." in n]
             stacked = any(n.endswith("experts.weight1") for n in names)
@@ -172,7 +120,7 @@ def test_moe_losses_equal_transformers(model_dir, which):
 
     coeff = 0.37
     kw = {"moe_aux_loss_coeff": coeff} if which == "aux" else {"moe_z_loss_coeff": coeff}
-    learner = Learner(cfg(str(model_dir), **kw), algo(), 0.7)
+    learner = Learner(learner_cfg(str(model_dir), **kw), algo_cfg(), 0.7)
     try:
         rows = [Row(np.asarray(s, dtype=np.int64), prompt_len=1) for s in SEQS]
         mb = collate(rows, [0, 1, 2], learner.device)
@@ -215,9 +163,3 @@ def test_moe_losses_equal_transformers(model_dir, which):
         want_g = hf.model.layers[i].mlp.gate.weight.grad
         assert float(want_g.abs().sum()) > 0
         assert torch.allclose(got_grads[i], want_g, atol=1e-6, rtol=1e-4), i
-
-
-if __name__ == "__main__":  # the torchrun worker
-    sys.path.insert(0, str(REPO))
-    args = dict(a.split("=", 1) for a in sys.argv[2:])
-    worker(Path(sys.argv[1]), args["model"])
