@@ -64,7 +64,9 @@ class MoeLosses:
         """MoE layer -> [E] sums of router probabilities over real tokens (global), detached."""
         self.tokens: torch.Tensor | None = None
         self.z_sums: dict[int, torch.Tensor] = {}
-        self.totals = [0.0, 0.0, 0]  # aux, z (weighted by micro-batch), forward passes
+        self.totals: torch.Tensor | None = None
+        """[2] (aux, z) summed over forwards, each weighted by its micro-batch's share."""
+        self.forwards = 0
 
     @property
     def active(self) -> bool:
@@ -130,26 +132,32 @@ class MoeLosses:
         return weight * self.aux_coeff * self.num_experts * f / (self.num_layers * n)
 
     def end(self) -> None:
-        """Add this forward's loss values (unscaled by coeff: the losses as HF reports them)."""
+        """Add this forward's loss values (unscaled by coeff: the losses as HF reports them);
+        kept on the device, read by `take` once a step."""
+        self.recording = False
         if not (self.counts or self.z_sums):
             return
-        n = float(self.tokens.clamp(min=1.0))
-        ln = self.num_layers * n
+        ln = self.num_layers * self.tokens.clamp(min=1.0)
+        aux = z = torch.zeros((), dtype=torch.float32, device=self.tokens.device)
         if self.counts:
             f = torch.stack(list(self.counts.values())).sum(0) / ln
             p = torch.stack(list(self.prob_sums.values())).sum(0) / ln
-            self.totals[0] += self.weight * float(self.num_experts * (f * p).sum())
+            aux = self.num_experts * (f * p).sum()
         if self.z_sums:
-            self.totals[1] += self.weight * float(sum(self.z_sums.values())) / ln
-        self.totals[2] += 1
-        self.recording = False
+            z = torch.stack(list(self.z_sums.values())).sum() / ln
+        step = torch.stack([aux, z]) * self.weight
+        self.totals = step if self.totals is None else self.totals + step
+        self.forwards += 1
 
     def take(self) -> tuple[float, float, int]:
         """(load-balancing loss, z-loss, forward passes) summed since the last call, each
         forward weighted by its micro-batch's share."""
-        out = (self.totals[0], self.totals[1], int(self.totals[2]))
-        self.totals = [0.0, 0.0, 0]
-        return out
+        totals, n = self.totals, self.forwards
+        self.totals, self.forwards = None, 0
+        if totals is None:
+            return 0.0, 0.0, 0
+        aux, z = totals.tolist()
+        return aux, z, n
 
 
 class _AuxGrad(torch.autograd.Function):

@@ -163,3 +163,22 @@ def test_moe_losses_equal_transformers(model_dir, which):
         want_g = hf.model.layers[i].mlp.gate.weight.grad
         assert float(want_g.abs().sum()) > 0
         assert torch.allclose(got_grads[i], want_g, atol=1e-6, rtol=1e-4), i
+
+
+def test_routing_replay_takes_sglangs_every_layer_layout(model_dir):
+    """SGLang reports routing for every decoder layer (dense ones hold nothing useful): the
+    learner keeps the MoE layers' columns; a width that fits neither layout is refused."""
+    learner = Learner(learner_cfg(str(model_dir), routing_replay=True), algo_cfg(), 0.7)
+    try:
+        k, moe = learner.arch.moe_topk, list(learner.arch.moe_layers)
+        assert learner.arch.num_layers == 3 and moe == [0, 2]
+        every = np.arange(8 * 3 * k, dtype=np.int32).reshape(8, 3, k) % learner.arch.num_experts
+        row = Row(np.arange(9, dtype=np.int64), prompt_len=2, routed=every.reshape(8, -1))
+        out = learner.ppo.check_routed([row])
+        assert out["moe/replay_missing_trajectories"] == 0.0
+        assert np.array_equal(row.routed, every[:, moe].reshape(8, -1))
+        bad = Row(np.arange(9, dtype=np.int64), prompt_len=2, routed=every.reshape(8, -1)[:, :5])
+        with pytest.raises(ValueError, match="do not fit 2 MoE layers"):
+            learner.ppo.check_routed([bad])
+    finally:
+        learner.close()
