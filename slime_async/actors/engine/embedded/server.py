@@ -179,8 +179,9 @@ class EmbeddedEngine:
         self.ignored_fields = 0
         """/generate requests that carried top-level fields SGLang ignores (each one logged)."""
         self.routed_unavailable = 0
-        """return_routed_experts answers left without routed_experts: the request's KV was
-        freed before it ran again (retracted, then aborted while waiting); each logged."""
+        """return_routed_experts answers left without routed_experts: the request was aborted
+        while waiting, before its forward passes ran (or ran again after a retraction); each
+        logged."""
         self.started_at = time.time()
 
     # ---- app ------------------------------------------------------------------------------
@@ -504,8 +505,8 @@ class EmbeddedEngine:
         if routed is None:
             self.routed_unavailable += 1
             log.warning(
-                "request %s: no routed experts to return (its KV was freed before it finished; "
-                "%d such answers so far)",
+                "request %s: no routed experts to return (aborted before it ran, or retracted and "
+                "aborted before it ran again: no forward pass holds its tokens; %d so far)",
                 r.rid,
                 self.routed_unavailable,
             )
