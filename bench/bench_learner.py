@@ -114,11 +114,11 @@ def hf_logprobs(model, tokens: torch.Tensor, first: int = 1) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, first:, None])[..., 0]
 
 
-def hf_train_steps(model, group: TrainGroup, args, n: int) -> float:
+def hf_train_steps(model, group: TrainGroup, args, n: int, times: list | None = None) -> float:
     """Seconds per step of the HF baseline: the response tokens' log-probs (fp32 log-softmax
     of the LM head's logits at the response positions only), the PPO-clip loss on them (no
     entropy, no KL: the learner's algo has entropy_coef = kl_coef = 0 too), backward, and the
-    fp32-master AdamW (`MasterAdamW`, the learner's CPU optimizer)."""
+    fp32-master AdamW (`MasterAdamW`, the learner's CPU optimizer). `times` gets each step's."""
     opt = MasterAdamW(model, LearnerConfig(lr=1e-6))
     dev = next(model.parameters()).device
     tokens = torch.tensor(np.stack([np.concatenate([t.prompt_ids, t.response_ids]) for t in group]))
@@ -128,7 +128,7 @@ def hf_train_steps(model, group: TrainGroup, args, n: int) -> float:
     adv = ((rewards - rewards.mean()) / (rewards.std() + 1e-6))[:, None]
     behavior = torch.tensor(np.stack([t.logprobs for t in group]), device=dev)
     model.train()
-    times = []
+    times = [] if times is None else times
     for i in range(args.warmup + n):
         sync()
         t0 = time.perf_counter()

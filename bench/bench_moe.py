@@ -1,16 +1,27 @@
 """Qwen3-MoE on one GPU: the learner's train step and the embedded engine beside HF transformers.
 
     python bench/bench_moe.py [--layers 4 --batch 4 --seq 1024] [--part learner|engine|both]
+    python bench/bench_moe.py --part learner --sides grouped,sequential,hf
 
 A reduced-depth Qwen3-30B-A3B shape (its width and experts, `--layers` layers, random init,
 bf16): hidden 2048, 32 heads of 128, 4 kv heads, 128 experts of width 768, top 8 (renormalised),
 vocab 151,936, untied embeddings.
 
-- learner: one optimizer step on `--batch` x `--seq` tokens (GRPO, ppo_clip), at EP 1 (one GPU:
-  EP 2 needs two), tokens/s and peak memory, beside HF transformers doing the same step (its
-  log-probs, PPO clip, backward, the same fp32-master AdamW) in the same process.
+- learner: one optimizer step on `--batch` x `--seq` tokens (GRPO, ppo_clip), at EP 1 (one GPU),
+  with the experts as grouped GEMMs (`learner.moe_experts = "grouped"`) and, with `sequential`
+  in `--sides`, as megatron's SequentialMLP; beside HF transformers doing the same step (its
+  log-probs at the response positions, PPO clip, backward, the same fp32-master AdamW; its own
+  experts implementation, `grouped_mm` by default in transformers 5). Each side runs in its own
+  process, so each has the GPU's memory to itself; each reports the mean step time with its
+  spread (min-max over `--steps` steps) and its peak memory.
 - engine: the embedded engine (HTTP, greedy, `--new-tokens`) at each of `--batches` concurrent
-  requests, beside HF `generate()` on the same prompts.
+  requests, beside HF `generate()` on the same prompts (after the engine has exited).
+
+MFU: model FLOPs per second over the dense bf16 peak (`--peak-tflops`, 989 for an H100/H200),
+counting 6 x the parameters each token goes through (attention, router, its top-k experts, the
+output layer; the embedding is a lookup) plus causal attention, 12 x layers x seq/2 x heads x
+head_dim per token, for a train step; 2 x those parameters (and 4 x layers x context x heads x
+head_dim) per generated token.
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -59,49 +72,118 @@ def make_model_dir(out: Path, args) -> Path:
                     layer.mlp.gate.weight.normal_(0.0, 0.02)
     model.save_pretrained(out, safe_serialization=True)
     save_tokenizer(char_tokenizer(), out)
-    return out
-
-
-def bench_learner_step(args, model_dir: Path) -> dict:
-    on_gpu = torch.cuda.is_available()
-    out: dict = {}
-    group = bench_learner.make_group(args, np.random.default_rng(0))
-    cfg = LearnerConfig(
-        model_path=str(model_dir),
-        dtype="bfloat16" if on_gpu else "float32",
-        lr=1e-6,
-        micro_batch_tokens=args.batch * args.seq,
-    )
-    # One PPO update per step, as the HF baseline does (see bench_learner.py).
-    learner = Learner(cfg, AlgoConfig(loss="ppo_clip", advantage="grpo", mini_batches=1))
-    out["params"] = sum(p.numel() for p in learner.model.parameters())
-    times = []
-    for i in range(args.warmup + args.steps):
-        bench_learner.sync()
-        t0 = time.perf_counter()
-        learner.train_step([group])
-        bench_learner.sync()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    tokens = args.batch * args.seq
-    out["learner_tokens_per_s"] = tokens / float(np.mean(times))
-    if on_gpu:
-        out["learner_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    dev = learner.device
-    # The learner's memory goes before HF's model comes (one GPU holds one at a time).
-    learner.model.to("cpu")
-    # megatron's DDP holds the gradient buffers
-    learner.updates.optimizer = learner.updates.train_model = None
-    if on_gpu:
+    del model  # the sides run in processes of their own: give them this memory back
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(dev)
-    out["hf_tokens_per_s"] = tokens / bench_learner.hf_train_steps(hf, group, args, args.steps)
-    if on_gpu:
-        out["hf_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    learner.close()
-    out["ratio_learner_over_hf"] = out["learner_tokens_per_s"] / out["hf_tokens_per_s"]
     return out
+
+
+def active_params(args) -> int:
+    """Parameters one token goes through (not the embedding: a lookup)."""
+    attn = args.hidden * args.head_dim * (2 * args.heads + 2 * args.kv_heads)
+    experts = args.topk * 3 * args.hidden * args.moe_ffn + args.hidden * args.experts
+    return args.layers * (attn + experts) + args.hidden * args.vocab
+
+
+def train_flops_per_token(args) -> float:
+    attention = 12 * args.layers * (args.seq / 2) * args.heads * args.head_dim
+    return 6 * active_params(args) + attention
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_tflops: float) -> float:
+    return tokens_per_s * flops_per_token / (peak_tflops * 1e12)
+
+
+def spread(times: list[float]) -> dict:
+    return {
+        "step_s_mean": float(np.mean(times)),
+        "step_s_min": float(np.min(times)),
+        "step_s_max": float(np.max(times)),
+    }
+
+
+def run_side(args, model_dir: Path, side: str) -> dict:
+    """One side of the learner comparison, in this process (the parent runs each in its own)."""
+    on_gpu = torch.cuda.is_available()
+    group = bench_learner.make_group(args, np.random.default_rng(0))
+    tokens = args.batch * args.seq
+    out: dict = {"side": side}
+    if side == "hf":
+        dev = "cuda" if on_gpu else "cpu"
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(dev)
+        out["experts_implementation"] = getattr(hf.config, "_experts_implementation", None)
+        times = hf_step_times(hf, group, args)
+    else:
+        cfg = LearnerConfig(
+            model_path=str(model_dir),
+            dtype="bfloat16" if on_gpu else "float32",
+            lr=1e-6,
+            micro_batch_tokens=tokens,
+            moe_experts=side,
+        )
+        # One PPO update per step, as the HF baseline does (see bench_learner.py).
+        learner = Learner(cfg, AlgoConfig(loss="ppo_clip", advantage="grpo", mini_batches=1))
+        out["params"] = sum(p.numel() for p in learner.model.parameters())
+        times = []
+        for i in range(args.warmup + args.steps):
+            bench_learner.sync()
+            t0 = time.perf_counter()
+            learner.train_step([group])
+            bench_learner.sync()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        learner.close()
+    out.update(spread(times))
+    out["tokens_per_s"] = tokens / out["step_s_mean"]
+    out["mfu"] = mfu(out["tokens_per_s"], train_flops_per_token(args), args.peak_tflops)
+    if on_gpu:
+        out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def hf_step_times(model, group, args) -> list[float]:
+    """Seconds of each HF step after --warmup: bench_learner's HF baseline (response log-probs,
+    PPO clip, backward, the fp32-master AdamW)."""
+    import torch.distributed as dist
+
+    from slime_async.utils.procs import free_port
+
+    if not dist.is_initialized():  # MasterAdamW reduces over (one-rank) process groups
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
+    times: list[float] = []
+    bench_learner.hf_train_steps(model, group, args, args.steps, times=times)
+    return times
+
+
+def bench_learner_sides(args, model_dir: Path) -> dict:
+    """Each side in a child process of its own; their JSON lines collected."""
+    rows = {}
+    for side in args.sides.split(","):
+        cmd = [sys.executable, __file__, "--side", side, "--model-dir", str(model_dir)]
+        cmd += [f"--{k.replace('_', '-')}={v}" for k, v in shape_args(args).items()]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.side_timeout)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"side {side} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+        rows[side] = json.loads(lines[-1])
+        print(f"learner side {side}: {json.dumps(rows[side])}", flush=True)
+    if "hf" in rows:
+        for side, row in rows.items():
+            if side != "hf":
+                row["ratio_over_hf"] = row["tokens_per_s"] / rows["hf"]["tokens_per_s"]
+    return rows
+
+
+def shape_args(args) -> dict:
+    keys = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "experts", "topk")
+    keys += ("moe_ffn", "vocab", "batch", "seq", "warmup", "steps", "peak_tflops")
+    return {k: getattr(args, k) for k in keys}
+
+
+def decode_flops_per_token(args, context: int) -> float:
+    return 2 * active_params(args) + 4 * args.layers * context * args.heads * args.head_dim
 
 
 def bench_engine_generate(args, model_dir: Path, work: Path) -> list[dict]:
@@ -111,23 +193,44 @@ def bench_engine_generate(args, model_dir: Path, work: Path) -> list[dict]:
     child, url = bench_engine.start_engine(
         model_dir, device, dtype, max(batches), work / "engine.log", 0 if device == "cuda" else 1
     )
+    flops = decode_flops_per_token(args, args.prompt_len + args.new_tokens // 2)
     rows = []
     try:
         for b in batches:
             prompts = bench_engine.prompts_for(b, args.prompt_len, args.vocab)
-            eng = asyncio.run(bench_engine.engine_tokens_per_s(url, prompts, args.new_tokens))
-            rows.append({"batch": b, "engine_tokens_per_s": eng})
-            print(f"batch {b}: engine {eng:.0f} tok/s", flush=True)
+            runs = [
+                asyncio.run(bench_engine.engine_tokens_per_s(url, prompts, args.new_tokens))
+                for _ in range(args.repeats)
+            ]
+            eng = float(np.mean(runs))
+            rows.append(
+                {
+                    "batch": b,
+                    "engine_tokens_per_s": eng,
+                    "engine_min_max": [min(runs), max(runs)],
+                    "engine_mfu": mfu(eng, flops, args.peak_tflops),
+                }
+            )
+            print(
+                f"batch {b}: engine {eng:.0f} tok/s ({min(runs):.0f}-{max(runs):.0f})", flush=True
+            )
     finally:
         child.stop()
+    graphs = [ln for ln in (work / "engine.log").read_text().splitlines() if "CUDA graph" in ln]
+    print(f"engine: {graphs[-1] if graphs else 'no CUDA graph line in its log'}", flush=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
     hf.eval()
     for row in rows:
         prompts = bench_engine.prompts_for(row["batch"], args.prompt_len, args.vocab)
         with torch.inference_mode():
-            ref = bench_engine.hf_tokens_per_s(hf, prompts, args.new_tokens, device)
-        row["hf_tokens_per_s"] = ref
-        print(f"batch {row['batch']}: HF generate {ref:.0f} tok/s", flush=True)
+            runs = [
+                bench_engine.hf_tokens_per_s(hf, prompts, args.new_tokens, device)
+                for _ in range(args.repeats)
+            ]
+        row["hf_tokens_per_s"] = float(np.mean(runs))
+        row["hf_min_max"] = [min(runs), max(runs)]
+        row["ratio_over_hf"] = row["engine_tokens_per_s"] / row["hf_tokens_per_s"]
+        print(f"batch {row['batch']}: HF generate {row['hf_tokens_per_s']:.0f} tok/s", flush=True)
     return rows
 
 
@@ -147,21 +250,31 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--sides", default="grouped,hf", help="learner sides: grouped,sequential,hf")
+    ap.add_argument("--side-timeout", type=float, default=1800.0)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="engine/HF generate runs per batch")
+    ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--part", choices=["learner", "engine", "both"], default="both")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: one learner side
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.side:
+        print(json.dumps(run_side(args, Path(args.model_dir), args.side)), flush=True)
+        return
     results: dict = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "shape": {k: v for k, v in vars(args).items() if k not in ("json", "part")},
+        "shape": {k: v for k, v in vars(args).items() if k not in ("json", "part", "side")},
+        "active_params": active_params(args),
+        "train_gflop_per_token": train_flops_per_token(args) / 1e9,
     }
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp) / "model", args)
         if args.part in ("learner", "both"):
-            results["learner"] = bench_learner_step(args, model_dir)
-            print(json.dumps(results["learner"]), flush=True)
+            results["learner"] = bench_learner_sides(args, model_dir)
         if args.part in ("engine", "both"):
             results["engine"] = bench_engine_generate(args, model_dir, Path(tmp))
     print(json.dumps(results, indent=2))

@@ -55,7 +55,17 @@ class LearnerConfig(Section):
     """Expert-parallel size of a mixture-of-experts model: its experts are split over this many
     ranks, carved out of the data-parallel ranks (world size must be divisible by it)."""
     moe_aux_loss_coeff: float = Field(0.0, ge=0)
-    """Weight of megatron's auxiliary load-balancing loss on MoE routers (0: off)."""
+    """Weight of the MoE load-balancing loss, computed as transformers' Qwen3-MoE does
+    (`load_balancing_loss_func`, pooled over every MoE layer and real token; its
+    `router_aux_loss_coef`); 0: off."""
+    moe_z_loss_coeff: float = Field(0.0, ge=0)
+    """Weight of the MoE router z-loss, the mean over MoE layers and real tokens of
+    `logsumexp(router logits)^2` (ST-MoE's); 0: off."""
+    moe_experts: Literal["grouped", "sequential"] = "grouped"
+    """How the learner runs a MoE layer's experts: "grouped" (two grouped GEMMs for all local
+    experts, `torch._grouped_mm` on a GPU in bf16, an exact per-expert loop elsewhere) or
+    "sequential" (megatron-core's SequentialMLP, one expert module after another; the same
+    math, for comparison)."""
     routing_replay: bool = False
     """MoE: the learner's forward takes the experts each token went through at generation
     (`Trajectory.routed_experts`, which the engines return) instead of routing again."""

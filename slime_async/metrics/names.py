@@ -68,6 +68,9 @@ GEN_REWARD_STD = "gen/reward/std"
 GEN_RESPONSE_LEN_MEAN = "gen/response_len/mean"
 GEN_RESPONSE_LEN_MAX = "gen/response_len/max"
 GEN_RESUMES = "gen/resumes"
+GEN_ROUTING_MISSING = "gen/routing_missing"
+"""Routing replay: generations whose engine answers lacked routed experts for some tokens (or
+did not fit); their trajectories carry none and the learner routes them itself (logged)."""
 GEN_ENGINE_ERRORS = "gen/engine_errors"
 """Engine calls of rollouts that failed after the pool's own fail-over (the rollout is retried)."""
 GEN_ENGINE_FAILOVERS = "gen/engine_failovers"
@@ -187,6 +190,12 @@ MOE_REPLAY_TOKENS = "moe/replayed_tokens"
 MOE_REPLAY_MISSING = "moe/replay_missing_trajectories"
 """learner.routing_replay: trajectories of the step that carried no routed_experts (an engine
 that did not return them); they went through the learner's own routing."""
+MOE_AUX_LOSS = "moe/aux_loss"
+"""learner.moe_aux_loss_coeff > 0: the load-balancing loss (before its coefficient) as
+transformers computes it, averaged over the step's updates."""
+MOE_Z_LOSS = "moe/z_loss"
+"""learner.moe_z_loss_coeff > 0: the router z-loss (before its coefficient), averaged over the
+step's updates."""
 PACKED_MICRO_BATCHES = "learner/packed_micro_batches"
 """Training micro-batches of the step that ran packed (several rows in one, no padding); with
 learner.pack_sequences unset (auto) a mini-batch is packed when padded micro-batches would spend

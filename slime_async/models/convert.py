@@ -8,8 +8,11 @@ Layouts (megatron-core local spec):
   slice of `cat(gate, up)`.
 - Column-parallel weights (embedding, qkv, fc1, output layer) shard dim 0; row-parallel
   (`linear_proj`, `linear_fc2`) dim 1; norms are replicated.
-- Routed experts (`mlp.experts.local_experts.{i}`) are split by index over EP ranks, never over
-  TP (`expert_tensor_parallel_size = 1`): local expert i of EP rank r is expert r * (E / ep) + i.
+- Routed experts are split by index over EP ranks, never over TP (`expert_tensor_parallel_size
+  = 1`): local expert i of EP rank r is expert r * (E / ep) + i. Grouped experts
+  (`mlp.experts.weight1 [E_local, 2I, H]`, `weight2 [E_local, H, I]`, `moe_layer.py`) stack
+  the local experts' `linear_fc1` / `linear_fc2`; megatron's SequentialMLP keeps one module per
+  expert (`mlp.experts.local_experts.{i}.linear_fc{1,2}.weight`).
 
 The family says the HF names of each layer's parameters and how its checkpoint stores gate and
 up (`Family.layer_names`, `expert_names`, `fc1_from_hf`, `fc1_to_hf`). Conversions are
@@ -48,6 +51,8 @@ _TOP_NAMES = {  # megatron -> HF names outside the decoder layers, the same in e
 }
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
+_STACKED = re.compile(r"mlp\.experts\.weight([12])")
+_STACKED_FC = {"1": "linear_fc1", "2": "linear_fc2"}
 
 
 class ConversionError(ValueError):
@@ -72,7 +77,12 @@ def hf_names(mname: str, arch: ModelArch, ep_rank: int = 0, ep_size: int = 1) ->
         raise ConversionError(f"no HF name for megatron parameter {mname!r}")
     family = family_of(arch.family)
     e = _EXPERT.fullmatch(m.group(2))
-    if e:
+    st = _STACKED.fullmatch(m.group(2))
+    if st:  # every local expert's tensors, expert after expert
+        local = arch.num_experts // ep_size
+        fc = _STACKED_FC[st.group(1)]
+        names = tuple(n for i in range(local) for n in family.expert_names(ep_rank * local + i, fc))
+    elif e:
         g = ep_rank * (arch.num_experts // ep_size) + int(e.group(1))
         names = family.expert_names(g, e.group(2))
     else:
@@ -80,6 +90,11 @@ def hf_names(mname: str, arch: ModelArch, ep_rank: int = 0, ep_size: int = 1) ->
     if names is None:
         raise ConversionError(f"no HF name for megatron parameter {mname!r}")
     return [f"model.layers.{m.group(1)}.{s}" for s in names]
+
+
+def is_stacked_expert(mname: str) -> bool:
+    """Whether `mname` stacks all local experts along its dim 0 (grouped experts)."""
+    return _STACKED.search(mname) is not None
 
 
 def partition_dim(mname: str) -> int | None:
@@ -124,6 +139,12 @@ def hf_to_megatron_shard(
     mname: str, hf: list[torch.Tensor], arch: ModelArch, tp_rank: int, tp_size: int
 ) -> torch.Tensor:
     """This TP rank's shard of Megatron parameter `mname` from its full HF tensors."""
+    if is_stacked_expert(mname):
+        fc1 = mname.endswith("weight1")
+        fam = family_of(arch.family)
+        per = len(fam.expert_names(0, "linear_fc1" if fc1 else "linear_fc2"))
+        groups = [hf[i : i + per] for i in range(0, len(hf), per)]
+        return torch.stack([torch.cat(fam.fc1_from_hf(g), 0) if fc1 else g[0] for g in groups])
     if mname.endswith("linear_fc1.weight"):
         hf = family_of(arch.family).fc1_from_hf(hf)
         if is_expert(mname):
@@ -141,6 +162,13 @@ def megatron_shards_to_hf(
     """HF (name, tensor) pairs from the TP shards (rank order) of Megatron parameter `mname`
     (an expert parameter: its one tensor, from EP rank `ep_rank` of `ep_size`)."""
     names = hf_names(mname, arch, ep_rank, ep_size)
+    if is_stacked_expert(mname):
+        (stacked,) = shards
+        if mname.endswith("weight2"):
+            return [(n, t.detach().contiguous()) for n, t in zip(names, stacked, strict=True)]
+        fam = family_of(arch.family)
+        tensors = [t for w in stacked for t in fam.fc1_to_hf(*w.chunk(2, dim=0))]
+        return [(n, t.detach().contiguous()) for n, t in zip(names, tensors, strict=True)]
     if mname.endswith("linear_fc1.weight"):
         halves = [s.chunk(2, dim=0) for s in shards]
         gate = torch.cat([h[0] for h in halves], dim=0)

@@ -8,7 +8,8 @@ Transformer Engine, no apex), so the same code runs on CPU (gloo) and GPU (NCCL)
 Mixture-of-experts models (ModelArch's MoE fields) get megatron's MoE layer on their MoE layers:
 top-k of the router logits, then a softmax over those k (HF's softmax -> top-k -> renormalise,
 the same values), or, without `moe_norm_topk`, a softmax over all experts first (megatron's
-`moe_router_pre_softmax`); experts as SwiGLU MLPs (megatron's SequentialMLP). Experts are never
+`moe_router_pre_softmax`); experts as SwiGLU MLPs run as grouped GEMMs, the layer dispatching
+without host syncs and adding HF's auxiliary losses (`moe_layer.py`). Experts are never
 TP-sharded here (`expert_tensor_parallel_size = 1`): expert parallelism shards them by index;
 with TP > 1 megatron's MoE needs sequence parallelism, so it is on for MoE models at TP > 1
 (sequence lengths are padded to a multiple of TP).
@@ -38,10 +39,14 @@ def build_gpt_model(
     routing_replay: bool = False,
     attention: str = "sdpa",
     recompute: str = "none",
+    moe_experts: str = "grouped",
+    moe_z_loss_coeff: float = 0.0,
 ):
     """A GPTModel for `arch` on this rank's TP/EP shard; `init=False` skips random init (to load).
 
-    `moe_aux_loss_coeff` > 0 adds megatron's load-balancing loss (MoE models);
+    `moe_aux_loss_coeff` > 0 adds HF's load-balancing loss, `moe_z_loss_coeff` > 0 the router
+    z-loss (MoE models, `moe_layer.MoeLosses`); `moe_experts`: "grouped" (grouped GEMMs,
+    `moe_layer.GroupedExperts`) or "sequential" (megatron's SequentialMLP);
     `routing_replay` builds the routers with megatron's RouterReplay (see `routing.py`);
     `attention`: "sdpa" (torch's fused kernels, `attention.py`), "local" (megatron's unfused
     DotProductAttention) or "te" (Transformer Engine's); `recompute`: "none", "selective" (core
@@ -68,8 +73,9 @@ def build_gpt_model(
             moe_router_pre_softmax=not arch.moe_norm_topk,
             moe_grouped_gemm=False,
             moe_token_dispatcher_type="alltoall",
-            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
-            moe_aux_loss_coeff=moe_aux_loss_coeff,
+            # The auxiliary losses are HF's, computed by moe_layer.MoeLosses, not megatron's.
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=1,
             moe_enable_routing_replay=routing_replay,
@@ -83,6 +89,11 @@ def build_gpt_model(
     elif routing_replay:
         raise UnsupportedModel(
             f"learner.routing_replay needs a mixture-of-experts model ({arch.family} is dense)"
+        )
+    elif moe_aux_loss_coeff > 0 or moe_z_loss_coeff > 0:
+        raise UnsupportedModel(
+            "learner.moe_aux_loss_coeff and learner.moe_z_loss_coeff need a mixture-of-experts "
+            f"model ({arch.family} is dense)"
         )
     config = TransformerConfig(
         num_layers=arch.num_layers,
@@ -121,7 +132,7 @@ def build_gpt_model(
     theta = arch.rope_theta
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_block_spec(arch, attention),
+        transformer_layer_spec=_block_spec(arch, attention, moe_experts),
         rotary_percent=arch.rotary_percent,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
@@ -132,6 +143,19 @@ def build_gpt_model(
     )
     # torch.nn.RMSNorm ignores params_dtype; the whole model computes in one dtype.
     model.to(dtype=dtype)
+    if arch.is_moe:
+        from slime_async.models.moe_layer import MoeLosses, attach_losses
+
+        losses = MoeLosses(
+            len(arch.moe_layers),
+            arch.num_experts,
+            arch.moe_topk,
+            moe_aux_loss_coeff,
+            moe_z_loss_coeff,
+        )
+        if tp > 1:  # sequence parallelism: each TP rank routes its own chunk
+            losses.tp_group = parallel_state.get_tensor_model_parallel_group()
+        attach_losses(model, losses)
     if not init:
         _mark_tensor_parallel(model)
     if not on_cpu:
@@ -199,7 +223,7 @@ def _core_attention(attention: str):
     raise ValueError(f"attention must be sdpa, local or te (got {attention!r})")
 
 
-def _block_spec(arch: ModelArch, attention: str = "sdpa"):
+def _block_spec(arch: ModelArch, attention: str = "sdpa", moe_experts: str = "grouped"):
     """Per-layer specs of megatron's local layer: dense or MoE MLP, the core attention chosen
     (`_core_attention`), as the family changes them.
 
@@ -210,6 +234,8 @@ def _block_spec(arch: ModelArch, attention: str = "sdpa"):
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from slime_async.models.moe_layer import moe_spec
 
     norm = _norm_class()
     core = _core_attention(attention)
@@ -233,6 +259,8 @@ def _block_spec(arch: ModelArch, attention: str = "sdpa"):
         sub = dataclasses.replace(
             sub, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attn
         )
+        if moe:
+            sub = dataclasses.replace(sub, mlp=moe_spec(sub.mlp, moe_experts))
         return family.layer_spec(dataclasses.replace(spec, submodules=sub), norm)
 
     moe_layers = set(arch.moe_layers)

@@ -35,7 +35,8 @@ def _count_differences(rr) -> None:
     counts the valid tokens whose expert set differs from the replayed one."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    rr.slime_counts = [0.0, 0.0]  # [tokens whose own top-k differs, tokens compared]
+    # [tokens whose own top-k differs, tokens compared], on the device: read once a step.
+    rr.slime_counts = [0.0, 0.0]
     rr.slime_valid = None
     replay_topk = rr.get_replay_topk
 
@@ -48,8 +49,8 @@ def _count_differences(rr) -> None:
                 target = rr.target_topk_idx.to(own.device)
                 same = (own.sort(-1).values == target.sort(-1).values).all(-1)
                 valid = rr.slime_valid.to(own.device)
-                rr.slime_counts[0] += float((~same & valid).sum())
-                rr.slime_counts[1] += float(valid.sum())
+                rr.slime_counts[0] = rr.slime_counts[0] + (~same & valid).sum()
+                rr.slime_counts[1] = rr.slime_counts[1] + valid.sum()
         return replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
 
     rr.get_replay_topk = get_replay_topk
@@ -84,10 +85,20 @@ def take_counts(model: torch.nn.Module) -> tuple[float, float]:
     """(tokens x layers whose own routing differed, tokens x layers compared) since last call."""
     diff = total = 0.0
     for rr in routers(model):
-        diff += rr.slime_counts[0]
-        total += rr.slime_counts[1]
+        diff += float(rr.slime_counts[0])
+        total += float(rr.slime_counts[1])
         rr.slime_counts = [0.0, 0.0]
     return diff, total
+
+
+def router_token_mask(input_lens: torch.Tensor, s: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """`[s_local * B]` bool: the real tokens of padded rows of `input_lens` `[B]` in the order a
+    router sees them (sequence-major, this TP rank's sequence chunk); S a multiple of tp_size."""
+    chunk = s // tp_size
+    lo, hi = tp_rank * chunk, (tp_rank + 1) * chunk
+    lens = input_lens.to(input_lens.device)
+    valid = torch.arange(s, device=lens.device)[:, None] < lens[None, :]  # [S, B]
+    return valid[lo:hi].reshape(-1)
 
 
 def replay_targets(

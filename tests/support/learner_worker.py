@@ -261,6 +261,23 @@ def task_dp2_ddp(out: Path, model_dirs: list[str]) -> None:
         learner.close()
 
 
+def task_moe_ep2(out: Path, model_dirs: list[str]) -> None:
+    """A Qwen3-MoE learner at EP 2 with grouped and with sequential experts: log-probs, one
+    update on different data per rank, log-probs after it, the HF export."""
+    seqs = [[2, 5, 6, 7, 8, 9, 10, 11, 12], [2, 20, 21, 22], [2, 30, 31, 32, 33, 34, 35]]
+    for experts in ("grouped", "sequential"):
+        cfg = learner_cfg(model_dirs[0], expert_parallel=2, moe_experts=experts)
+        learner = Learner(cfg, algo_cfg(), 0.7)
+        res = {"logp": [lp for lp, _ in learner.compute_logprobs(seqs)]}
+        groups = make_groups(3, 4)
+        res["metrics"] = learner.train_step(groups[:2] if learner.rank == 0 else groups[2:])
+        res["after"] = [lp for lp, _ in learner.compute_logprobs(seqs)]
+        res["export"] = {n: t.clone() for b in learner.export_hf_buckets(4096) for n, t in b}
+        if dist.get_rank() == 0:
+            torch.save(res, out / f"ep2_{experts}.pt")
+        learner.close()
+
+
 def run_two_ranks(task: str, out: Path, model_dirs: list[str], timeout: float) -> None:
     """Run `task` of this file under torchrun with 2 gloo ranks; fail with its log if it fails."""
     argv = python_module(
@@ -293,6 +310,7 @@ if __name__ == "__main__":
         "dp2": task_dp2,
         "dp2_mb": task_dp2_minibatches,
         "dp2_ddp": task_dp2_ddp,
+        "moe_ep2": task_moe_ep2,
     }
     tasks[task](Path(out_dir), dirs)
 

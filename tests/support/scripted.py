@@ -13,3 +13,5 @@ class Out:
     versions: list
     finish_reason: object
     engine_url: str = "e0"
+    routed_experts: object = None
+    """Flat int32 routed experts (routing replay), as the engine client decodes them."""

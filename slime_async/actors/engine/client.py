@@ -68,8 +68,9 @@ class GenerateOutput:
     finish_message: str | None = None
     meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
     routed_experts: np.ndarray | None = field(default=None, repr=False)
-    """Flat int32 experts of every token of prompt + output but the last, per MoE layer and
-    top-k slot (SGLang's `meta_info.routed_experts`, asked for by `return_routed_experts`)."""
+    """Flat int32 experts of every token of prompt + output but the last (from
+    `routed_experts_start_len` on when asked), per MoE layer and top-k slot (SGLang's
+    `meta_info.routed_experts`, asked for by `return_routed_experts`)."""
 
 
 def parse_weight_version(value: object) -> int:
@@ -239,8 +240,10 @@ class EngineClient:
         rid: str | None = None,
         return_logprob: bool = True,
         max_retries: int | None = None,
+        routed_start: int = 0,
     ) -> GenerateOutput:
-        """POST /generate for one prompt of token ids."""
+        """POST /generate for one prompt of token ids; with `return_routed_experts`, the
+        routing of positions from `routed_start` on (SGLang's routed_experts_start_len)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
@@ -250,6 +253,8 @@ class EngineClient:
             body["rid"] = rid
         if self.return_routed_experts:
             body["return_routed_experts"] = True
+            if routed_start:
+                body["routed_experts_start_len"] = int(routed_start)
         out = await self.call("POST", "/generate", body, max_retries=max_retries)
         if not isinstance(out, dict):
             raise EngineError(

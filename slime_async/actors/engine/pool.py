@@ -97,8 +97,10 @@ class EnginePool:
         sampling_params: dict[str, Any],
         rid: str | None = None,
         return_logprob: bool = True,
+        routed_start: int = 0,
     ) -> GenerateOutput:
-        """/generate on the least busy engine that is up, failing over as described above."""
+        """/generate on the least busy engine that is up, failing over as described above
+        (`routed_start`: see `EngineClient.generate`)."""
         attempt, last_error = 0, None
         while True:
             url = self._pick()
@@ -106,7 +108,12 @@ class EnginePool:
                 self.in_flight[url] += 1
                 try:
                     return await self.clients[url].generate(
-                        input_ids, sampling_params, rid, return_logprob, max_retries=0
+                        input_ids,
+                        sampling_params,
+                        rid,
+                        return_logprob,
+                        max_retries=0,
+                        routed_start=routed_start,
                     )
                 except EngineRequestError:
                     raise

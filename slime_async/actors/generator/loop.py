@@ -89,6 +89,7 @@ from slime_async.metrics import (
     GEN_REWARD_RETRIES,
     GEN_REWARD_STD,
     GEN_ROLLOUT_RETRIES,
+    GEN_ROUTING_MISSING,
     GEN_TOKENS_PER_S,
     GEN_TRAJECTORIES_PUSHED,
     GENERATOR_IDLE_PCT,
@@ -569,6 +570,7 @@ class Generator:
             "engine_requests": self.rollout_stats.requests,
             "engine_errors": self.rollout_stats.engine_errors,
             "resumes": self.rollout_stats.resumes,
+            "routing_missing": self.rollout_stats.routing_missing,
             "policy_version": self.version,
             "cursor_next": self.cursor.next,
         }
@@ -593,6 +595,7 @@ class Generator:
             GEN_RESPONSE_LEN_MAX: max(lens, default=math.nan),
             **{TOTALS[k]: v for k, v in self._totals.items()},
             GEN_RESUMES: self.rollout_stats.resumes,
+            GEN_ROUTING_MISSING: self.rollout_stats.routing_missing,
             GEN_ENGINE_ERRORS: self.rollout_stats.engine_errors,
             GEN_ENGINE_FAILOVERS: self._engine_failovers(),
             GEN_PLUGIN_ERROR_RATE: _mean([float(x) for x in self._attempts]),

@@ -20,11 +20,20 @@ from the token ids the engine returned, so the trained sequence is exactly the g
 prompt plus the tokens so far and keeps each token's policy version, so one response may hold
 tokens of several versions. An abort that brought no token (the engine is mid-update) is
 resumed after a back-off (`RESUME_BACKOFF_S` doubling up to `MAX_RESUME_BACKOFF_S`, jittered).
+
+Routing replay (MoE): every segment's routed experts are kept, in order. The first request's
+answer covers every fed token (`[0, end - 1)`); a resumed request asks only for the rows it does
+not have yet (SGLang's `routed_experts_start_len`), so the tokens of an earlier segment keep the
+experts the engine chose when it generated them, not those of the resumed request's prefill
+under newer weights. An answer that covers the whole stream (an engine or router that ignored
+the start) is cut to the new rows; a segment whose routing is missing or of the wrong size
+leaves the generation without routing (`RolloutStats.routing_missing`, logged).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -37,6 +46,8 @@ from slime_async.actors.engine.client import EngineRequestError, engine_retry_po
 from slime_async.config.generator import SamplingConfig
 from slime_async.queue.schema import Trajectory
 from slime_async.utils.plugins import PluginError, Registry
+
+log = logging.getLogger(__name__)
 
 ROLLOUTS = Registry("rollout", params=("ctx", "sample"), is_async=True)
 
@@ -59,7 +70,10 @@ class EngineLike(Protocol):
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict, rid: str | None = None
-    ) -> Any: ...
+    ) -> Any:
+        """Also takes `routed_start=` (SGLang's routed_experts_start_len) when a resumed
+        request wants routing from a position on; engines that cannot route never see it."""
+        ...
 
 
 @dataclass
@@ -105,8 +119,8 @@ class Generation:
     """Temperature the engine sampled at and scaled `logprobs` by (greedy, 0, is recorded as 1.0,
     as SGLang reports greedy log-probs at 1.0); None when unknown (a hand-made Generation)."""
     routed_experts: np.ndarray | None = None
-    """Flat int32 MoE experts of every token of the request's whole stream but the last (the
-    engine's `routed_experts`, when asked for); None otherwise."""
+    """Flat int32 MoE experts of every token of the request's whole stream but the last, each
+    segment's own (the engine's `routed_experts`, when asked for); None otherwise."""
 
 
 def logprob_temperature(temperature: float) -> float:
@@ -289,6 +303,9 @@ class RolloutStats:
     requests: int = 0
     resumes: int = 0
     engine_errors: int = 0
+    routing_missing: int = 0
+    """Generations left without routed experts: a segment's answer lacked them or did not fit
+    (routing replay; each logged)."""
 
 
 class RolloutContext:
@@ -378,9 +395,11 @@ class RolloutContext:
         out = Generation([], [], [], "length", temperature=temperature)
         self._calls += 1
         rid = f"{self.rid_prefix}{self._calls}"
+        routing = _Routing()
         while True:
             params["max_new_tokens"] = budget - len(out.token_ids)
-            part = await self._request(ids + out.token_ids, params, f"{rid}.{out.resumes}")
+            sent = ids + out.token_ids
+            part = await self._request(sent, params, f"{rid}.{out.resumes}", routing.have)
             n = len(part.token_ids)
             if len(part.logprobs) != n or len(part.versions) != n:
                 raise EngineFailure(
@@ -391,14 +410,22 @@ class RolloutContext:
             out.logprobs += list(part.logprobs)
             out.versions += list(part.versions)
             out.engine_id = str(getattr(part, "engine_url", "") or out.engine_id)
-            out.routed_experts = getattr(part, "routed_experts", None)
+            routing.add(getattr(part, "routed_experts", None), len(sent) + n - 1)
             self.stats.tokens += n
             reason = _reason(part.finish_reason)
-            if reason != "abort":
-                out.finish_reason = reason
-                return out
-            if len(out.token_ids) >= budget:
-                out.finish_reason = "length"
+            done = reason != "abort" or len(out.token_ids) >= budget
+            if done:
+                out.finish_reason = reason if reason != "abort" else "length"
+                out.routed_experts = routing.result(len(ids) + len(out.token_ids) - 1)
+                if routing.asked and out.routed_experts is None:
+                    self.stats.routing_missing += 1
+                    log.warning(
+                        "request %s: routed experts missing or misshapen for part of the "
+                        "response (%s); the trajectory goes without routing (%d so far)",
+                        rid,
+                        routing.problem or "no segment returned them",
+                        self.stats.routing_missing,
+                    )
                 return out
             out.resumes += 1
             self.stats.resumes += 1
@@ -408,10 +435,11 @@ class RolloutContext:
                 # An engine that aborts without progress is mid weight update: give it a moment.
                 await asyncio.sleep(self.resume_policy.delay(out.resumes))
 
-    async def _request(self, ids: list[int], params: dict, rid: str) -> Any:
+    async def _request(self, ids: list[int], params: dict, rid: str, routed_start: int) -> Any:
         self.stats.requests += 1
+        extra = {"routed_start": routed_start} if routed_start else {}
         try:
-            return await self.engine.generate(ids, dict(params), rid=rid)
+            return await self.engine.generate(ids, dict(params), rid=rid, **extra)
         except (asyncio.CancelledError, EngineRequestError):
             raise  # a 4xx is the request's fault: retrying it would fail the same way
         except Exception as e:
@@ -446,3 +474,46 @@ async def single_turn(ctx: RolloutContext, sample: Sample) -> Transcript:
     t = ctx.new_transcript(ctx.prompt_ids(sample))
     t.add_model(await ctx.generate(t.ids))
     return t
+
+
+class _Routing:
+    """The routed experts of one `ctx.generate`, segment after segment (module docstring)."""
+
+    def __init__(self):
+        self.parts: list[np.ndarray] = []  # [rows, width] each, contiguous from position 0
+        self.have = 0
+        """Rows (fed positions from 0) collected so far: the next request's start."""
+        self.width = 0
+        self.asked = False
+        self.problem: str | None = None
+
+    def add(self, flat: np.ndarray | None, end: int) -> None:
+        """A segment's answer, `flat` covering positions [0 or have, end)."""
+        if flat is None:
+            return
+        self.asked = True
+        if self.problem is not None:
+            return
+        if self.width == 0:  # the first answer starts at 0 (have is 0 until one arrives)
+            if end <= 0 or flat.size % end:
+                self.problem = f"{flat.size} ids for {end} routed tokens"
+                return
+            self.width = flat.size // end
+        rows = flat.size // self.width if flat.size % self.width == 0 else -1
+        if rows == end:  # the whole stream: the engine (or a router) ignored the start
+            flat = flat.reshape(end, self.width)[self.have :]
+        elif rows == end - self.have:
+            flat = flat.reshape(rows, self.width)
+        else:
+            self.problem = f"{flat.size} ids for positions [{self.have}, {end})"
+            return
+        self.parts.append(flat)
+        self.have = end
+
+    def result(self, end: int) -> np.ndarray | None:
+        """Flat routing of positions [0, end), or None when some are missing."""
+        if not self.asked or self.problem is not None or self.have != end:
+            if self.asked and self.problem is None and self.have != end:
+                self.problem = f"routing for {self.have} of {end} routed tokens"
+            return None
+        return np.concatenate(self.parts, 0).reshape(-1).astype(np.int32)

@@ -30,6 +30,7 @@ from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.models import routing
 from slime_async.models.arch import ModelArch
 from slime_async.models.attention import packed_rows, set_packed
+from slime_async.models.moe_layer import losses_of
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
@@ -79,6 +80,7 @@ class MicroBatches:
         self.logprob_chunk_tokens = logprob_chunk_tokens
         self.routing_replay = routing_replay
         self.temperature = temperature
+        self._aux: dict[int, Any] = {}
 
     @property
     def pack(self) -> bool:
@@ -99,9 +101,12 @@ class MicroBatches:
             yield collate_one(rows, idx, self.layout.device)
 
     def forward(
-        self, model, mb: MicroBatch, with_entropy: bool
+        self, model, mb: MicroBatch, with_entropy: bool, aux_weight: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response log-probs [B, T] (and entropy [B, T]), each row at its own temperature.
+
+        `aux_weight` (training forwards of a MoE model): this micro-batch's share of the step's
+        tokens; the MoE auxiliary losses are recorded for it, until `end_aux` (after backward).
 
         The model returns its final hidden states; only the response positions go through the
         output layer, in chunks (`logprobs.py`): no `[tokens x vocab]` fp32 logits exist."""
@@ -116,14 +121,19 @@ class MicroBatches:
             pos = torch.arange(s + extra, device=ids.device).expand(ids.shape[0], -1)
             s += extra
         gpt = getattr(model, "module", model)  # under megatron's DDP wrapper
+        lens = mb.resp_index.max(dim=1).values + 1  # a row's last prediction: input length - 1
+        losses = self._losses(gpt) if aux_weight is not None else None
+        if losses is not None and losses.active:
+            valid_tokens = None  # packed rows hold no padding
+            if mb.packed is None:
+                valid_tokens = routing.router_token_mask(lens, s, self.layout.tp_rank, tp)
+            losses.begin(valid_tokens, aux_weight)
         replay = mb.routed_experts is not None and self.routing_replay
         if replay:
             routed = mb.routed_experts  # [B, S0, L * k]
             b, s0, _ = routed.shape
             routed = torch.nn.functional.pad(routed, (0, 0, 0, s - s0))
             routed = routed.view(b, s, len(self.arch.moe_layers), self.arch.moe_topk)
-            # A row's last response prediction sits at its input length - 1.
-            lens = mb.resp_index.max(dim=1).values + 1
             per_layer, valid = routing.replay_targets(routed, lens, self.layout.tp_rank, tp)
             routing.set_replay(gpt, per_layer, valid)
         # SDPA and TE attention are causal by construction; megatron's own needs the mask.
@@ -162,6 +172,20 @@ class MicroBatches:
         zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
         logp = zeros.masked_scatter(valid, lp)
         return logp, (zeros.masked_scatter(valid, ent) if ent is not None else None)
+
+    def _losses(self, gpt):
+        """The MoE auxiliary losses of `gpt` (None for a dense model), looked up once."""
+        if not self.arch.is_moe:
+            return None
+        if id(gpt) not in self._aux:
+            self._aux[id(gpt)] = losses_of(gpt)
+        return self._aux[id(gpt)]
+
+    def end_aux(self, model) -> None:
+        """The training forward (and backward) of the MoE auxiliary losses is over."""
+        losses = self._losses(getattr(model, "module", model))
+        if losses is not None:
+            losses.end()
 
     @torch.no_grad()
     def rows_logprobs(self, model, rows: list[Row]) -> list[np.ndarray]:

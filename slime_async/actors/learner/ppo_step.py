@@ -31,6 +31,7 @@ from slime_async.actors.learner.updates import Denominators, Updates
 from slime_async.algos import AdvantageInput, Algorithm, LossInput
 from slime_async.models import routing
 from slime_async.models.arch import ModelArch
+from slime_async.models.moe_layer import losses_of
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
@@ -117,6 +118,8 @@ class PPOStep:
             row.per_token["advantages"] = adv
         extra = {M.GROUPS_KEPT: float(len(kept)), M.GROUPS_GIVEN: float(len(groups))}
         extra.update(self.stale.apply(kept, rows))
+        if self.routing_replay:  # before any forward pass: rows get the MoE layers' routing
+            extra.update(self.check_routed(rows))
         current = self.updates.version
         interpolate = self.interpolate
         self.batches += 1
@@ -176,9 +179,9 @@ class PPOStep:
             return out.loss, {**out.metrics, **compare}
 
         if self.routing_replay:
-            self.take_routing_counts()  # only this step's forward passes count
-            extra.update(self.check_routed(rows))
+            self.take_routing_counts()  # only this step's update passes count
         out = self.updates.run(rows, loss_of, extra, self.mini_batches, self.ppo_epochs)
+        out.update(self.moe_loss_metrics())
         if self.routing_replay:
             diff, total = self.take_routing_counts()
             t = torch.tensor([diff, total], dtype=torch.float64, device=self.layout.device)
@@ -190,9 +193,14 @@ class PPOStep:
     def check_routed(self, rows: list[Row]) -> dict[str, float]:
         """Routing replay: each row's recorded routing must fit the model; rows without one
         (an engine that did not return it) route on their own, counted and logged."""
-        width = len(self.arch.moe_layers) * self.arch.moe_topk
+        k, moe = self.arch.moe_topk, list(self.arch.moe_layers)
+        width = len(moe) * k
         missing = 0
         for r in rows:
+            if r.routed is not None and r.routed.shape[1] == self.arch.num_layers * k != width:
+                # SGLang's layout: every decoder layer (dense ones hold no routing): the MoE ones.
+                n = r.routed.shape[0]
+                r.routed = r.routed.reshape(n, self.arch.num_layers, k)[:, moe].reshape(n, -1)
             if r.routed is None:
                 missing += 1
             elif r.routed.shape[1] != width or (
@@ -212,6 +220,24 @@ class PPOStep:
                 int(float(t)),
             )
         return {M.MOE_REPLAY_MISSING: float(t)}
+
+    def moe_loss_metrics(self) -> dict[str, float]:
+        """The MoE auxiliary losses of the step's updates (empty when none is on)."""
+        losses = losses_of(self.model)
+        if losses is None or not losses.active:
+            return {}
+        aux, z, _ = losses.take()
+        # Each update's micro-batch shares add to 1 over the DP ranks: the sum over ranks,
+        # divided by the updates, is the mean over updates.
+        t = torch.tensor([aux, z], dtype=torch.float64, device=self.layout.device)
+        dist.all_reduce(t, group=self.layout.dp_group)
+        n = max(1, self.mini_batches * self.ppo_epochs)
+        out = {}
+        if losses.aux_coeff > 0:
+            out[M.MOE_AUX_LOSS] = float(t[0]) / n
+        if losses.z_coeff > 0:
+            out[M.MOE_Z_LOSS] = float(t[1]) / n
+        return out
 
     def take_routing_counts(self) -> tuple[float, float]:
         """(token x layer pairs whose own routing differed, pairs replayed) on this rank since

@@ -155,6 +155,8 @@ class Learner:
         self.logprob_kernel = mb.logprob_kernel
         moe = {
             "moe_aux_loss_coeff": cfg.moe_aux_loss_coeff,
+            "moe_z_loss_coeff": cfg.moe_z_loss_coeff,
+            "moe_experts": cfg.moe_experts,
             "routing_replay": cfg.routing_replay,
             "attention": self.attention,
         }

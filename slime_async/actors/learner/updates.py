@@ -119,7 +119,8 @@ class Updates:
         on every rank, or its gradient is zero (Adam would still move the weights by its
         momentum) or not finite: then nothing is applied and the reason is returned.
         """
-        token_den, seq_den, _ = self.totals(rows)
+        token_den, seq_den, all_tokens = self.totals(rows)
+        routed_tokens = max(all_tokens - seq_den, 1.0)  # every token but each row's last
         out: dict[str, Any] = {"raws": [], "loss": 0.0, "padded": 0, "packed": 0, "skipped": None}
         self.optimizer.zero_grad()
         if seq_den == 0:
@@ -135,10 +136,15 @@ class Updates:
         for mb in self.microbatches.collated(rows, plan):
             out["padded"] += mb.num_tokens
             sync = self.optimizer.forward_context() if megatron else contextlib.nullcontext()
+            # The MoE auxiliary losses' share: this micro-batch's routed tokens of the update's.
+            share = float(sum(rows[i].input_len for i in mb.rows))
             with sync:
-                logp, ent = self.microbatches.forward(self.train_model, mb, self.with_entropy)
+                logp, ent = self.microbatches.forward(
+                    self.train_model, mb, self.with_entropy, aux_weight=share / routed_tokens
+                )
                 loss, raw = loss_of(mb, logp, ent, den)
                 loss.backward()
+                self.microbatches.end_aux(self.train_model)
             loss_sum += loss.detach()  # one host sync per update, below, not per micro-batch
             out["raws"].append(raw)
         out["loss"] = float(loss_sum)

@@ -3,14 +3,15 @@
 layers keep a dense MLP of `intermediate_size`.
 
 - Routing: a softmax over all experts -> top-k -> renormalised when `norm_topk_prob`; the experts
-  are SwiGLU MLPs, no shared expert. Megatron-core's own MoE layer computes exactly that, set up
-  by `megatron.py` from ModelArch's MoE fields (read here), so the layer spec changes nothing
-  beyond Qwen3's.
+  are SwiGLU MLPs, no shared expert. Megatron-core's router computes exactly that, set up by
+  `megatron.py` from ModelArch's MoE fields (read here); the experts run as grouped GEMMs
+  (`models/moe_layer.py`), so the layer spec changes nothing beyond Qwen3's.
 - Weights: the router `mlp.gate.weight` is megatron's `mlp.router.weight`; expert e's
   `mlp.experts.{e}.{gate,up,down}_proj.weight` (the checkpoint layout, which SGLang also loads)
-  is `mlp.experts.local_experts.{i}.linear_fc{1,2}.weight` on the EP rank holding e
-  (`convert.py` finds the rank).
-- The embedded engine runs HF's sparse block (`engine.py`).
+  is slice i of `mlp.experts.weight{1,2}` (gate and up stacked in weight1) on the EP rank
+  holding e (`convert.py` finds the rank).
+- The embedded engine computes HF's sparse block as grouped GEMMs and records each token's
+  experts (`engine.py`).
 """
 
 from __future__ import annotations

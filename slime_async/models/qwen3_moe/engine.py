@@ -1,5 +1,12 @@
-"""Qwen3-MoE in the embedded engine: HF's sparse block on packed tokens, expert tensors by their
-checkpoint names, and the experts each token went through.
+"""Qwen3-MoE in the embedded engine: the sparse block on packed tokens as grouped GEMMs, expert
+tensors by their checkpoint names, and the experts each token went through.
+
+`MoeMath.mlp` computes what HF's `Qwen3MoeSparseMoeBlock` computes (its router: softmax in fp32,
+top-k, renormalised with `norm_topk_prob`; each expert's SwiGLU output scaled by its weight and
+summed per token in expert order) with HF's own fused weights, but as two grouped GEMMs over the
+token-expert pairs sorted by expert (`models/grouped_experts.py`) instead of a loop over the
+experts that reads which experts were hit back to the host. The experts each token chose in each
+MoE layer are kept (`picked`) for the runner to record (routing replay).
 
 The learner's push and checkpoints use the checkpoint layout (one tensor per expert,
 `mlp.experts.{e}.{gate,up,down}_proj.weight`, what SGLang loads) while transformers 5 keeps the
@@ -14,17 +21,57 @@ import re
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from slime_async.models.grouped_experts import sort_by_expert, swiglu_experts
 from slime_async.models.layer_math import LayerMath
 
 _EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 class MoeMath(LayerMath):
-    """HF's sparse block wants [batch, seq, hidden]; the runner's tokens are packed."""
+    """Dense layers through HF's MLP; sparse ones through `sparse_block` (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, head_dim: int):
+        super().__init__(model, head_dim)
+        self.moe_layers = [i for i, layer in enumerate(self.layers) if hasattr(layer.mlp, "gate")]
+        self._index = {li: j for j, li in enumerate(self.moe_layers)}
+        self.topk = int(model.config.num_experts_per_tok)
+        self.picked: list[torch.Tensor | None] = [None] * len(self.moe_layers)
+        """MoE layer j -> `[T, k]` int64 experts of each token of the last forward pass."""
+        self._silu = model.config.hidden_act == "silu"
 
     def mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
-        return self.layers[li].mlp(x[None])[0]
+        block = self.layers[li].mlp
+        j = self._index.get(li)
+        if j is None:
+            return block(x)
+        if not self._silu:  # HF's own block (its activation); routing read from its router
+            _, _, ids = block.gate(x)
+            self.picked[j] = ids
+            return block(x[None])[0]
+        out, self.picked[j] = sparse_block(block, x, self.topk)
+        return out
+
+
+def sparse_block(
+    block: torch.nn.Module, x: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's Qwen3-MoE sparse block on packed x `[T, H]` as grouped GEMMs: (`[T, H]`, the
+    experts `[T, k]`)."""
+    gate, experts = block.gate, block.experts
+    logits = F.linear(x, gate.weight)  # [T, E]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if gate.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(logits.dtype)
+    order, counts = sort_by_expert(ids, gate.weight.shape[0])
+    tok = order // k
+    y = swiglu_experts(x.index_select(0, tok), experts.gate_up_proj, experts.down_proj, counts)
+    y = y * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    # Summed per token in expert order, as HF's loop over the experts adds them.
+    return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype)), ids
 
 
 def expert_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:

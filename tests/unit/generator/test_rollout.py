@@ -256,3 +256,57 @@ def test_generator_retries_a_rollout_after_engine_failures(tok, tmp_path, caplog
         asyncio.run(gen._rollout(sample))
     assert len(eng.requests) == 2 and gen.stats()["rollout_retries"] == 2
     assert "rollout of g failed 2 times" in str(gen._fatal) and gen._stop.is_set()
+
+
+class RoutingEngine(ScriptedEngine):
+    """A scripted engine that also records the routed_start each request asks for."""
+
+    async def generate(self, input_ids, sampling_params, rid=None, routed_start=0):
+        self.starts = [*getattr(self, "starts", []), routed_start]
+        return await super().generate(input_ids, sampling_params, rid)
+
+
+def _rows(n, width, base):
+    return (np.arange(n * width, dtype=np.int32).reshape(n, width) % 7 + base).astype(np.int32)
+
+
+def test_generate_keeps_every_segments_routing_in_order(tok):
+    """Routing replay across an aborted-and-resumed request: the first segment's routing stays
+    (not replaced by the resumed request's prefill under newer weights); the resumed request
+    asks only for the rows it lacks, and an answer covering the whole stream (a router that
+    dropped routed_experts_start_len) is cut to them; a third segment that honours the start."""
+    width = 4  # 2 MoE layers x top-2
+    first = _rows(4, width, 0)  # prompt [3, 4] + 3 tokens: positions [0, 4) fed
+    whole = _rows(6, width, 10)  # the resumed request's answer from position 0: [0, 6)
+    tail = _rows(2, width, 20)  # the third request honours start 6: [6, 8)
+    eng = RoutingEngine(
+        [
+            Out([10, 11, 12], [-0.1] * 3, [4] * 3, "abort", routed_experts=first.reshape(-1)),
+            Out([13, 14], [-0.2] * 2, [5] * 2, "abort", routed_experts=whole.reshape(-1)),
+            Out([15, 1], [-0.3] * 2, [6] * 2, "stop", routed_experts=tail.reshape(-1)),
+        ]
+    )
+    ctx = RolloutContext(eng, tok, SamplingConfig(max_new_tokens=10))
+    out = asyncio.run(ctx.generate([3, 4]))
+    assert out.token_ids == [10, 11, 12, 13, 14, 15, 1] and out.resumes == 2
+    assert eng.starts == [0, 4, 6]
+    want = np.concatenate([first, whole[4:], tail]).reshape(-1)
+    assert out.routed_experts is not None and np.array_equal(out.routed_experts, want)
+    assert ctx.stats.routing_missing == 0
+
+
+@pytest.mark.parametrize("second", [None, np.zeros(7, dtype=np.int32)], ids=["missing", "ragged"])
+def test_generate_counts_a_segment_without_fitting_routing(tok, second):
+    """A resumed segment whose answer has no routing, or routing of no fitting size: the
+    generation carries none (never a partial one) and the loss is counted."""
+    eng = RoutingEngine(
+        [
+            Out([10, 11], [-0.1] * 2, [4] * 2, "abort", routed_experts=_rows(3, 4, 0).reshape(-1)),
+            Out([12, 1], [-0.2] * 2, [5] * 2, "stop", routed_experts=second),
+        ]
+    )
+    ctx = RolloutContext(eng, tok, SamplingConfig(max_new_tokens=10))
+    out = asyncio.run(ctx.generate([3, 4]))
+    assert out.token_ids == [10, 11, 12, 1]
+    assert out.routed_experts is None
+    assert ctx.stats.routing_missing == 1

@@ -27,6 +27,7 @@ import logging
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -98,7 +99,12 @@ class ModelRunner:
         self.block_size = block_size
         self.max_blocks_per_seq = math.ceil(self.max_context_len / block_size)
         layers = len(self.model.model.layers)
-        per_block = block_size * kv_bytes_per_token(layers, self.num_kv_heads, self.head_dim, dtype)
+        # MoE: the experts each cached token went through, one row per KV slot (routing replay).
+        moe = getattr(self.math, "moe_layers", [])
+        self.routed_shape = (len(moe), int(getattr(cfg, "num_experts_per_tok", 0) or 0))
+        routed_bytes = 4 * self.routed_shape[0] * self.routed_shape[1]
+        per_token = kv_bytes_per_token(layers, self.num_kv_heads, self.head_dim, dtype)
+        per_block = block_size * (per_token + routed_bytes)
         self.memory: dict[str, int | float] = {"mem_fraction": mem_fraction}
         if num_blocks is None:
             if cuda:
@@ -111,6 +117,13 @@ class ModelRunner:
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layers)]
+        self.routed: torch.Tensor | None = None
+        """[num_blocks * block_size, moe_layers, k] int32: the experts of the token at each KV
+        slot, written by the forward pass that wrote its K/V (None: a dense model)."""
+        if moe:
+            self.routed = torch.zeros(
+                (num_blocks * block_size, *self.routed_shape), dtype=torch.int32, device=self.device
+            )
         self.pool = BlockPool(num_blocks, block_size)
         self.memory.update(
             num_blocks=num_blocks, block_size=block_size, kv_bytes=num_blocks * per_block
@@ -209,6 +222,9 @@ class ModelRunner:
             attention.write_kv(self.k_cache[li], self.v_cache[li], slots, k, v)
             o = attend(li, q)
             h = self.math.attn_out(li, h, o.reshape(t, -1))
+        if self.routed is not None:
+            for j, ids in enumerate(self.math.picked):
+                self.routed.select(1, j).index_copy_(0, slots, ids.to(torch.int32))
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -336,6 +352,19 @@ class ModelRunner:
         for kc, vc in zip(self.k_cache, self.v_cache, strict=True):
             kc[dst] = kc[src]
             vc[dst] = vc[src]
+        if self.routed is not None:
+            bs = self.block_size
+            self.routed[dst * bs : (dst + 1) * bs] = self.routed[src * bs : (src + 1) * bs]
+
+    def routed_rows(self, blocks: list[int], start: int, end: int) -> np.ndarray:
+        """[end - start, moe_layers, k] int32 (host): the experts of positions [start, end) of a
+        sequence held in `blocks`, as the forward passes that computed them chose."""
+        if self.routed is None:
+            raise ValueError("the model has no MoE layers: no routed experts")
+        bs = self.block_size
+        pos = torch.arange(start, end)
+        slots = torch.tensor(blocks, dtype=torch.long)[pos // bs] * bs + pos % bs
+        return self.routed[slots.to(self.device)].cpu().numpy()
 
     @torch.inference_mode()
     def prompt_logprobs(self, ids: list[int], temperature: float) -> list[float]:

@@ -91,6 +91,13 @@ class Request:
     stop_set: frozenset[int] = frozenset()
     limit: int = 0
     """Output tokens this request may reach (max_new_tokens, or the context's end)."""
+    return_routed: bool = False
+    """SGLang's return_routed_experts: keep the experts of positions [routed_start, end - 1)."""
+    routed_start: int = 0
+    """SGLang's routed_experts_start_len (absolute, at most the prompt's length)."""
+    routed: Any = None
+    """[end - 1 - routed_start, moe_layers, k] int32 numpy, read from the runner's per-slot
+    record as the request finished (before its blocks are freed); None if it never ran."""
 
     @property
     def context_len(self) -> int:
@@ -605,6 +612,11 @@ class Scheduler:
             return
         self._running = [r for r in self._running if r.finish_reason is None]
         for r in done:
+            if r.return_routed and r.slot >= 0 and r.context_len > 1:
+                # Every position but the last was fed by this request's forward passes (or by
+                # the one that cached a shared prefix): their experts sit at its KV slots.
+                end = r.context_len - 1
+                r.routed = self.runner.routed_rows(r.blocks, min(r.routed_start, end), end)
             self._unplace(r)
             self._finish(r, r.finish_reason)
 

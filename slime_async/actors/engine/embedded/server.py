@@ -68,6 +68,7 @@ _GENERATE_FIELDS = {
     "return_text_in_logprobs",
     "stream",
     "return_routed_experts",
+    "routed_experts_start_len",
 }
 # SGLang fields that change nothing here (sglang-router fills several of them in every request).
 _INERT_FIELDS = {"model", "log_metrics", "no_logs", "background"}
@@ -177,8 +178,10 @@ class EmbeddedEngine:
         self.groups: dict[str, WeightGroup] = {}
         self.ignored_fields = 0
         """/generate requests that carried top-level fields SGLang ignores (each one logged)."""
-        self.routed_recomputed_after_update = 0
-        """return_routed_experts answers of requests that spanned a weight load (each logged)."""
+        self.routed_unavailable = 0
+        """return_routed_experts answers left without routed_experts: the request was aborted
+        while waiting, before its forward passes ran (or ran again after a retraction); each
+        logged."""
         self.started_at = time.time()
 
     # ---- app ------------------------------------------------------------------------------
@@ -302,10 +305,21 @@ class EmbeddedEngine:
         want_routed = bool(body.get("return_routed_experts", False))
         if want_routed and not self.runner.family.moe_gates(self.runner.model):
             raise BadRequest("return_routed_experts: the model has no MoE layers")
-        opts = _Opts(want_logprob, start, top_n, with_text, want_routed)
+        routed_start = body.get("routed_experts_start_len", 0)
+        if not isinstance(routed_start, int) or routed_start < 0:
+            raise BadRequest(
+                f"routed_experts_start_len must be an integer >= 0, got {routed_start!r}"
+            )
+        for prompt, _, _ in jobs:
+            if want_routed and routed_start > len(prompt):
+                raise BadRequest(
+                    f"routed_experts_start_len {routed_start} is higher than the number of input "
+                    f"tokens {len(prompt)}"
+                )
+        opts = _Opts(want_logprob, start, top_n, with_text, want_routed, routed_start)
         if body.get("stream"):
             return await self._stream(request, jobs, opts, batched)
-        reqs = self._make_requests(jobs, top_n)
+        reqs = self._make_requests(jobs, opts)
         results = await asyncio.gather(*(self._run(r) for r in reqs))
         failed = [r.error for r in results if r.error]
         if failed:
@@ -341,10 +355,18 @@ class EmbeddedEngine:
                 f"{self.runner.max_context_len} tokens"
             )
 
-    def _make_requests(self, jobs: list[tuple[list[int], str, SamplingParams]], top_n: int):
+    def _make_requests(self, jobs: list[tuple[list[int], str, SamplingParams]], opts: _Opts):
         reqs, groups = [], {}
         for prompt, rid, params in jobs:
-            r = Request(rid, list(prompt), params, on_done=lambda r: None, top_logprobs_num=top_n)
+            r = Request(
+                rid,
+                list(prompt),
+                params,
+                on_done=lambda r: None,
+                top_logprobs_num=opts.top_n,
+                return_routed=opts.want_routed,
+                routed_start=opts.routed_start,
+            )
             if params.sampling_seed is not None:
                 r.generator = torch.Generator(device=self.runner.device).manual_seed(
                     params.sampling_seed
@@ -383,7 +405,7 @@ class EmbeddedEngine:
         with several prompts each chunk carries its `index`), then `data: [DONE]`."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        reqs = self._make_requests(jobs, opts.top_n)
+        reqs = self._make_requests(jobs, opts)
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [
             asyncio.ensure_future(self._run(r, on_token=lambda _n, i=i: queue.put_nowait(i)))
@@ -462,25 +484,33 @@ class EmbeddedEngine:
             if opts.start >= 0 and not partial:
                 meta["input_token_logprobs"] = await self._prompt_logprobs(r, opts, tok_text)
         if opts.want_routed and not partial:
-            meta["routed_experts"] = await self._routed_experts(r, ids, len(spans))
+            routed = await self._routed_experts(r, opts.routed_start)
+            if routed is not None:
+                meta["routed_experts"] = routed
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
-    async def _routed_experts(self, r: Request, ids: list[int], versions: int) -> str:
+    async def _routed_experts(self, r: Request, start: int) -> str | None:
         """SGLang's `meta_info.routed_experts`: base64 of little-endian int32
-        `[prompt + completion - 1, moe_layers, k]` (every token but the last). Recomputed by one
-        forward pass at the end of the request, on the scheduler thread (so never across a
-        weight load): equal to the routing of generation unless the weights changed meanwhile."""
-        if versions > 1:
-            self.routed_recomputed_after_update += 1
-            log.warning(
-                "request %s spans %d weight versions: its routed experts are those of the newest",
-                r.rid,
-                versions,
+        `[prompt + completion - 1 - start, moe_layers, k]`, the experts of every fed token from
+        `start` (routed_experts_start_len) on, as the forward pass that computed it chose them
+        (so a response that spans a weight update carries each token's own routing). A prompt
+        scored without generating (max_new_tokens 0) is routed by one forward pass now."""
+        routed = r.routed
+        if routed is None and r.params.max_new_tokens == 0:
+            tokens = list(r.input_ids)
+            full = await self._on_scheduler(
+                lambda: self.runner.family.routed_experts(self.runner.model, tokens)
             )
-        tokens = list(r.input_ids) + ids
-        routed = await self._on_scheduler(
-            lambda: self.runner.family.routed_experts(self.runner.model, tokens)
-        )
+            routed = full[start:]
+        if routed is None:
+            self.routed_unavailable += 1
+            log.warning(
+                "request %s: no routed experts to return (aborted before it ran, or retracted and "
+                "aborted before it ran again: no forward pass holds its tokens; %d so far)",
+                r.rid,
+                self.routed_unavailable,
+            )
+            return None
         return base64.b64encode(routed.astype("<i4").tobytes()).decode("ascii")
 
     async def _prompt_logprobs(self, r: Request, opts: _Opts, tok_text) -> list[list]:
@@ -554,7 +584,7 @@ class EmbeddedEngine:
                 "decode_attention": self.runner.decode_attention,
                 "memory": self.runner.memory_info(),
                 "ignored_fields": self.ignored_fields,
-                "routed_recomputed_after_update": self.routed_recomputed_after_update,
+                "routed_unavailable": self.routed_unavailable,
                 "started_at": self.started_at,
                 **self.scheduler.load(),
             }
@@ -727,6 +757,7 @@ class _Opts:
     top_n: int
     with_text: bool
     want_routed: bool = False
+    routed_start: int = 0
 
 
 def _parallel_samples(sp: object) -> int:
