@@ -204,3 +204,48 @@ def test_the_defaults_fit_sglang_and_report_within_15_seconds():
     assert cfg.hung_after_s + cfg.probe_interval_s <= 15
     assert cfg.health_timeout_s > 20  # SGLang's paused /health answers 503 after about 20 s
     assert cfg.restart_after_s > cfg.hung_after_s
+
+
+STALL = """
+import logging, sys, time
+from slime_async.actors.engine.push_watch import StallWatch
+from slime_async.config import PushConfig
+from slime_async.utils.restart_requests import request_restart
+
+logging.basicConfig(level=logging.INFO)
+push = PushConfig(timeout_s=0.1, flush_timeout_s=0.1, resync_wait_s=0.0, report_after_s=0.3,
+                  stall_deadline_s=1.0)
+def on_deadline(urls, why):
+    for url in urls:
+        request_restart(sys.argv[1], url, why, by="learner")
+stall = StallWatch(push, on_deadline)
+stall.step("broadcast of bucket 1", ["http://127.0.0.1:9"])
+time.sleep(30)
+"""
+
+
+def test_a_push_stuck_past_its_deadline_ends_the_learner_for_a_restart(tmp_path):
+    """A push step that honours no timeout: reported after report_after_s, and past
+    stall_deadline_s the process exits 75 after asking for the engine's restart."""
+    import os
+    import subprocess
+    import sys
+
+    from slime_async.actors.engine.push_watch import PUSH_STALLED_EXIT
+    from slime_async.utils.restart_requests import take_restart_requests
+    from tests.support.repo import REPO, pythonpath_with_repo
+
+    proc = subprocess.run(
+        [sys.executable, "-c", STALL, str(tmp_path)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": pythonpath_with_repo()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == PUSH_STALLED_EXIT, proc.stderr[-2000:]
+    assert "step broadcast of bucket 1 has waited 0s for ['http://127.0.0.1:9']" in proc.stderr
+    assert "stuck for 1s (push.stall_deadline_s) waiting for" in proc.stderr
+    (req,) = take_restart_requests(tmp_path)
+    assert req["url"] == "http://127.0.0.1:9" and "push.stall_deadline_s" in req["reason"]
+    assert take_restart_requests(tmp_path) == []  # read once
