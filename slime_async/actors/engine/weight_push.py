@@ -254,6 +254,12 @@ class WeightPusher:
 
     def connect(self, versions: dict[str, str | None] | None = None) -> None:
         """(Re)build the group with every engine that answers: destroy first, fresh name."""
+        try:
+            self._connect(versions)
+        finally:
+            self.stall.idle()  # the stall watchdog watches a connect or a push, nothing else
+
+    def _connect(self, versions: dict[str, str | None] | None) -> None:
         versions = versions if versions is not None else self._probe()
         live = [u for u in self.urls if versions.get(u) is not None]
         if not live:
