@@ -13,6 +13,11 @@ from pydantic import Field, model_validator
 from slime_async.config.base import Section
 
 
+STALL_MARGIN_S = 30.0
+"""What one push step may take beyond its longest configured wait (a last probe round, the call
+that follows); push.stall_deadline_s must leave it."""
+
+
 class PushConfig(Section):
     """Learner rank 0 pauses the engines, broadcasts the weights in HF-named buckets over one
     torch.distributed group, sets the new version and lets them continue; an embedded engine
@@ -61,11 +66,12 @@ class PushConfig(Section):
     def _stall_deadline(self) -> "PushConfig":
         """The stall deadline must leave every bounded wait of one push step its time."""
         longest = max(self.timeout_s, self.flush_timeout_s, self.resync_wait_s)
-        if self.stall_deadline_s <= longest:
+        if self.stall_deadline_s < longest + STALL_MARGIN_S:
             raise ValueError(
                 f"push.stall_deadline_s = {self.stall_deadline_s} must exceed the longest wait of "
                 f"one push step, max(push.timeout_s, push.flush_timeout_s, push.resync_wait_s) = "
-                f"{longest}: a push waiting within its limits would end the learner"
+                f"{longest}, by at least {STALL_MARGIN_S:g} s (the probes and calls around that "
+                "wait): a push waiting within its limits would end the learner"
             )
         if self.report_after_s >= self.stall_deadline_s:
             raise ValueError(

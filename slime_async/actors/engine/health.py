@@ -134,14 +134,12 @@ class EngineWatch:
     ):
         """`owner` names the role in messages ("generator0", "weight push", "supervisor");
         `on_change(url, old, new, reason)` runs on the watch's loop after each change."""
-        now = time.monotonic()
         self.liveness = liveness
         self.owner = owner
         self.on_change = on_change
-        self.engines = {
-            u: _Engine(EngineProbe(c, liveness), last_answer=now, changed_at=now)
-            for u, c in clients.items()
-        }
+        self.engines: dict[str, _Engine] = {}
+        for url, client in clients.items():
+            self.add(url, client)
         self.counts = {"hung": 0, "down": 0, "back": 0}
         """State changes since start: reported hung, marked down (a failure), marked up again."""
         self._task: asyncio.Task | None = None
@@ -162,9 +160,6 @@ class EngineWatch:
         """Seconds since the engine last answered a probe."""
         return time.monotonic() - self.engines[url].last_answer
 
-    def path(self, url: str) -> str:
-        return self.engines[url].probe.path
-
     def mark_down(self, url: str, reason: str) -> None:
         """A role saw the engine fail (a request error, logged by the role): down until a probe
         finds it ready."""
@@ -173,7 +168,7 @@ class EngineWatch:
             self._change(url, e, "down", reason, quiet=True)
 
     def add(self, url: str, client: EngineClient) -> None:
-        """Watch one more engine (call on the watch's loop)."""
+        """Watch one more engine, silent since now (once running: call on the watch's loop)."""
         now = time.monotonic()
         self.engines[url] = _Engine(
             EngineProbe(client, self.liveness), last_answer=now, changed_at=now
@@ -187,13 +182,6 @@ class EngineWatch:
         if e.task is not None:
             e.task.cancel()
         return e.probe.client
-
-    def reset(self, url: str) -> None:
-        """The engine was (re)started and is ready: up, silent since now, nothing reported (the
-        supervisor, which reports the start itself)."""
-        e = self.engines[url]
-        e.state, e.reason, e.timeouts = "up", "", 0
-        e.last_answer = e.changed_at = time.monotonic()
 
     # ---- the loop ------------------------------------------------------------------------------
 

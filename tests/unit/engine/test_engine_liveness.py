@@ -213,8 +213,8 @@ from slime_async.config import PushConfig
 from slime_async.utils.restart_requests import request_restart
 
 logging.basicConfig(level=logging.INFO)
-push = PushConfig(timeout_s=0.1, flush_timeout_s=0.1, resync_wait_s=0.0, report_after_s=0.3,
-                  stall_deadline_s=1.0)
+# Below what the config accepts (a deadline 30 s past the longest wait): seconds, not minutes.
+push = PushConfig().model_copy(update={"report_after_s": 0.3, "stall_deadline_s": 1.0})
 def on_deadline(urls, why):
     for url in urls:
         request_restart(sys.argv[1], url, why, by="learner")
