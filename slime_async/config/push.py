@@ -12,7 +12,6 @@ from pydantic import Field, model_validator
 
 from slime_async.config.base import Section
 
-
 STALL_MARGIN_S = 30.0
 """What one push step may take beyond its longest configured wait (a last probe round, the call
 that follows); push.stall_deadline_s must leave it."""
