@@ -104,8 +104,8 @@ async def _until(pred, timeout_s: float, what: str) -> float:
 
 
 async def test_an_engine_whose_health_takes_over_a_second_comes_back(caplog):
-    """SGLang's /health answers no sooner than 1 s and an older server has no /ready: a pool that
-    probed /health with a 1 s timeout kept such an engine down for good after one failure."""
+    """SGLang's /health answers no sooner than 1 s and an older server has no /ready: a probe of
+    /health with a 1 s timeout never succeeds there, so a down engine must be probed with more."""
     caplog.set_level("INFO", logger="slime_async.actors.engine")
     async with FakeSGLang(ready_route=False, health_s=1.3).serve() as eng:
         eng.mode = "fail"
@@ -142,8 +142,7 @@ async def test_ready_503_while_paused_is_alive_not_down():
 async def test_a_hung_engine_is_reported_its_requests_go_elsewhere_and_it_comes_back(caplog):
     """An engine that stops answering with its port open (SIGSTOP): reported hung within
     hung_after_s with its URL and what timed out, counted, marked down; the request in flight
-    there is given up and answered by the other engine; after it answers again it is used again.
-    Without running probes the request waited for its full timeout."""
+    there is given up and answered by the other engine; after it answers again it is used again."""
     caplog.set_level("INFO", logger="slime_async.actors.engine")
     async with (
         FakeSGLang(ready_route=True).serve() as a,
