@@ -101,6 +101,8 @@ def main(args: argparse.Namespace) -> int:
             stop_grace_s=cfg.run.stop_grace_s,
             poll_interval_s=cfg.run.poll_interval_s,
             progress=progress,
+            liveness=cfg.engine.liveness,
+            api_key=cfg.engine.api_key,
         )
         code = supervisor.run()
     verdict = "completed" if code == 0 else "stopped"

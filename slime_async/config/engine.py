@@ -1,5 +1,6 @@
-"""`[engine]`: engines that speak SGLang's native HTTP API (embedded or external), and
-`[engine.embedded]`: what only the project's embedded engine reads."""
+"""`[engine]`: engines that speak SGLang's native HTTP API (embedded or external),
+`[engine.embedded]`: what only the project's embedded engine reads, and `[engine.liveness]`: how
+the roles that use an engine tell, while it runs, that it still answers."""
 
 from typing import Literal
 
@@ -74,6 +75,61 @@ class EmbeddedEngineConfig(Section):
         return [k for k in type(self).model_fields if getattr(self, k) != _default(k)]
 
 
+SGLANG_HEALTH_MIN_S = 1.0
+"""SGLang's GET /health and /health_generate run a one-token generation and answer no sooner than
+the first 1 s sleep of their wait loop (`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`, on by
+default); while generation is paused they answer 503 after about 20 s."""
+
+
+class LivenessConfig(Section):
+    """Every role that uses an engine (each generator's pool, the learner's weight push) and
+    `slime-async run`'s supervisor probe it every `probe_interval_s`: GET /ready first (SGLang
+    0.5.23 and the embedded engine answer at once; 503 while paused or starting still means
+    alive), GET /health where /ready is missing (remembered per engine). An engine that answers
+    nothing for `hung_after_s` is reported as hung, counted and marked down; one that
+    `slime-async run` started is restarted once it stays hung for `restart_after_s`."""
+
+    probe_interval_s: float = Field(2.0, gt=0)
+    """How often each role probes each engine it uses, while it runs (not only after a failure)."""
+    ready_timeout_s: float = Field(5.0, gt=0)
+    """Longest wait for one GET /ready answer (an engine that lacks /ready answers 404 at once)."""
+    health_timeout_s: float = Field(30.0, gt=SGLANG_HEALTH_MIN_S)
+    """Longest wait for one GET /health answer, for engines without /ready: SGLang's /health runs
+    a one-token generation (at least 1 s, up to 20 s, then 503), so this must exceed 1 s; such an
+    engine is reported hung only after a probe ran this long unanswered."""
+    hung_after_s: float = Field(10.0, gt=0)
+    """An engine that has answered no probe for this long (and whose last probe timed out) is
+    reported as hung: logged with its URL and what timed out, counted, and marked down (requests
+    in flight there are sent to another engine)."""
+    restart_after_s: float = Field(45.0, ge=0)
+    """`slime-async run` kills and restarts an engine it started that has been hung for this long
+    (counted in supervisor/hung_restarts, the reason in logs/supervisor.log); 0: never (a hung
+    engine that comes back by itself is marked up again and rejoins the weights)."""
+
+    @model_validator(mode="after")
+    def _deadlines(self) -> "LivenessConfig":
+        """Deadlines in an order that can work."""
+        if self.probe_interval_s >= self.hung_after_s:
+            raise ValueError(
+                f"engine.liveness.probe_interval_s = {self.probe_interval_s} must be below "
+                f"engine.liveness.hung_after_s = {self.hung_after_s}: an engine would be "
+                "reported hung between two probes"
+            )
+        if self.ready_timeout_s > self.hung_after_s:
+            raise ValueError(
+                f"engine.liveness.ready_timeout_s = {self.ready_timeout_s} exceeds "
+                f"engine.liveness.hung_after_s = {self.hung_after_s}: a slow answer to /ready "
+                "would already count as hung"
+            )
+        if self.restart_after_s and self.restart_after_s <= self.hung_after_s:
+            raise ValueError(
+                f"engine.liveness.restart_after_s = {self.restart_after_s} must exceed "
+                f"engine.liveness.hung_after_s = {self.hung_after_s} (or be 0: never restart): "
+                "an engine is restarted only after it was reported hung"
+            )
+        return self
+
+
 class EngineConfig(Section):
     kind: Literal["embedded", "external"] = "embedded"
     """`embedded`: `slime-async run` starts our own engines; `external`: use `urls` (e.g. SGLang)."""
@@ -102,6 +158,9 @@ class EngineConfig(Section):
     max_retries: int = Field(10, ge=0)
     """Client-side retries of a failed call, with exponential back-off (doubling from 0.2 s,
     capped at 30 s: about 110 s in all, enough to ride out an engine's restart)."""
+    liveness: LivenessConfig = LivenessConfig()
+    """Health probes of running engines: what is probed, how often, when an engine is hung and
+    when `slime-async run` restarts it."""
     embedded: EmbeddedEngineConfig = EmbeddedEngineConfig()
     """The embedded engine's own settings (with `kind = "external"`, any set to other than its
     default is refused)."""

@@ -8,9 +8,13 @@ learner for the push, an embedded engine for its side of the group.
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slime_async.config.base import Section
+
+STALL_MARGIN_S = 30.0
+"""What one push step may take beyond its longest configured wait (a last probe round, the call
+that follows); push.stall_deadline_s must leave it."""
 
 
 class PushConfig(Section):
@@ -47,3 +51,31 @@ class PushConfig(Section):
     group_timeout_s: float = Field(300.0, gt=0)
     """How long a member of the weight-update group waits for its peers (handshake and each
     broadcast)."""
+    report_after_s: float = Field(30.0, gt=0)
+    """A push that has not finished one of its steps (the calls to every engine, one bucket's
+    broadcast) for this long is reported: logged with the step and the engines it waits for, and
+    counted in push/stalls."""
+    stall_deadline_s: float = Field(600.0, gt=0)
+    """A push stuck in one step for this long (a collective that ignores every timeout, e.g. NCCL
+    with a member that never receives) ends the learner: it logs why, asks `slime-async run` to
+    restart the engines it waited for, and exits with code 75, so the supervisor restarts it
+    from its checkpoint (run.restart_failed). Must exceed every bounded wait of one step."""
+
+    @model_validator(mode="after")
+    def _stall_deadline(self) -> "PushConfig":
+        """The stall deadline must leave every bounded wait of one push step its time."""
+        longest = max(self.timeout_s, self.flush_timeout_s, self.resync_wait_s)
+        if self.stall_deadline_s < longest + STALL_MARGIN_S:
+            raise ValueError(
+                f"push.stall_deadline_s = {self.stall_deadline_s} must exceed the longest wait of "
+                f"one push step, max(push.timeout_s, push.flush_timeout_s, push.resync_wait_s) = "
+                f"{longest}, by at least {STALL_MARGIN_S:g} s (the probes and calls around that "
+                "wait): a push waiting within its limits would end the learner"
+            )
+        if self.report_after_s >= self.stall_deadline_s:
+            raise ValueError(
+                f"push.report_after_s = {self.report_after_s} must be below "
+                f"push.stall_deadline_s = {self.stall_deadline_s}: a stuck push is reported "
+                "before the learner gives up on it"
+            )
+        return self

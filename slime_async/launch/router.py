@@ -25,8 +25,11 @@ def router_argv(
     prometheus_port: int,
     policy: str = "round_robin",
     api_key: str | None = None,
+    health_check: tuple[int, int] | None = None,
 ) -> list[str]:
-    """The command line of one sglang-router in front of `worker_urls`."""
+    """The command line of one sglang-router in front of `worker_urls`. `health_check`:
+    (seconds between its GET /health probes of each worker, failures in a row before it stops
+    sending a worker requests); None: the router's own defaults (60 s, 3)."""
     if not worker_urls:
         raise ValueError("sglang-router needs at least one worker URL")
     argv = python_module(
@@ -46,6 +49,14 @@ def router_argv(
     )
     if api_key:
         argv += ["--api-key", api_key]
+    if health_check is not None:
+        interval, failures = health_check
+        argv += [
+            "--health-check-interval-secs",
+            str(interval),
+            "--health-failure-threshold",
+            str(failures),
+        ]
     return argv
 
 

@@ -16,6 +16,11 @@ learner) exits 0 the run is complete. A role that dies (non-zero, killed, or exi
 is not expected) is reported with name, pid, exit code and the last lines of its log, then
 restarted with `resume=True` up to `restart_failed` times (per role), or the run stops.
 
+Liveness (`liveness`, `slime_async/launch/liveness.py`): the roles with a `liveness_url` (the
+engines) are probed while they run; an engine hung for `engine.liveness.restart_after_s`, or one
+whose restart another role asked for (the learner's push: an engine stuck in its update), is
+stopped and restarted the same way, with its reason in the report and the count.
+
 Stopping (run end, failure, SIGINT/SIGTERM/SIGHUP): children are stopped in reverse start order, each
 process group with SIGTERM and, after `stop_grace_s`, SIGKILL; nothing of a child's group
 survives (a role must not move its own processes into a new session).
@@ -51,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TextIO
 
+from slime_async.config.engine import LivenessConfig
+from slime_async.launch.liveness import RoleLiveness
 from slime_async.launch.progress import ProgressDisplay
 from slime_async.launch.run_dir import READY_ENV, RunDir
 from slime_async.metrics import MetricsLogger, MetricsTail
@@ -83,6 +90,8 @@ class RoleSpec:
     """Exit code 0 means: the run is complete / the role is done (keep going) / a failure."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of the child."""
+    liveness_url: str | None = None
+    """An engine's base URL: probed while the role runs, restarted when hung (see Supervisor)."""
     rank_envs: list[dict[str, str]] = field(default_factory=list)
     """A torch.distributed role started one process per rank (the Ray launcher): each rank's
     extra environment (RANK, WORLD_SIZE, MASTER_ADDR, ...). Empty: one process (torchrun, if
@@ -127,6 +136,8 @@ class Supervisor:
         step_role: str = "learner",
         err: TextIO | None = None,
         spawn: Callable[[RoleSpec, list[str], dict[str, str], Path], Child] | None = None,
+        liveness: LivenessConfig | None = None,
+        api_key: str | None = None,
     ):
         self.run_dir = run_dir
         self.stages = [list(s) for s in stages]
@@ -151,6 +162,11 @@ class Supervisor:
         self._log = open(self.run_dir.log("supervisor"), "a", encoding="utf-8")  # noqa: SIM115
         self.failures = 0
         self.restarts: dict[str, int] = {}  # per role, since this supervisor started
+        self.liveness_restarts = {"hung": 0, "requested": 0}
+        """Restarts of engines that were hung, and that another role asked for."""
+        self._liveness_args = (liveness, api_key)
+        self.liveness: RoleLiveness | None = None
+        """Probes the engine roles while they run (built by `run`)."""
 
     # ----- the whole run ---------------------------------------------------------------------
 
@@ -164,6 +180,7 @@ class Supervisor:
         self._start_watchdog()
         handlers = self._install_signal_handlers()
         try:
+            self._start_liveness()
             self.start()
             return self.supervise()
         except Interrupted as e:
@@ -172,6 +189,8 @@ class Supervisor:
         except RoleFailed:
             return 1
         finally:
+            if self.liveness is not None:
+                self.liveness.close()
             self.stop_all()
             self._stop_watchdog()
             self.run_dir.unlock()
@@ -212,6 +231,7 @@ class Supervisor:
             if not self.children:
                 self.event("every role has finished")
                 return 0
+            self._check_liveness()
             self._poll_metrics()
             time.sleep(self.poll_interval_s)
 
@@ -270,6 +290,8 @@ class Supervisor:
             if not (isinstance(e, RuntimeError) and self._probe(spec, ready_path)):
                 self._fail(f"{spec.name} did not start: {e}")
         self.event(f"{spec.name} is ready ({spec.ready_what}, {time.monotonic() - t0:.1f}s)")
+        if self.liveness is not None:
+            self.liveness.watch_role(spec.name)
 
     @staticmethod
     def _probe(spec: RoleSpec, ready_path: Path) -> bool:
@@ -278,13 +300,48 @@ class Supervisor:
         except Exception:
             return False
 
-    def _handle_failure(self, spec: RoleSpec, child: Child, code: int) -> None:
+    def _start_liveness(self) -> None:
+        liveness, api_key = self._liveness_args
+        urls = {s.name: s.liveness_url for s in self.specs.values() if s.liveness_url}
+        if urls and liveness is not None:
+            self.liveness = RoleLiveness(urls, liveness, api_key, self.run_dir.path)
+
+    def _check_liveness(self) -> None:
+        """Log the engines' state changes; restart the ones due (hung, or asked for)."""
+        if self.liveness is None:
+            return
+        for line in self.liveness.events():
+            self.event(line)
+        for name, why, cause in self.liveness.due(self.children):
+            child = self.children.get(name)
+            if child is None:
+                continue
+            self.liveness.unwatch_role(name)
+            self.event(f"stopping {name} (pid {child.pid}) to restart it: {why}")
+            # A hung process cannot exit gracefully (a stopped one does not even run its
+            # handler): SIGTERM, then SIGKILL after a second.
+            code = child.stop(1.0)
+            self._handle_failure(self.specs[name], child, -9 if code is None else code, why, cause)
+
+    def _handle_failure(
+        self,
+        spec: RoleSpec,
+        child: Child,
+        code: int,
+        why: str | None = None,
+        cause: str | None = None,
+    ) -> None:
         tail = child.tail(20)
-        report = f"{spec.name} (pid {child.pid}) {describe_exit(code)}; last lines of {child.log_path}:\n{tail}"
+        what = why or f"{spec.name} (pid {child.pid}) {describe_exit(code)}"
+        report = f"{what}; last lines of {child.log_path}:\n{tail}"
+        if self.liveness is not None:
+            self.liveness.unwatch_role(spec.name)
         child.stop(self.stop_grace_s)  # its process group may still hold processes it started
         del self.children[spec.name]
         self._record_children()
         restart = self.restarts_left[spec.name] > 0
+        if cause in self.liveness_restarts and restart:
+            self.liveness_restarts[cause] += 1
         self._count_failure(spec.name, code, restart)
         if not restart:
             self._fail(report + "\nno restarts left for it; stopping the run")
@@ -307,6 +364,8 @@ class Supervisor:
         record = {
             m.SUP_FAILURES: self.failures,
             m.SUP_RESTARTS: sum(self.restarts.values()),
+            m.SUP_HUNG_RESTARTS: self.liveness_restarts["hung"],
+            m.SUP_REQUESTED_RESTARTS: self.liveness_restarts["requested"],
             **{m.SUP_ROLE_RESTARTS + name: n for name, n in self.restarts.items()},
             m.SUP_ROLE_EXIT + role: code,
         }

@@ -27,6 +27,7 @@ learner's ranks are started one process each with the torch.distributed environm
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +204,7 @@ def plan_roles(
                     env={"CUDA_VISIBLE_DEVICES": devices[i]} if i < len(devices) else {},
                     ready=lambda _path, url=url: http_ok(f"{url}/health", eng.api_key),
                     ready_what=f"GET {url}/health",
+                    liveness_url=url,
                 )
             )
         if eng.num_engines > 1:
@@ -213,6 +215,8 @@ def plan_roles(
             else:
                 rhost, rport, prom = where.router
             router_url = f"http://{rhost}:{rport}"
+            # The router stops sending requests to a hung engine about when the roles report it.
+            interval = max(1, math.ceil(eng.liveness.probe_interval_s))
             argv = router_argv(
                 engine_urls,
                 host=rhost,
@@ -220,6 +224,7 @@ def plan_roles(
                 prometheus_port=prom,
                 policy=eng.router_policy,
                 api_key=eng.api_key,
+                health_check=(interval, max(1, math.ceil(eng.liveness.hung_after_s / interval))),
             )
             stages.append(
                 [

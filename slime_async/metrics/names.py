@@ -75,6 +75,16 @@ GEN_ENGINE_ERRORS = "gen/engine_errors"
 """Engine calls of rollouts that failed after the pool's own fail-over (the rollout is retried)."""
 GEN_ENGINE_FAILOVERS = "gen/engine_failovers"
 """Engine calls the pool saw fail on one engine and sent again (to another, or after a wait)."""
+GEN_ENGINES_HUNG = "gen/engines_hung"
+"""Times an engine was reported hung by this generator's probes (no answer for
+engine.liveness.hung_after_s; logged with its URL and what timed out), engines behind a router
+included."""
+GEN_ENGINES_DOWN = "gen/engines_down"
+"""Times an engine was marked down by a failed request or probe (logged)."""
+GEN_ENGINES_BACK = "gen/engines_back"
+"""Times a down or hung engine answered 200 again and was used again (logged)."""
+GEN_HUNG_CANCELLED = "gen/requests_given_up_hung"
+"""Requests in flight on an engine when it was reported hung, given up and sent again elsewhere."""
 GEN_GROUPS_STARTED = "gen/groups_started"
 GEN_GROUPS_PUSHED = "gen/groups_pushed"
 GEN_TRAJECTORIES_PUSHED = "gen/trajectories_pushed"
@@ -110,6 +120,20 @@ PUSH_ENGINES_LEFT_OUT = "push/engines_left_out"
 """Pushes that left out an engine that was down (it rejoins when it answers again; logged)."""
 PUSH_ENGINES = "push/engines"
 """Engines in the current weight-update group."""
+PUSH_ENGINES_HUNG = "push/engines_hung"
+"""Times the push's probes reported an engine hung (no answer for engine.liveness.hung_after_s;
+logged with its URL and what timed out); a hung member ends the push step waiting for it."""
+PUSH_ENGINES_BACK = "push/engines_back"
+"""Times a down or hung engine answered the push's probes again (it rejoins at the next push)."""
+PUSH_STUCK_ENGINES = "push/stuck_engines"
+"""Engines whose update call never completed within push.timeout_s although they answer probes
+(a member stuck in the group's collective): left out of the group and restarted through
+`slime-async run` (each logged)."""
+PUSH_RESTART_REQUESTS = "push/restart_requests"
+"""Engine restarts the push asked `slime-async run` for (stuck engines; each logged)."""
+PUSH_STALLS = "push/stalls"
+"""Push steps reported as stalled: unfinished after push.report_after_s (each logged with the step
+and the engines waited for)."""
 
 # ----- buffer stats (`slime-async buffer`, `ConsumerClient.stats()`, buffer_final.json) ---------
 BUF_INCOMPLETE_TIMEOUT = "incomplete_timeout"
@@ -255,6 +279,12 @@ SUP_RESTARTS = "supervisor/restarts"
 """Roles restarted by `run.restart_failed`, all roles, since this supervisor started."""
 SUP_ROLE_RESTARTS = "supervisor/restarts/"
 """Prefix: `supervisor/restarts/<role>` counts the restarts of one role."""
+SUP_HUNG_RESTARTS = "supervisor/hung_restarts"
+"""Engines restarted because they answered no probe for engine.liveness.restart_after_s (each
+logged with the reason; counted in supervisor/restarts too)."""
+SUP_REQUESTED_RESTARTS = "supervisor/requested_restarts"
+"""Engines restarted because the learner's push asked for it (an engine stuck in its update call;
+the reason is logged; counted in supervisor/restarts too)."""
 SUP_ROLE_EXIT = "supervisor/exit_code/"
 """Prefix: `supervisor/exit_code/<role>`: the exit code of the failure this record is about
 (negative: killed by that signal)."""

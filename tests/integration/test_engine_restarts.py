@@ -5,20 +5,20 @@ acknowledged is lost and no group is committed twice. And several engines with a
 the real sglang-router: the run starts and trains.
 """
 
-import json
 import os
-import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from slime_async.metrics import read_metrics
-from tests.support.repo import REPO
 from tests.support.run_config import tiny_run_config
+from tests.support.runs import assert_nothing_lost_nothing_twice, tiny_inputs
+from tests.support.runs import finish as _finish
+from tests.support.runs import pid_of as _pid_of
+from tests.support.runs import start_run as _start
+from tests.support.runs import steps_done as _steps_done
+from tests.support.runs import wait_for as _wait_for
 
 GROUPS_PER_STEP = 2
 GROUP_SIZE = 4
@@ -26,15 +26,7 @@ GROUP_SIZE = 4
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from examples.arithmetic.task import make_dataset
-    from slime_async.models.toy import make_tiny_model
-
-    root = tmp_path_factory.mktemp("restarts")
-    return (
-        root,
-        make_tiny_model(root / "model", "qwen3", seed=0),
-        make_dataset(root / "train.jsonl", 300, seed=0),
-    )
+    return tiny_inputs(tmp_path_factory.mktemp("restarts"))
 
 
 def _config(root: Path, model: Path, data: Path, name: str, steps: int, **engine) -> Path:
@@ -50,65 +42,8 @@ def _config(root: Path, model: Path, data: Path, name: str, steps: int, **engine
     )
 
 
-def _start(cfg: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "slime_async", "run", str(cfg)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _pid_of(run_dir: Path, role: str) -> int:
-    """The role's PID as the supervisor logged it ("started <role> (pid N)")."""
-    found = re.findall(
-        rf"started {role} \(pid (\d+)", (run_dir / "logs" / "supervisor.log").read_text()
-    )
-    assert found, f"no pid of {role} in supervisor.log"
-    return int(found[-1])
-
-
-def _wait_for(pred, timeout: float, what: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert proc.poll() is None, f"the run ended while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.1)
-
-
-def _steps_done(run_dir: Path) -> int:
-    path = run_dir / "metrics" / "learner.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 420) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"run did not finish in {timeout}s:\n{out[-4000:]}") from None
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
 def _assert_nothing_lost_nothing_twice(run_dir: Path, steps: int) -> None:
-    learner = read_metrics(run_dir / "metrics" / "learner.jsonl")
-    assert learner[-1]["step"] == steps
-    # A restarted learner continues from the buffer's version when that is newer than its
-    # checkpoint's (actors/learner/process.py), so versions never go back but may skip ahead.
-    versions = [r["version"] for r in learner if r["step"] == max(x["step"] for x in learner)]
-    assert versions[-1] >= steps
-    final = json.loads((run_dir / "buffer_final.json").read_text())
-    # Every step's groups committed exactly once: none twice, none missing.
-    assert final["counts"]["committed_trajectories"] == steps * GROUPS_PER_STEP * GROUP_SIZE
-    assert final["batches_delivered_uncommitted"] == 0
-    dropped = sum(final["dropped_trajectories"].values())
-    acknowledged = final["counts"]["trajectories_in"]
-    committed = final["counts"]["committed_trajectories"]
-    assert acknowledged == committed + dropped + final["trajectories_held"], final
+    assert_nothing_lost_nothing_twice(run_dir, steps, GROUPS_PER_STEP, GROUP_SIZE)
 
 
 def _kill(run_dir: Path, role: str) -> int:

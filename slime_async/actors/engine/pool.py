@@ -1,12 +1,16 @@
-"""A pool of engines behind one `generate`: least in-flight first, fail-over, health probing.
+"""A pool of engines behind one `generate`: least in-flight first, fail-over, liveness probing.
 
 A failed request (connection error, timeout, 5xx) marks its engine down and is retried at once on
 another engine that is up, or, when none is, after the back-off of `engine_retry_policy` (the
 client's: doubling from `backoff_s`, jittered); a 4xx is the request's own fault and is raised.
-A down engine is probed with GET /health every `probe_interval_s` and used again as soon as it
-answers. With one URL (e.g. a sglang-router) the pool is a retrying client. Ties between equally
-busy engines are broken by the pool's own `random.Random(seed)` (the generator's seed).
-Memory: one client and one counter per engine, plus one probe task per down engine.
+Every engine is probed while the pool runs (`EngineWatch`, `engine.liveness`: GET /ready, else
+GET /health, every `probe_interval_s`): a down engine is used again once it answers 200, and one
+that answers nothing for `hung_after_s` is reported hung and marked down, and the requests in
+flight there are given up and sent to another engine (counted in `hung_cancelled`). With one URL
+(e.g. a sglang-router) the pool is a retrying client; `watch_urls` (the engines behind that
+router) are then probed and reported too, without changing where requests go. Ties between
+equally busy engines are broken by the pool's own `random.Random(seed)` (the generator's seed).
+Memory: one client, one counter and one probe per engine.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from slime_async.actors.engine.client import (
     GenerateOutput,
     engine_retry_policy,
 )
+from slime_async.actors.engine.health import EngineWatch, State
+from slime_async.config.engine import LivenessConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +44,15 @@ class EnginePool:
         timeout_s: float = 600.0,
         max_retries: int = 5,
         backoff_s: float = 0.2,
-        probe_interval_s: float = 1.0,
+        probe_interval_s: float | None = None,
         seed: int | None = None,
+        liveness: LivenessConfig | None = None,
+        watch_urls: list[str] | None = None,
+        owner: str = "engine pool",
     ):
+        """`liveness`: the probes (default `LivenessConfig()`; `probe_interval_s` overrides its
+        interval); `watch_urls`: engines probed and reported but not sent requests (behind a
+        router); `owner` names the role in liveness messages."""
         if not urls:
             raise ValueError("EnginePool needs at least one engine URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -49,40 +61,68 @@ class EnginePool:
         self.clients = {u: EngineClient(u, api_key, timeout_s, max_retries=0) for u in self.urls}
         self.retry = engine_retry_policy(backoff_s, max_attempts=max_retries + 1)
         self._rng = random.Random(seed)
-        self.probe_interval_s = probe_interval_s
+        liveness = liveness or LivenessConfig()
+        if probe_interval_s is not None:
+            liveness = liveness.model_copy(update={"probe_interval_s": probe_interval_s})
         self.in_flight = dict.fromkeys(self.urls, 0)
-        self.down: set[str] = set()
         self.failures = dict.fromkeys(self.urls, 0)
         """Per engine: requests that failed there (each failed over or retried, and logged)."""
         self.backoffs = 0
         """Waits because no engine was up (each logged)."""
-        self._probes: dict[str, asyncio.Task] = {}
+        self.hung_cancelled = 0
+        """Requests given up because their engine was reported hung (each sent again)."""
+        watched = dict(self.clients)
+        for u in (w.rstrip("/") for w in watch_urls or []):
+            watched.setdefault(u, EngineClient(u, api_key, timeout_s, max_retries=0))
+        self._watch_only = [u for u in watched if u not in self.clients]
+        self.watch = EngineWatch(watched, liveness, owner, on_change=self._on_change)
+        self._hung: dict[str, asyncio.Event] = {}
+        """Per engine reported hung: set, so that requests in flight there give up."""
 
     @classmethod
-    def from_config(cls, cfg, urls: list[str] | None = None, seed: int | None = None) -> EnginePool:
-        """From an `EngineConfig` (its `urls` unless `urls` is given)."""
+    def from_config(
+        cls,
+        cfg,
+        urls: list[str] | None = None,
+        seed: int | None = None,
+        owner: str = "engine pool",
+    ) -> EnginePool:
+        """From an `EngineConfig` (its `urls` unless `urls` is given: then, when `urls` is one
+        router's, its engines `cfg.urls` are watched as well)."""
+        urls = urls or cfg.urls
         return cls(
-            urls or cfg.urls,
+            urls,
             api_key=cfg.api_key,
             timeout_s=cfg.request_timeout_s,
             max_retries=cfg.max_retries,
             seed=seed,
+            liveness=cfg.liveness,
+            watch_urls=[u for u in cfg.urls if u not in urls],
+            owner=owner,
         )
 
+    @property
+    def down(self) -> set[str]:
+        """The engines requests avoid now (down or hung)."""
+        return {u for u in self.urls if self.watch.state(u) != "up"}
+
     async def __aenter__(self) -> EnginePool:
+        self.watch.start()
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
     async def close(self) -> None:
-        for task in self._probes.values():
-            task.cancel()
-        for task in self._probes.values():
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._probes.clear()
-        await asyncio.gather(*(c.close() for c in self.clients.values()))
+        await self.watch.stop()
+        await asyncio.gather(*(c.close() for c in self.watch_clients()))
+
+    def watch_clients(self) -> list[EngineClient]:
+        """Every client: the engines requests go to, and the ones only watched."""
+        return [
+            *self.clients.values(),
+            *(self.watch.engines[u].probe.client for u in self._watch_only),
+        ]
 
     def _pick(self) -> str | None:
         up = [u for u in self.urls if u not in self.down]
@@ -103,17 +143,21 @@ class EnginePool:
         (`routed_start`: see `EngineClient.generate`)."""
         attempt, last_error = 0, None
         while True:
+            self.watch.start()  # a pool used without `async with`
             url = self._pick()
             if url is not None:
                 self.in_flight[url] += 1
                 try:
-                    return await self.clients[url].generate(
-                        input_ids,
-                        sampling_params,
-                        rid,
-                        return_logprob,
-                        max_retries=0,
-                        routed_start=routed_start,
+                    return await self._until_hung(
+                        url,
+                        self.clients[url].generate(
+                            input_ids,
+                            sampling_params,
+                            rid,
+                            return_logprob,
+                            max_retries=0,
+                            routed_start=routed_start,
+                        ),
                     )
                 except EngineRequestError:
                     raise
@@ -137,21 +181,43 @@ class EnginePool:
                 )
                 await asyncio.sleep(delay)
 
+    async def _until_hung(self, url: str, call) -> GenerateOutput:
+        """`call`, unless `url` is reported hung first: then EngineError (retried elsewhere)."""
+        hung = self._hung.setdefault(url, asyncio.Event())
+        request = asyncio.ensure_future(call)
+        if hung.is_set():  # reported hung after it was picked
+            request.cancel()
+        waiter = asyncio.ensure_future(hung.wait())
+        try:
+            await asyncio.wait({request, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            if not request.done():
+                request.cancel()
+        with contextlib.suppress(asyncio.CancelledError, EngineError):
+            await request  # a cancelled request ends here (its connection closed)
+        if request.cancelled():
+            self.hung_cancelled += 1
+            raise EngineError(
+                url,
+                "POST /generate",
+                f"given up: the engine is hung ({self.watch.reason(url)}); sent again elsewhere",
+            )
+        return request.result()
+
     def _mark_down(self, url: str, error: EngineError) -> None:
         self.failures[url] += 1
         if url not in self.down:
             log.warning("engine %s is down (%s); failing over, probing it", url, error)
-        self.down.add(url)
-        if url not in self._probes or self._probes[url].done():
-            self._probes[url] = asyncio.get_running_loop().create_task(self._probe(url))
+        self.watch.mark_down(url, str(error))
 
-    async def _probe(self, url: str) -> None:
-        while True:
-            await asyncio.sleep(self.probe_interval_s)
-            if await self.clients[url].health(timeout_s=max(1.0, self.probe_interval_s)):
-                self.down.discard(url)
-                log.info("engine %s is back (GET /health answered)", url)
-                return
+    def _on_change(self, url: str, old: State, new: State, reason: str) -> None:
+        if url not in self.clients:
+            return  # watched only (an engine behind the router): reported, nothing to do here
+        if new == "hung":
+            self._hung.setdefault(url, asyncio.Event()).set()
+        elif new == "up":
+            self._hung[url] = asyncio.Event()  # requests sent from now on may wait there again
 
     async def for_all(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Call `EngineClient.<method>` on every engine concurrently; url -> result or exception."""
@@ -169,4 +235,7 @@ class EnginePool:
             "in_flight": dict(self.in_flight),
             "failures": dict(self.failures),
             "backoffs": self.backoffs,
+            "hung_cancelled": self.hung_cancelled,
+            "liveness": dict(self.watch.counts),
+            "watched": {u: self.watch.state(u) for u in self.watch.engines},
         }

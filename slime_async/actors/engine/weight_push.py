@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from slime_async.actors.engine.client import EngineClient, EngineError, EngineRequestError
+from slime_async.actors.engine.push_watch import PushLiveness, RestartRequester, StallWatch
 from slime_async.actors.engine.weight_sync import (
     WeightGroup,
     choose_backend,
@@ -62,6 +63,7 @@ from slime_async.actors.engine.weight_sync import (
     init_weight_group,
 )
 from slime_async.config import PushConfig
+from slime_async.config.engine import LivenessConfig
 from slime_async.metrics import names as M
 from slime_async.utils.procs import free_port
 
@@ -120,9 +122,13 @@ class WeightPusher:
         tp_sizes: list[int] | None = None,
         probe_timeout_s: float = 5.0,
         state_path: str | Path | None = None,
+        liveness: LivenessConfig | None = None,
+        request_restart: RestartRequester | None = None,
     ):
         """Push to the engines at `urls` as `push` says (its backend, pause mode, group address
-        and timeouts); `push.interval` and `push.bucket_bytes` are the caller's."""
+        and timeouts); `push.interval` and `push.bucket_bytes` are the caller's. `liveness`:
+        how the engines are probed while the learner runs (`push_watch.py`); `request_restart`:
+        asks the launcher to restart an engine stuck in its update call."""
         if not urls:
             raise ValueError("WeightPusher needs at least one engine URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -151,6 +157,8 @@ class WeightPusher:
         self.pushed_version: str | None = None
         """The version every member holds in full (None before the first push)."""
         self._broken = False
+        self._left_holding: dict[str, str] = {}
+        """Engines left out while hung or stuck, and the group name they may still hold."""
         self.counters = {"resyncs": 0, "failed_pushes": 0, "flush_polls": 0, "engines_left_out": 0}
         """resyncs: group rebuilds after a restart or a failure; failed_pushes: pushes that
         failed midway (each logged); flush_polls: /flush_cache answers that were 400;
@@ -160,6 +168,10 @@ class WeightPusher:
             target=self._loop.run_forever, name="weight-push-http", daemon=True
         )
         self._thread.start()
+        self.liveness = PushLiveness(
+            self.urls, liveness or LivenessConfig(), api_key, self._loop, request_restart
+        )
+        self.stall = StallWatch(push, self._stalled)
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -170,18 +182,45 @@ class WeightPusher:
         return {u: self._submit(getattr(self.clients[u], method)(*args, **kwargs)) for u in urls}
 
     def _wait(self, step: str, futs: dict[str, concurrent.futures.Future], timeout_s=None):
-        """Every engine's result; the first failure or timeout raises PushError naming both."""
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        """Every engine's result; the first failure or timeout raises PushError naming both. An
+        engine reported hung meanwhile ends the wait at once; one whose update call outlives
+        `push.timeout_s` while it answers its probes is stuck (`PushLiveness.mark_stuck`)."""
+        waited = timeout_s or self.timeout_s
+        deadline = time.monotonic() + waited
+        self.stall.step(step, list(futs))
         out = {}
         for url, f in futs.items():
-            try:
-                out[url] = f.result(timeout=max(0.0, deadline - time.monotonic()))
-            except concurrent.futures.TimeoutError:
-                waited = timeout_s or self.timeout_s
-                raise PushError(url, step, f"no answer in {waited:.0f}s") from None
-            except Exception as e:
-                raise PushError(url, step, str(e)) from e
+            while url not in out:
+                left = deadline - time.monotonic()
+                try:
+                    out[url] = f.result(timeout=max(0.0, min(0.25, left)))
+                except concurrent.futures.TimeoutError:
+                    hung = self.liveness.hung(url)
+                    if hung:
+                        raise PushError(url, step, f"the engine is hung ({hung})") from None
+                    if left > 0:
+                        continue
+                    self._timed_out(url, step, waited)
+                    raise PushError(url, step, f"no answer in {waited:.0f}s") from None
+                except EngineError as e:
+                    if e.status is None and "Timeout" in e.message:  # the call's own timeout
+                        self._timed_out(url, step, waited)
+                    raise PushError(url, step, str(e)) from e
+                except Exception as e:
+                    raise PushError(url, step, str(e)) from e
         return out
+
+    def _timed_out(self, url: str, step: str, waited: float) -> None:
+        """An update call that outlived its timeout while the engine answers its probes: the
+        engine is stuck in the group's collective (`PushLiveness.mark_stuck`)."""
+        if step == "update_weights_from_distributed" and not self.liveness.hung(url):
+            self.liveness.mark_stuck(url, f"its update call did not complete in {waited:.0f}s")
+
+    def _stalled(self, urls: list[str], why: str) -> None:
+        """The stall watchdog's last act: ask for restarts of the engines the push waited for."""
+        for url in urls:
+            if url in self.clients:
+                self.liveness.mark_stuck(url, why)
 
     def _settle(self, step: str, futs: dict[str, concurrent.futures.Future], timeout_s: float):
         """Wait for every call, failures logged (best effort: destroy, continue)."""
@@ -192,9 +231,12 @@ class WeightPusher:
                 log.warning("weight push, step %s, engine %s: %s", step, url, e or type(e).__name__)
 
     def _probe(self) -> dict[str, str | None]:
-        """url -> its weight_version (a string), or None when it does not answer."""
+        """url -> its weight_version (a string), or None when it does not answer (or is hung or
+        stuck: then it is not asked)."""
 
         async def one(c: EngineClient) -> str | None:
+            if self.liveness.unavailable(c.url):
+                return None
             for path in ("/model_info", "/get_model_info"):  # current route, then the older one
                 try:
                     info = await c.call("GET", path, timeout_s=self.probe_timeout_s, max_retries=0)
@@ -212,6 +254,12 @@ class WeightPusher:
 
     def connect(self, versions: dict[str, str | None] | None = None) -> None:
         """(Re)build the group with every engine that answers: destroy first, fresh name."""
+        try:
+            self._connect(versions)
+        finally:
+            self.stall.idle()  # the stall watchdog watches a connect or a push, nothing else
+
+    def _connect(self, versions: dict[str, str | None] | None) -> None:
         versions = versions if versions is not None else self._probe()
         live = [u for u in self.urls if versions.get(u) is not None]
         if not live:
@@ -221,6 +269,11 @@ class WeightPusher:
         if stale:  # a dead learner's group: its engines would keep the name (and its ranks)
             self._settle(
                 "destroy stale group", self._each(live, "destroy_weights_update_group", stale), 30
+            )
+        for url in [u for u in live if u in self._left_holding]:  # back after being hung
+            old = self._left_holding.pop(url)
+            self._settle(
+                "destroy left group", self._each([url], "destroy_weights_update_group", old), 30
             )
         ranks = self._ranks(live)
         if self.auto_backend:
@@ -291,6 +344,7 @@ class WeightPusher:
                 result.set_exception(e)
 
         threading.Thread(target=host, name="weight-group-host", daemon=True).start()
+        self.stall.step("init_weights_update_group", list(futs))
         t0 = time.monotonic()
         last_log = t0
         while True:
@@ -309,6 +363,11 @@ class WeightPusher:
                     f"{why or 'none (every engine answered)'}",
                 ) from e
             for url, f in futs.items():
+                hung = None if f.done() else self.liveness.hung(url)
+                if hung:
+                    raise PushError(
+                        url, "init_weights_update_group", f"the engine is hung ({hung})"
+                    )
                 if f.done() and f.exception() is not None:
                     raise PushError(
                         url,
@@ -394,9 +453,13 @@ class WeightPusher:
             log.warning("destroying weight-update group %s here: %s", self.group_name, e)
         del group  # the last reference: the backend closes its connections
         gc.collect()  # ... now, also when a reference cycle held it
+        # A hung or stuck member cannot serve the call (its restart drops the group anyway).
+        reachable = [u for u in self.members if not self.liveness.unavailable(u)]
+        for url in set(self.members) - set(reachable):
+            self._left_holding[url] = self.group_name  # told to destroy it when it is back
         self._settle(
             "destroy_weights_update_group",
-            self._each(self.members, "destroy_weights_update_group", self.group_name),
+            self._each(reachable, "destroy_weights_update_group", self.group_name),
             30,
         )
         self.members = []
@@ -455,6 +518,11 @@ class WeightPusher:
             M.PUSH_FLUSH_REFUSED: float(self.counters["flush_polls"]),
             M.PUSH_ENGINES_LEFT_OUT: float(self.counters["engines_left_out"]),
             M.PUSH_ENGINES: float(len(self.members)),
+            M.PUSH_ENGINES_HUNG: float(self.liveness.watch.counts["hung"]),
+            M.PUSH_ENGINES_BACK: float(self.liveness.watch.counts["back"]),
+            M.PUSH_STUCK_ENGINES: float(self.liveness.counts["stuck"]),
+            M.PUSH_RESTART_REQUESTS: float(self.liveness.counts["restart_requests"]),
+            M.PUSH_STALLS: float(self.stall.stalls),
         }
 
     # ---- the push ----------------------------------------------------------------------------
@@ -466,27 +534,40 @@ class WeightPusher:
         seconds, bytes_per_s, buckets, tensors, engines, failed (1.0: the push failed midway,
         the engines stay paused and `resync_needed()` is true)."""
         t0 = time.perf_counter()
+        try:
+            return self._push(buckets, version, t0)
+        finally:
+            self.stall.idle()
+
+    def _push(self, buckets, version: int | str, t0: float) -> dict[str, float]:
+        self.stall.step("probe", self.urls)
         versions = self._probe()
         deadline = time.monotonic() + self.resync_wait_s
         while time.monotonic() < deadline and (
             all(v is None for v in versions.values())
-            or any(versions[u] is None for u in self.members)
+            or any(versions[u] is None and not self.liveness.unavailable(u) for u in self.members)
         ):
             # A member just went down (restarting?), or none answers: give them resync_wait_s
-            # to come back before leaving them out (an engine already left out is not waited for).
+            # to come back before leaving them out (an engine already left out is not waited for,
+            # nor a hung or stuck one while another engine answers).
             time.sleep(0.5)
             versions = self._probe()
         if self.group is None or self._broken or self._changed(versions):
             if self.group is not None or self._broken:
                 self.counters["resyncs"] += 1
-            self.connect(versions)
+            try:
+                self.connect(versions)
+            except PushError as e:  # e.g. a member hung during the handshake: try again later
+                self._broken = True
+                self.counters["failed_pushes"] += 1
+                log.error("weight push of version %s: the group was not rebuilt: %s", version, e)
+                return {"seconds": time.perf_counter() - t0, "bytes_per_s": 0.0, "failed": 1.0}
             self._broken = False
         down = [u for u in self.urls if u not in self.members]
         if down:
             self.counters["engines_left_out"] += 1
-            log.warning(
-                "pushing version %s without %s (down; they rejoin when back)", version, down
-            )
+            why = {u: self.liveness.unavailable(u) or "down" for u in down}
+            log.warning("pushing version %s without %s (they rejoin when back)", version, why)
         stats = {"bytes": 0.0, "buckets": 0.0, "tensors": 0.0}
         members = list(self.members)
         try:
@@ -575,10 +656,15 @@ class WeightPusher:
                 weight_version=version if following is None else None,
                 flush_cache=False,
             )
+            self.stall.step(f"broadcast of bucket {int(stats['buckets']) + 1}", members)
             for _, t in tensors:
                 failed = {u: f for u, f in futs.items() if f.done() and f.exception() is not None}
                 if failed:  # an engine refused the bucket: it will not receive, stop here
                     self._wait("update_weights_from_distributed", failed)
+                hung = {u: why for u in members if (why := self.liveness.hung(u))}
+                if hung:  # it will not receive either
+                    url, why = next(iter(hung.items()))
+                    raise PushError(url, "broadcast", f"the engine is hung ({why})")
                 failure = None
                 try:
                     self.group.broadcast(t)
@@ -594,8 +680,10 @@ class WeightPusher:
             bucket = following
 
     def close(self) -> None:
-        """Destroy the group on the engines and here; stop the HTTP thread."""
+        """Destroy the group on the engines and here; stop the probes and the HTTP thread."""
         self._destroy()
+        self.stall.close()
+        self.liveness.close()
         if self.state_path is not None and self.state_path.is_file():
             self.state_path.unlink(missing_ok=True)
         if self._thread.is_alive():

@@ -74,11 +74,15 @@ from slime_async.metrics import (
     GEN_BUFFER_SEND_WAITS,
     GEN_ENGINE_ERRORS,
     GEN_ENGINE_FAILOVERS,
+    GEN_ENGINES_BACK,
+    GEN_ENGINES_DOWN,
+    GEN_ENGINES_HUNG,
     GEN_GROUPS_DROPPED,
     GEN_GROUPS_PUSHED,
     GEN_GROUPS_REDONE,
     GEN_GROUPS_STALE,
     GEN_GROUPS_STARTED,
+    GEN_HUNG_CANCELLED,
     GEN_INFLIGHT,
     GEN_PLUGIN_ERROR_RATE,
     GEN_PLUGIN_ERRORS,
@@ -580,6 +584,19 @@ class Generator:
         stats = getattr(self.engine, "stats", None)
         return sum(stats()["failures"].values()) if callable(stats) else 0
 
+    def _engine_liveness(self) -> dict[str, float]:
+        """The pool's liveness counts (none for an engine without them, e.g. in tests)."""
+        stats = getattr(self.engine, "stats", None)
+        s = stats() if callable(stats) else {}
+        if "liveness" not in s:
+            return {}
+        return {
+            GEN_ENGINES_HUNG: s["liveness"]["hung"],
+            GEN_ENGINES_DOWN: s["liveness"]["down"],
+            GEN_ENGINES_BACK: s["liveness"]["back"],
+            GEN_HUNG_CANCELLED: s["hung_cancelled"],
+        }
+
     def _take_window(self) -> dict[str, float]:
         now = time.perf_counter()
         dt = max(now - self._window_t0, 1e-9)
@@ -598,6 +615,7 @@ class Generator:
             GEN_ROUTING_MISSING: self.rollout_stats.routing_missing,
             GEN_ENGINE_ERRORS: self.rollout_stats.engine_errors,
             GEN_ENGINE_FAILOVERS: self._engine_failovers(),
+            **self._engine_liveness(),
             GEN_PLUGIN_ERROR_RATE: _mean([float(x) for x in self._attempts]),
             # the producer client's own retries (a sink without them, e.g. in tests, has none)
             GEN_BUFFER_RESENDS: getattr(self.sink, "resends", 0),

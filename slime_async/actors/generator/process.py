@@ -57,7 +57,7 @@ def run_generator(cfg: SlimeConfig) -> int:
 async def _run(cfg: SlimeConfig, gen_cfg, urls: list[str], tok_path: str) -> int:
     tokenizer = load_tokenizer(tok_path)
     # The pool breaks ties between engines with the generator's seed (run.seed unless set).
-    pool = EnginePool.from_config(cfg.engine, urls, seed=gen_cfg.seed)
+    pool = EnginePool.from_config(cfg.engine, urls, seed=gen_cfg.seed, owner=gen_cfg.producer_id)
     for client in pool.clients.values():  # routing replay: the engines report each token's experts
         client.return_routed_experts = cfg.learner.routing_replay
     metrics = None

@@ -32,6 +32,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from slime_async.queue.client import Batch, ConsumerClient
 from slime_async.queue.schema import decode_trajectory, encode_trajectory
 from slime_async.utils.eval_pin import read_result, request_path, write_json_atomic
 from slime_async.utils.readiness import announce_ready
+from slime_async.utils.restart_requests import request_restart
 
 log = logging.getLogger("slime_async.learner")
 
@@ -129,6 +131,11 @@ class _Rank0:
                 api_key=cfg.engine.api_key,
                 # A restarted learner destroys its dead predecessor's group on the engines first.
                 state_path=run_dir / "weight_group.json" if run_dir is not None else None,
+                liveness=cfg.engine.liveness,
+                # An engine stuck in its update call is restarted by `slime-async run`.
+                request_restart=(
+                    partial(request_restart, run_dir, by="learner") if run_dir is not None else None
+                ),
             )
         self.metrics: MetricsLogger | None = None
         self.first_record: dict[str, Any] = {}

@@ -338,6 +338,8 @@ def run_on_ray(
             poll_interval_s=cfg.run.poll_interval_s,
             progress=progress,
             spawn=run.spawn,
+            liveness=cfg.engine.liveness,
+            api_key=cfg.engine.api_key,
         )
         for line in run.placement_lines():
             supervisor.event(f"placed {line}")

@@ -32,7 +32,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "actors/engine/embedded": BASE | {"actors/engine", "models", "megatron_compat"},
     "actors/generator": BASE | {"actors/engine", "queue", "models"},
     "actors/learner": BASE | {"actors/engine", "queue", "models", "algos", "megatron_compat"},
-    "launch": BASE | {"queue"},
+    "launch": BASE | {"queue", "actors/engine"},
     "launch/ray": BASE | {"queue", "launch"},
     "api": BASE | {"actors/generator", "algos"},
     "actors": {"actors/generator"},  # the old import paths of the plug-in API

@@ -1,7 +1,7 @@
 """The embedded engine's HTTP server: SGLang's native API over a continuously batched HF model.
 
 Binds `engine.host:engine.port` (127.0.0.1 by default; port 0 picks a free one) and serves
-/generate, /health, /health_generate, /get_model_info (/model_info), /get_server_info
+/generate, /health, /health_generate, /ready, /get_model_info (/model_info), /get_server_info
 (/server_info), /get_weight_version, /update_weight_version, /pause_generation,
 /continue_generation, /abort_request, /flush_cache and the weight-sync calls
 /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
@@ -92,7 +92,7 @@ SGLANG_VERSION = "0.5.23"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-_KEY_EXEMPT = frozenset({"/health", "/health_generate"})
+_KEY_EXEMPT = frozenset({"/health", "/health_generate", "/ready"})
 
 
 class BadRequest(ValueError):
@@ -191,7 +191,7 @@ class EmbeddedEngine:
         r = app.router
         r.add_route("POST", "/generate", self.generate)
         r.add_route("PUT", "/generate", self.generate)
-        for path in ("/health", "/health_generate", "/get_weight_version"):
+        for path in ("/health", "/health_generate", "/get_weight_version", "/ready"):
             r.add_get(path, getattr(self, path[1:]))
         r.add_post("/update_weight_version", self.update_weight_version)
         for path in ("/get_model_info", "/model_info"):
@@ -531,6 +531,13 @@ class EmbeddedEngine:
             # SGLang's probe is a one-token generation, which cannot run while paused.
             return _error(503, "generation is paused")
         return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """As SGLang 0.5.23's GET /ready: at once, 200 when new requests are taken, 503 while
+        generation is paused or the scheduler has stopped (the liveness probes' first choice)."""
+        if not self.scheduler.alive():
+            return web.Response(status=503)
+        return web.Response(status=503 if self.scheduler.paused else 200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         early = await self.health(request)
