@@ -98,6 +98,19 @@ def _socket(ctx: zmq.Context, cfg: BufferConfig, endpoint: str) -> zmq.Socket:
     return sock
 
 
+def _send_within(sock: zmq.Socket, frames: list, timeout_s: float) -> bool:
+    """Send `frames` if the socket can take them within `timeout_s`; False if it cannot. A DEALER
+    with no usable connection (the buffer down, or a CURVE handshake it refused) blocks a plain
+    send forever; this turns that into the same "no answer" as a lost reply."""
+    if not sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLOUT):
+        return False
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
+
+
 def _check(reply: Reply, kind: type[R]) -> R:
     """`reply` as the kind of reply its request expects; BufferRejected for an `Error`."""
     if isinstance(reply, Error):
@@ -139,7 +152,8 @@ def ping(endpoint: str, cfg: BufferConfig, timeout_s: float = 0.5) -> dict[str, 
     ctx = zmq.Context()
     sock = _socket(ctx, cfg, endpoint)
     try:
-        sock.send_multipart([Ping(rid="ping").encode()])
+        if not _send_within(sock, [Ping(rid="ping").encode()], timeout_s):
+            return None
         if not sock.poll(int(timeout_s * 1000)):
             return None
         reply = decode_reply(sock.recv_multipart()[0])
@@ -478,10 +492,10 @@ class ConsumerClient:
         give_up = time.monotonic() + wait_s + self.cfg.give_up_s
         refused = 0  # answers "WAL disk full" in a row: sent again after a back-off
         while True:
-            self._sock.send_multipart([header])
             deadline = time.monotonic() + wait_s + self.cfg.request_timeout_s
+            sent = _send_within(self._sock, [header], self.cfg.request_timeout_s)
             answered = False
-            while not answered and (left := deadline - time.monotonic()) > 0:
+            while sent and not answered and (left := deadline - time.monotonic()) > 0:
                 if not self._sock.poll(int(left * 1000) + 1):
                     break
                 frames = self._sock.recv_multipart(copy=False)  # decoded straight from zmq's buffer
