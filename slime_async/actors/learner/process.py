@@ -415,8 +415,11 @@ def _train(
         if checkpoint:
             # Every batch delivered so far is trained on: the cursor is exactly this step's.
             cursor = rank0.consumer.cursor() if rank0 is not None else 0
+            n_hf = lc.save_hf_interval
             learner.save_checkpoint(
-                save_dir / f"step_{learner.step}", extra={"buffer_cursor": cursor}
+                save_dir / f"step_{learner.step}",
+                extra={"buffer_cursor": cursor},
+                hf=bool(n_hf) and (last or learner.step % n_hf == 0),
             )
         if rank0 is not None and (checkpoint or not lc.save_interval):
             # Commit what a checkpoint now holds; without mid-run checkpoints commit at once
