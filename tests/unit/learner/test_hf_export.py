@@ -147,9 +147,9 @@ def test_export_check_catches_a_wrong_conversion(run_dir, tmp_path, monkeypatch)
 
 
 def test_save_hf_interval_is_refused_off_checkpoint_steps():
-    with pytest.raises(ValueError, match="not a multiple of learner.save_interval = 4"):
+    with pytest.raises(ValueError, match=r"not a multiple of learner\.save_interval = 4"):
         LearnerConfig(save_interval=4, save_hf_interval=6)
-    with pytest.raises(ValueError, match="learner.save_interval = 0"):
+    with pytest.raises(ValueError, match=r"learner\.save_interval = 0"):
         LearnerConfig(save_hf_interval=6)
     assert LearnerConfig(save_interval=4, save_hf_interval=8).save_hf_interval == 8
     with pytest.raises(ValueError, match="save_hf_interval"):
