@@ -137,13 +137,7 @@ class _Rank0:
         self.eval_pending: int | None = None
         """The version whose pinned evaluation was requested and not yet waited for."""
         if run_dir is not None:
-            self.metrics = MetricsLogger(
-                run_dir,
-                "learner",
-                cfg.run.wandb,
-                config=cfg.model_dump(mode="json"),
-                project=cfg.run.wandb_project,
-            )
+            self.metrics = MetricsLogger(run_dir, "learner")
 
     def next_batch(self) -> tuple[Batch, float]:
         """Block until the buffer delivers a batch; return it and the seconds waited."""
