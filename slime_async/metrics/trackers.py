@@ -25,6 +25,7 @@ wandb and TensorBoard are imported only when listed (wandb takes ~0.9 s to impor
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -212,7 +213,7 @@ def _tb_histogram(
     n = sum(counts)
     if not n:
         return
-    mids = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    mids = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
     writer.add_histogram_raw(
         tag,
         min=edges[0],

@@ -14,10 +14,10 @@ import pytest
 
 from slime_async.metrics import read_metrics
 from tests.support.repo import REPO
-from tests.support.tensorboard_events import read_scalars
 from tests.support.run_config import E2E_MAX_STALENESS as MAX_STALENESS
 from tests.support.run_config import E2E_STEPS as STEPS
 from tests.support.run_config import e2e_run_config as _config
+from tests.support.tensorboard_events import read_scalars
 
 
 def _versions_follow_updates(records: list[dict]) -> None:
