@@ -21,6 +21,12 @@ class LearnerConfig(Section):
     directory in `checkpoints/step_N/hf/` (config, safetensors, tokenizer), written before the
     checkpoint is complete; a multiple of `save_interval` (0: never; `slime-async export` makes
     one from any checkpoint later)."""
+    token_record_interval: int = Field(1, ge=0)
+    """Every this many steps the learner writes `token_records/step_N.npz`: per token of the
+    batch its behaviour and learner log-probs, advantage and loss gradient, for `slime-async
+    inspect` (21 bytes per response token; 0: never)."""
+    token_record_keep: int = Field(0, ge=0)
+    """Keep only the newest this many token records (0: all)."""
     tensor_parallel: int = Field(1, ge=1)
     """Tensor-parallel size (data parallel = world size / tensor_parallel)."""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 import slime_async.metrics.names as M
 from slime_async.actors.engine.weight_push import WeightPusher
+from slime_async.actors.learner import token_record
 from slime_async.actors.learner.batch import TrainGroup
 from slime_async.actors.learner.checkpoint import is_checkpoint
 from slime_async.actors.learner.trainer import Learner
@@ -345,6 +346,11 @@ def _train(
         t_train = time.perf_counter()
         m = learner.train_step(groups)
         train_s = time.perf_counter() - t_train
+        token_rec = learner.take_token_record()
+        if token_rec is not None and rank0 is not None and rank0.run_dir is not None:
+            token_record.write(
+                rank0.run_dir, learner.step, learner.version, token_rec, lc.token_record_keep
+            )
         push_s = 0.0
         last = learner.step == lc.num_steps
         due = learner.step % cfg.push.interval == 0 or last

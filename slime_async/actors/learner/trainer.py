@@ -222,6 +222,7 @@ class Learner:
             routing_replay=cfg.routing_replay,
             temperature=self.temperature,
             stale=StaleTokens(p, max_staleness, stale_policy),
+            token_record_interval=cfg.token_record_interval,
         )
         self.model.train()
 
@@ -274,6 +275,11 @@ class Learner:
         and count in no denominator. See `ppo_step.py`.
         """
         return self.ppo.train_step(groups)
+
+    def take_token_record(self) -> dict[str, Any] | None:
+        """Rank 0: the per-token record of the RL step just trained (`token_record.py`), or
+        None (another rank, or a step `learner.token_record_interval` does not record)."""
+        return self.ppo.take_record()
 
     def sft_step(self, examples: list[tuple[list[int], list[int]]]) -> dict[str, float]:
         """One supervised step: mean NLL of the target tokens over all ranks' examples."""
