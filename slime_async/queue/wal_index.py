@@ -13,8 +13,9 @@ group's data lies:
 
 Every segment starts with a SNAPSHOT record carrying the version, so a segment's entries depend
 on no other segment, and the log's view is the merge of its segments' entries in order. A segment
-is identified by (name, size, mtime): one that grew (the live tail), was rewritten or is new is
-re-read; one that compaction deleted drops out. The cache (`<wal_dir>.index.json`, written
+is identified by (name, size, mtime): one that is new, or changed other than by growing, is read
+whole; one that grew (the live tail; segments are append-only) is read on from the records
+already indexed, the earlier ones skipped undecoded; one that compaction deleted drops out. The cache (`<wal_dir>.index.json`, written
 atomically) carries a format number; a cache of another format, or unreadable, is rebuilt. Where
 the run directory is read-only the index is built in memory and not kept.
 
@@ -63,11 +64,25 @@ def _signature(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def scan_segment(wal_dir: Path, index: int) -> dict[str, Any]:
-    """One segment's entries (see the module docstring)."""
-    entry: dict[str, Any] = {"groups": {}, "delivers": [], "commits": [], "drops": {}}
-    version = 0
+def scan_segment(wal_dir: Path, index: int, resume: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One segment's entries (see the module docstring).
+
+    `resume`: the entries of an earlier scan of this segment when the file has only grown since
+    (segments are append-only): its records are skipped undecoded, the new ones added."""
+    entry: dict[str, Any] = resume or {
+        "groups": {},
+        "delivers": [],
+        "commits": [],
+        "drops": {},
+        "records": 0,
+        "version": 0,
+    }
+    skip = int(entry["records"])
+    version = int(entry["version"])
+    ordinal = -1
     for ordinal, (rtype, meta, blobs) in enumerate(_Segment(wal_dir, index).replay()):
+        if ordinal < skip:
+            continue
         if rtype == W.SNAPSHOT:
             version = int(meta.get("version", version))
             entry.setdefault("next_batch", int(meta.get("next_batch", 1)))
@@ -75,7 +90,7 @@ def scan_segment(wal_dir: Path, index: int) -> dict[str, Any]:
             version = int(meta["version"])
         elif rtype == W.PUT:
             for blob in blobs:
-                t = decode_trajectory(blob)
+                t = decode_trajectory(blob, validate=False)  # validated when it was put
                 g = entry["groups"].setdefault(
                     t.group_id,
                     {"n": 0, "reward": 0.0, "model_tokens": 0, "oldest": None, "records": []},
@@ -96,6 +111,8 @@ def scan_segment(wal_dir: Path, index: int) -> dict[str, Any]:
         elif rtype == W.DROP:
             for gid in meta["g"]:
                 entry["drops"][gid] = str(meta.get("why", ""))
+    entry["records"] = max(skip, ordinal + 1)
+    entry["version"] = version
     return entry
 
 
@@ -153,7 +170,10 @@ def load_index(wal_dir: str | Path) -> WalIndex:
         if old is not None and old.get("sig") == sig:
             segments[str(index)] = old
             continue
-        segments[str(index)] = {"sig": sig, **scan_segment(wal_dir, index)}
+        # Only grown (the live tail): read on from the records already indexed.
+        grown = old is not None and old.get("sig", [0])[0] < sig[0]
+        resume = {k: v for k, v in old.items() if k != "sig"} if grown else None
+        segments[str(index)] = {"sig": sig, **scan_segment(wal_dir, index, resume)}
         read += 1
     if read or set(segments) != set(cached):
         _write_cache(path, {"format": FORMAT, "segments": segments})

@@ -11,6 +11,7 @@ log open between steps, as a live buffer does). 250 steps of 16 groups of
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from slime_async.config.buffer import BufferConfig
 from slime_async.queue import wal as W
@@ -77,20 +78,9 @@ class SyntheticRun:
         self.wal.close()
 
 
-def write_run_wal(
-    wal_dir: str | Path,
-    steps: int = 250,
-    groups_per_step: int = 16,
-    group_size: int = 8,
-    response_len: int = 28,
-    prompt_len: int = 24,
-    segment_bytes: int = 64 << 20,
-    commit: bool = True,
-) -> Path:
-    """Write the log of a `steps`-step run into `wal_dir`; returns it."""
-    run = SyntheticRun(
-        wal_dir, groups_per_step, group_size, response_len, prompt_len, segment_bytes, commit
-    )
+def write_run_wal(wal_dir: str | Path, steps: int = 250, **shape: Any) -> Path:
+    """Write the log of a `steps`-step run into `wal_dir` (`shape`: `SyntheticRun`'s keywords)."""
+    run = SyntheticRun(wal_dir, **shape)
     run.steps(steps)
     run.close()
     return Path(wal_dir)

@@ -27,13 +27,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
-from slime_async.actors.learner.batch import MicroBatch, Row
+if TYPE_CHECKING:  # `slime-async inspect` reads records without importing torch
+    import torch
+
+    from slime_async.actors.learner.batch import MicroBatch, Row
 
 RECORD_DIR = "token_records"
 FIELDS = ("behavior_logp", "prox_logp", "logp", "advantage", "grad")
@@ -86,6 +87,8 @@ class TokenRecorder:
 
     def gather(self, dp_group: Any, is_rank0: bool, tp_rank: int) -> dict[str, Any] | None:
         """Every rank calls it; rank 0 gets the whole step's arrays (DP ranks' rows joined)."""
+        import torch.distributed as dist
+
         mine = (self.ids, self.values) if tp_rank == 0 else ([], [])
         parts: list[Any] = [mine]
         if dist.get_world_size(dp_group) > 1:
