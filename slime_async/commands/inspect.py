@@ -141,20 +141,13 @@ class Decoder:
         return self.text([i])
 
 
-def grad_size(grad: Any, logp: Any) -> Any:
-    """|d loss / d logp| x (1 - p) per token: within sqrt(2) of the norm of the loss's gradient
-    at the token's logits (that gradient is g (onehot - softmax), of norm between 1 - p and
-    sqrt(2) (1 - p)). Arrays of one trajectory's tokens (numpy)."""
-    import numpy as np
-
-    return np.abs(grad) * -np.expm1(logp)
-
-
 def learner_tokens(rec: dict[str, Any] | None, i: int) -> dict[str, float] | None:
     """Token `i` of a trajectory's token record: what the learner saw of it."""
     if rec is None:
         return None
     import numpy as np
+
+    from slime_async.actors.learner.token_record import grad_size
 
     logp, mu = float(rec["logp"][i]), float(rec["behavior_logp"][i])
     return {
@@ -172,6 +165,8 @@ def trajectory_record(
 ) -> dict[str, Any]:
     """`rec`: the trajectory's token record (`actors/learner/token_record.py`), or None."""
     import numpy as np
+
+    from slime_async.actors.learner.token_record import grad_size
 
     segs = []
     for s in segments(t):

@@ -27,7 +27,6 @@ def show_top(
     import numpy as np
 
     from slime_async.actors.learner import token_record
-    from slime_async.commands.inspect import grad_size
     from slime_async.config import ConfigError
 
     by_grad = args.top_grad is not None
@@ -52,7 +51,7 @@ def show_top(
             continue
         model = rec["loss_mask"].astype(bool)
         if by_grad:
-            score = grad_size(rec["grad"], rec["logp"])
+            score = token_record.grad_size(rec["grad"], rec["logp"])
         else:
             score = np.abs(rec["logp"] - rec["behavior_logp"])
         score = np.where(model & np.isfinite(score), score, -np.inf)
@@ -101,7 +100,7 @@ def _token_row(
 ) -> dict[str, Any]:
     import numpy as np
 
-    from slime_async.commands.inspect import grad_size
+    from slime_async.actors.learner.token_record import grad_size
 
     tid = str(rec["ids"][i])
     a = int(rec["offsets"][i]) + pos

@@ -112,6 +112,13 @@ class TokenRecorder:
         return out
 
 
+def grad_size(grad: np.ndarray, logp: np.ndarray) -> np.ndarray:
+    """|d loss / d logp| x (1 - p) per token (`grad`, `logp`: [N] of a record): within sqrt(2) of
+    the norm of the loss's gradient at the token's logits, which is g (onehot - softmax), of norm
+    between (1 - p) |g| and sqrt(2) (1 - p) |g|."""
+    return np.abs(grad) * -np.expm1(logp)
+
+
 def record_path(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / RECORD_DIR / f"step_{step}.npz"
 
