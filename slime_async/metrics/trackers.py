@@ -101,7 +101,8 @@ class JobTracker:
             )
             self._wandb_run.define_metric(POLICY_VERSION)
             self._wandb_run.define_metric("*", step_metric=POLICY_VERSION)
-        self._save_state()
+        if self.active:
+            self._save_state()
 
     @property
     def active(self) -> bool:
@@ -180,6 +181,8 @@ class JobTracker:
 
     def close(self) -> None:
         """Forward what is left, then finish the wandb run and close the event files."""
+        if not self.active:
+            return
         try:
             self.poll()
         finally:
