@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "buffer": "slime_async.commands.buffer",
     "keygen": "slime_async.commands.keygen",
     "plot": "slime_async.commands.plot",
+    "export": "slime_async.commands.export",
     "convert": "slime_async.commands.convert",
     "inspect": "slime_async.commands.inspect",
     "slurm": "slime_async.commands.slurm",

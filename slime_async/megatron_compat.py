@@ -210,3 +210,24 @@ def seed_model_parallel(seed: int) -> None:
     torch.manual_seed(seed)
     kwargs = {"inference_rng_tracker": True} if cpu_mode() else {}
     tensor_parallel.model_parallel_cuda_manual_seed(seed, **kwargs)
+
+
+LIBRARY_WARNINGS = (
+    # megatron-core at import, where Transformer Engine / Apex are absent: the local
+    # implementations are what this project uses on purpose.
+    (UserWarning, r"(Transformer Engine and )?Apex (is|are) not installed"),
+    (UserWarning, r"full scope is deprecated"),
+    # torch.distributed.checkpoint, called by megatron-core's dist_checkpointing.load.
+    (FutureWarning, r"`load_state_dict` is deprecated"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+)
+"""Warnings megatron-core and torch print from inside their own code, which a user of this
+project cannot act on (nothing in the config changes them)."""
+
+
+def quiet_library_warnings() -> None:
+    """Hide `LIBRARY_WARNINGS` in this process (commands that print to a terminal call it)."""
+    import warnings
+
+    for category, message in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)

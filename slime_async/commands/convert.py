@@ -1,10 +1,12 @@
 """`slime-async convert SRC DST`: HF model directory <-> megatron-core torch_dist checkpoint.
 
-The direction follows SRC: an HF directory (config.json + safetensors) becomes a learner
-checkpoint (model, fresh optimizer state, step 0, version 0) that `learner.load` resumes from;
-a torch_dist checkpoint (written at any TP size) becomes a complete HF directory (config,
-safetensors, tokenizer files). Runs alone, or under torchrun for a TP- or EP-sharded
-conversion (a mixture-of-experts model's experts split over `--expert-parallel` ranks):
+The low-level command under `slime-async export` (which finds a run's checkpoint for you). The
+direction follows SRC: an HF directory (config.json + safetensors) becomes a learner checkpoint
+(model, fresh optimizer state, step 0, version 0) that `learner.load` resumes from; a torch_dist
+checkpoint (written at any TP size) becomes a complete HF directory (config, safetensors,
+tokenizer files), checked against the learner's log-probs as `export` does. Runs alone, or under
+torchrun for a TP- or EP-sharded conversion (a mixture-of-experts model's experts split over
+`--expert-parallel` ranks):
 
     torchrun --nproc-per-node 2 -m slime_async convert ckpt/ hf_out/ --tensor-parallel 2
     torchrun --nproc-per-node 2 -m slime_async convert Qwen3-30B-A3B/ ckpt/ --expert-parallel 2
@@ -42,13 +44,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from slime_async import megatron_compat
+
+    megatron_compat.quiet_library_warnings()
     try:
         return _convert(
             Path(args.src), Path(args.dst), args.tensor_parallel, args.dtype, args.expert_parallel
         )
-    except (ValueError, OSError) as e:  # bad input: a named error, no traceback
+    except (ValueError, OSError, RuntimeError) as e:  # bad input or a failed check: named
         print(f"slime-async convert: error: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, ValueError | OSError) else 1
 
 
 def _convert(
@@ -72,18 +77,21 @@ def _convert(
             "nor a torch_dist checkpoint (metadata.json)"
         )
 
-    where = {"load": str(src)} if to_hf else {"model_path": str(src)}
+    if to_hf:
+        from slime_async.commands.export import export
+
+        return export(src, dst, tensor_parallel, expert_parallel, dtype, check=True)
     cfg = LearnerConfig(
-        tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, dtype=dtype, **where
+        tensor_parallel=tensor_parallel,
+        expert_parallel=expert_parallel,
+        dtype=dtype,
+        model_path=str(src),
     )
     learner = Learner(cfg, AlgoConfig())
     try:
-        if to_hf:
-            learner.save_hf(dst)
-        else:
-            learner.save_checkpoint(dst, extra={})
+        learner.save_checkpoint(dst, extra={})
     finally:
         learner.close()
     if learner.is_rank0:
-        print(f"wrote {'HF directory' if to_hf else 'torch_dist checkpoint'} {dst}")
+        print(f"wrote torch_dist checkpoint {dst}")
     return 0

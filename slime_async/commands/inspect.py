@@ -1,17 +1,28 @@
-"""`slime-async inspect RUN_DIR`: what the learner trained, decoded from the run's write-ahead log.
+"""`slime-async inspect RUN_DIR`: what the learner trained, decoded from the run's write-ahead log
+and the learner's token records.
 
-The buffer's write-ahead log (`<run_dir>/<buffer.wal_dir>`, format in `queue/wal.py`) records every
+The buffer's write-ahead log (`<run_dir>/<buffer.wal_dir>`, format in `queue/wal/`) records every
 group put (the trajectories as the generator sent them), every batch delivered to the learner
 (its group ids; the learner trains batch N at step N) with the policy version announced before
-it, and every commit. This command replays it read-only and shows, per step, the groups of the
-batch: the prompt, the model and environment segments of each response (told apart by the loss
-mask), per-token policy versions and behaviour log-probs, the reward and its parts, the
-temperature, and each group's staleness (version at delivery minus its oldest model token's
-version, the learner's own measure).
+it, and every commit. An index of it (`queue/wal_index.py`, cached beside the log and brought up
+to date from the segments that changed) gives the step table without decoding the log; a step or
+a group decodes only the records that hold its groups. Shown per step: the groups of the batch,
+the prompt, the model and environment segments of each response (told apart by the loss mask),
+per-token policy versions and behaviour log-probs, the reward and its parts, the temperature,
+each group's staleness (version at delivery minus its oldest model token's version, the
+learner's own measure), and the step's gradient norm (`metrics/learner.jsonl`).
+
+Where the learner recorded the step (`token_records/step_N.npz`, `learner.token_record_interval`)
+each token also shows its advantage, the learner's log-prob (pi_theta as the loss last saw it),
+the ratio pi_theta / mu to the engine's log-prob, and its gradient size: |d loss / d logp| x
+(1 - p), within a factor sqrt(2) of the norm of the loss's gradient at that token's logits
+(`--top-grad`: the tokens that move the weights most; `--top-ratio`: the most off-policy ones).
 
     slime-async inspect runs/quickstart-...                  # one line per step
     slime-async inspect runs/quickstart-... --step 12        # step 12's groups, decoded
     slime-async inspect runs/quickstart-... --group gen0/e0/o17   # every token of one group
+    slime-async inspect runs/quickstart-... --top-grad 10    # the 10 largest gradients, all steps
+    slime-async inspect runs/quickstart-... --step 152 --top-ratio 10
     slime-async inspect runs/quickstart-... --step 12 --json # the same for scripts
 
 Segments whose groups were committed and compacted away (`buffer.wal_segment_bytes`) are gone
@@ -37,62 +48,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-groups", type=int, default=4, help="groups shown per step in text (default 4)"
     )
-
-
-@dataclass
-class Step:
-    """One delivered batch: the learner trains batch N at step N."""
-
-    batch_id: int
-    group_ids: list[str]
-    version: int
-    """Policy version the learner had announced when the batch was delivered."""
-    committed: bool = False
+    top = p.add_mutually_exclusive_group()
+    top.add_argument(
+        "--top-grad",
+        type=int,
+        metavar="K",
+        help="the K tokens with the largest gradient (of --step N, else of every recorded step)",
+    )
+    top.add_argument(
+        "--top-ratio",
+        type=int,
+        metavar="K",
+        help="the K model tokens furthest off-policy: largest |log pi_theta / mu|",
+    )
 
 
 @dataclass
 class Log:
-    """What the write-ahead log says was put, delivered and committed."""
+    """What the write-ahead log says was put, delivered and committed, through its index;
+    trajectories are decoded only for the groups asked for (`load`)."""
 
-    steps: dict[int, Step] = field(default_factory=dict)
+    wal_dir: Path
+    index: Any
+    """queue.wal_index.WalIndex"""
     groups: dict[str, list[Any]] = field(default_factory=dict)
-    """group id -> its trajectories (queue.schema.Trajectory), as put."""
-    dropped: dict[str, str] = field(default_factory=dict)
-    first_batch: int | None = None
-    """The first batch id the log still knows about (earlier ones were compacted away)."""
+    """group id -> its trajectories (queue.schema.Trajectory), as put, once loaded."""
+
+    @property
+    def steps(self) -> dict[int, Any]:
+        return self.index.steps
+
+    @property
+    def dropped(self) -> dict[str, str]:
+        return self.index.dropped
+
+    @property
+    def first_batch(self) -> int | None:
+        return self.index.first_batch
+
+    def load(self, group_ids: list[str]) -> None:
+        from slime_async.queue.wal_index import read_groups
+
+        missing = [g for g in group_ids if g not in self.groups]
+        if missing:
+            self.groups.update(read_groups(self.wal_dir, self.index, missing))
 
 
 def read_log(wal_dir: Path) -> Log:
-    """Replay the write-ahead log in `wal_dir` read-only."""
-    from slime_async.queue import wal as W
-    from slime_async.queue.groups import unscoped
-    from slime_async.queue.schema import decode_trajectory
+    """The write-ahead log in `wal_dir`, read-only, through its (cached) index."""
+    from slime_async.queue.wal_index import load_index
 
-    out = Log()
-    version = 0
-    reader = W.WriteAheadLog(wal_dir, "none", 1 << 62, snapshot=dict)
-    for rtype, meta, blobs in reader.replay():
-        if rtype == W.SNAPSHOT:
-            version = int(meta.get("version", version))
-            if out.first_batch is None:
-                out.first_batch = int(meta.get("next_batch", 1))
-        elif rtype == W.VERSION:
-            version = int(meta["version"])
-        elif rtype == W.PUT:
-            for blob in blobs:
-                t = decode_trajectory(blob)
-                out.groups.setdefault(t.group_id, []).append(t)
-        elif rtype == W.DELIVER:
-            b = int(meta["batch"])
-            if meta.get("g") and b not in out.steps:  # a redelivery repeats no group ids
-                out.steps[b] = Step(b, [unscoped(k)[1] for k in meta["g"]], version)
-        elif rtype == W.COMMIT:
-            if int(meta["batch"]) in out.steps:
-                out.steps[int(meta["batch"])].committed = True
-        elif rtype == W.DROP:
-            for key in meta["g"]:
-                out.dropped[unscoped(key)[1]] = str(meta.get("why", ""))
-    return out
+    return Log(wal_dir, load_index(wal_dir))
 
 
 def segments(t: Any) -> list[dict[str, Any]]:
@@ -135,7 +141,33 @@ class Decoder:
         return self.text([i])
 
 
-def trajectory_record(t: Any, dec: Decoder, tokens: bool) -> dict[str, Any]:
+def learner_tokens(rec: dict[str, Any] | None, i: int) -> dict[str, float] | None:
+    """Token `i` of a trajectory's token record: what the learner saw of it."""
+    if rec is None:
+        return None
+    import numpy as np
+
+    from slime_async.actors.learner.token_record import grad_size
+
+    logp, mu = float(rec["logp"][i]), float(rec["behavior_logp"][i])
+    return {
+        "advantage": float(rec["advantage"][i]),
+        "learner_logprob": logp,
+        "prox_logprob": float(rec["prox_logp"][i]),
+        "ratio": float(np.exp(logp - mu)) if rec["loss_mask"][i] else None,
+        "grad": float(rec["grad"][i]),
+        "grad_size": float(grad_size(rec["grad"][i : i + 1], rec["logp"][i : i + 1])[0]),
+    }
+
+
+def trajectory_record(
+    t: Any, dec: Decoder, tokens: bool, rec: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """`rec`: the trajectory's token record (`actors/learner/token_record.py`), or None."""
+    import numpy as np
+
+    from slime_async.actors.learner.token_record import grad_size
+
     segs = []
     for s in segments(t):
         a, b = s["start"], s["end"]
@@ -146,8 +178,10 @@ def trajectory_record(t: Any, dec: Decoder, tokens: bool) -> dict[str, Any]:
         }
         if s["kind"] == "model":
             seg["mean_logprob"] = float(t.logprobs[a:b].mean())
+            if rec is not None:
+                seg["mean_learner_logprob"] = float(rec["logp"][a:b].mean())
         segs.append(seg)
-    rec = {
+    out = {
         "id": t.id,
         "reward": float(t.reward),
         "reward_parts": dict(t.reward_parts),
@@ -161,55 +195,86 @@ def trajectory_record(t: Any, dec: Decoder, tokens: bool) -> dict[str, Any]:
         "oldest_version": t.oldest_version(),
         "metadata": dict(t.metadata),
         "segments": segs,
+        "recorded": rec is not None,
     }
+    if rec is not None:
+        model = rec["loss_mask"].astype(bool)
+        ratio = np.exp(rec["logp"] - rec["behavior_logp"])[model]
+        out["advantage"] = float(rec["advantage"][model].mean()) if model.any() else None
+        out["ratio_max"] = float(ratio.max()) if ratio.size else None
+        out["grad_size_max"] = float(grad_size(rec["grad"], rec["logp"]).max())
     if tokens:
-        rec["tokens"] = [
+        out["tokens"] = [
             {
                 "id": int(tid),
                 "text": dec.token(int(tid)),
                 "loss_mask": int(m),
                 "version": int(v),
                 "logprob": float(lp),
+                **(learner_tokens(rec, i) or {}),
             }
-            for tid, m, v, lp in zip(
-                t.response_ids, t.loss_mask, t.versions, t.logprobs, strict=True
+            for i, (tid, m, v, lp) in enumerate(
+                zip(t.response_ids, t.loss_mask, t.versions, t.logprobs, strict=True)
             )
         ]
-    return rec
+    return out
 
 
-def group_record(log: Log, gid: str, step: Step | None, dec: Decoder, tokens: bool) -> dict:
+class Records:
+    """The learner's token records of the run, read once per step asked for."""
+
+    def __init__(self, run_dir: Path):
+        from slime_async.actors.learner import token_record
+
+        self._tr = token_record
+        self.run_dir = run_dir
+        self.steps = token_record.recorded_steps(run_dir)
+        self._cache: dict[int, dict[str, dict[str, Any]] | None] = {}
+
+    def of(self, step: int | None) -> dict[str, dict[str, Any]]:
+        """trajectory id -> its per-token arrays at `step` (empty: not recorded)."""
+        if step is None:
+            return {}
+        if step not in self._cache:
+            rec = self._tr.read(self.run_dir, step)
+            self._cache[step] = self._tr.per_trajectory(rec) if rec is not None else None
+        return self._cache[step] or {}
+
+
+def group_record(
+    log: Log, gid: str, step: Any, dec: Decoder, tokens: bool, records: Records
+) -> dict:
+    log.load([gid])
     trajs = log.groups.get(gid, [])
     oldest = oldest_model_version(trajs)
     staleness = step.version - oldest if step is not None and oldest is not None else None
+    recs = records.of(step.batch_id if step is not None else None)
     return {
         "group_id": gid,
         "step": step.batch_id if step is not None else None,
         "delivered_at_version": step.version if step is not None else None,
         "staleness": staleness,
         "dropped": log.dropped.get(gid),
-        "trajectories": [trajectory_record(t, dec, tokens) for t in trajs],
+        "trajectories": [trajectory_record(t, dec, tokens, recs.get(t.id)) for t in trajs],
     }
 
 
-def step_summary(log: Log, s: Step) -> dict[str, Any]:
-    trajs = [t for gid in s.group_ids for t in log.groups.get(gid, [])]
-    stale = [
-        s.version - o
-        for gid in s.group_ids
-        if (o := oldest_model_version(log.groups.get(gid, []))) is not None
-    ]
-    rewards = [float(t.reward) for t in trajs]
+def step_summary(log: Log, s: Any, grad_norms: dict[int, float]) -> dict[str, Any]:
+    """One row of the step table, from the index alone."""
+    infos = [log.index.groups[g] for g in s.group_ids if g in log.index.groups]
+    stale = [s.version - g.oldest for g in infos if g.oldest is not None]
+    n = sum(g.n for g in infos)
     return {
         "step": s.batch_id,
         "delivered_at_version": s.version,
         "committed": s.committed,
         "groups": len(s.group_ids),
-        "trajectories": len(trajs),
-        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-        "model_tokens": int(sum(int(t.loss_mask.sum()) for t in trajs)),
+        "trajectories": n,
+        "reward_mean": sum(g.reward for g in infos) / n if n else None,
+        "model_tokens": int(sum(g.model_tokens for g in infos)),
         "staleness_max": max(stale, default=None),
         "staleness_mean": sum(stale) / len(stale) if stale else None,
+        "grad_norm": grad_norms.get(s.batch_id),
     }
 
 
@@ -225,6 +290,11 @@ def _print_traj(r: dict, tokens: bool) -> None:
         + f", finish {r['finish_reason']}, temperature {_fmt(r['temperature'], 'g')}, "
         f"{r['model_tokens']} model + {r['env_tokens']} env tokens"
     )
+    if r["recorded"]:
+        print(
+            f"    learner: advantage {_fmt(r['advantage'], '+.3f')}, ratio pi/mu max "
+            f"{_fmt(r['ratio_max'], '.3f')}, gradient size max {_fmt(r['grad_size_max'], '.3g')}"
+        )
     print(f"    [prompt, {r['prompt_tokens']} tokens] {r['prompt']!r}")
     for s in r["segments"]:
         n = s["end"] - s["start"]
@@ -232,16 +302,36 @@ def _print_traj(r: dict, tokens: bool) -> None:
         ver = f"v{vs[0]}" if len(vs) == 1 else f"v{vs[0]}..v{vs[-1]}"
         if s["kind"] == "model":
             extra = f", {ver}, mean log-prob {s['mean_logprob']:.3f}"
+            if "mean_learner_logprob" in s:
+                extra += f" (learner {s['mean_learner_logprob']:.3f})"
         else:
             extra = ", loss mask 0"
         print(f"    [{s['kind']}, {n} tokens{extra}] {s['text']!r}")
     if tokens:
-        print("      pos  mask  version  log-prob  token")
+        learner = r["recorded"]
+        head = "      pos  mask  version  log-prob"
+        if learner:
+            head += "  learner    ratio  advantage  grad size"
+        print(head + "  token")
         for i, tk in enumerate(r["tokens"]):
-            print(
-                f"      {i:>3}  {tk['loss_mask']:>4}  {tk['version']:>7}  {tk['logprob']:>8.4f}"
-                f"  {tk['text']!r} ({tk['id']})"
-            )
+            line = f"      {i:>3}  {tk['loss_mask']:>4}  {tk['version']:>7}  {tk['logprob']:>8.4f}"
+            if learner:
+                line += (
+                    f"  {tk['learner_logprob']:>7.4f}  {_fmt(tk['ratio'], '>7.3f')}"
+                    f"  {tk['advantage']:>+9.4f}  {tk['grad_size']:>9.3g}"
+                )
+            print(line + f"  {tk['text']!r} ({tk['id']})")
+
+
+def learner_grad_norms(run_dir: Path) -> dict[int, float]:
+    """step -> the step's gradient norm, from metrics/learner.jsonl."""
+    from slime_async.metrics import GRAD_NORM, metrics_path, read_metrics
+
+    return {
+        r["step"]: r[GRAD_NORM]
+        for r in read_metrics(metrics_path(run_dir, "learner"))
+        if isinstance(r.get(GRAD_NORM), int | float)
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -266,17 +356,22 @@ def main(args: argparse.Namespace) -> int:
         log = read_log(wal_dir)
     except WalFormatError as e:
         raise ConfigError(str(e)) from None
-    dec = Decoder(cfg)
+    records = Records(run_dir)
     gone = (
         f"steps 1-{log.first_batch - 1} were compacted out of the log"
         if log.first_batch and log.first_batch > 1
         else ""
     )
+    if args.top_grad is not None or args.top_ratio is not None:
+        from slime_async.commands.inspect_top import show_top
+
+        return show_top(args, log, records, Decoder(cfg), learner_grad_norms(run_dir))
     if args.group:
         step = next((s for s in log.steps.values() if args.group in s.group_ids), None)
-        if args.group not in log.groups:
+        if args.group not in log.index.groups:
             raise ConfigError(f"group {args.group!r} is not in the log ({gone or 'never put'})")
-        rec = group_record(log, args.group, step, dec, tokens=True)
+        dec = Decoder(cfg)
+        rec = group_record(log, args.group, step, dec, tokens=True, records=records)
         if args.json:
             print(json.dumps(rec, indent=2))
             return 0
@@ -288,13 +383,17 @@ def main(args: argparse.Namespace) -> int:
         for r in rec["trajectories"]:
             _print_traj(r, tokens=True)
         return 0
+    grad_norms = learner_grad_norms(run_dir)
     if args.step is not None:
         s = log.steps.get(args.step)
         if s is None:
             known = f"{min(log.steps)}-{max(log.steps)}" if log.steps else "none"
             raise ConfigError(f"step {args.step} is not in the log (steps there: {known}) {gone}")
-        summary = step_summary(log, s)
-        groups = [group_record(log, g, s, dec, tokens=args.json) for g in s.group_ids]
+        summary = step_summary(log, s, grad_norms)
+        shown = s.group_ids if args.json else s.group_ids[: args.max_groups]
+        log.load(shown)
+        dec = Decoder(cfg)
+        groups = [group_record(log, g, s, dec, args.json, records) for g in shown]
         if args.json:
             print(json.dumps({**summary, "group_records": groups}, indent=2))
             return 0
@@ -303,28 +402,40 @@ def main(args: argparse.Namespace) -> int:
             f"trajectories, delivered at policy version {s.version}"
             f"{', committed' if s.committed else ''}; reward {_fmt(summary['reward_mean'])}, "
             f"staleness mean {_fmt(summary['staleness_mean'], '.2f')} max "
-            f"{_fmt(summary['staleness_max'], 'd')}"
+            f"{_fmt(summary['staleness_max'], 'd')}, grad norm {_fmt(summary['grad_norm'], '.4g')}"
+            + ("" if s.batch_id in records.steps else " (no token record of this step)")
         )
-        for g in groups[: args.max_groups]:
+        for g in groups:
             print(f"group {g['group_id']}: staleness {_fmt(g['staleness'], 'd')}")
             for r in g["trajectories"]:
                 _print_traj(r, tokens=False)
-        if len(groups) > args.max_groups:
-            print(f"... {len(groups) - args.max_groups} more groups (--max-groups, or --group ID)")
+        if len(s.group_ids) > args.max_groups:
+            more = len(s.group_ids) - args.max_groups
+            print(f"... {more} more groups (--max-groups, or --group ID)")
         return 0
-    rows = [step_summary(log, s) for s in sorted(log.steps.values(), key=lambda s: s.batch_id)]
+    rows = [
+        step_summary(log, s, grad_norms)
+        for s in sorted(log.steps.values(), key=lambda s: s.batch_id)
+    ]
     if args.json:
         print(json.dumps({"wal_dir": str(wal_dir), "note": gone, "steps": rows}, indent=2))
         return 0
     print(f"{run_dir}: {len(rows)} steps in {wal_dir}" + (f" ({gone})" if gone else ""))
-    if dec.problem:
-        print(f"(token ids shown as numbers: tokenizer not loaded: {dec.problem})")
-    print("step  version  groups  trajs  reward  model tokens  staleness mean/max  committed")
+    print(
+        "step  version  groups  trajs  reward  model tokens  staleness mean/max  grad norm  "
+        "committed"
+    )
     for r in rows:
         print(
             f"{r['step']:>4}  {r['delivered_at_version']:>7}  {r['groups']:>6}  "
             f"{r['trajectories']:>5}  {_fmt(r['reward_mean']):>6}  {r['model_tokens']:>12}  "
             f"{_fmt(r['staleness_mean'], '.2f'):>9} / {_fmt(r['staleness_max'], 'd'):<6}  "
-            f"{'yes' if r['committed'] else 'no'}"
+            f"{_fmt(r['grad_norm'], '.4g'):>9}  {'yes' if r['committed'] else 'no'}"
+        )
+    if grad_norms:
+        top = max(grad_norms, key=lambda k: grad_norms[k])
+        print(
+            f"largest grad norm: {grad_norms[top]:.4g} at step {top}; its tokens: "
+            f"slime-async inspect {run_dir} --step {top} --top-grad 10"
         )
     return 0

@@ -30,6 +30,7 @@ def main(args: argparse.Namespace) -> int:
     from slime_async.launch.supervisor import WATCHDOG_GRACE_S, Supervisor, cleanup_leftovers
     from slime_async.launch.table import plan_roles
     from slime_async.metrics import metrics_path, read_metrics
+    from slime_async.metrics.trackers import check_trackers, job_tracker
 
     files, overrides = split_cli_args(args.config)
     if args.resume:
@@ -58,6 +59,10 @@ def main(args: argparse.Namespace) -> int:
     from slime_async.commands.config import check_plugins
 
     check_plugins(cfg)  # import and check every plug-in before any process starts
+    try:
+        check_trackers(cfg.run.trackers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.run.prepare:
         from slime_async.utils.plugins import import_object
 
@@ -87,24 +92,33 @@ def main(args: argparse.Namespace) -> int:
         mode=cfg.run.progress,
         start_step=done[-1]["step"] if done else 0,
     )
-    if cfg.run.launcher == "ray":
-        from slime_async.launch.ray.launcher import run_on_ray
+    tracker = job_tracker(cfg, run_dir.path)  # one wandb run / TensorBoard dir for the job
+    for line in tracker.describe():
+        print(f"[slime-async] {line}", flush=True)
+    try:
+        if cfg.run.launcher == "ray":
+            from slime_async.launch.ray.launcher import run_on_ray
 
-        code = run_on_ray(cfg, run_dir, resume=bool(args.resume), progress=progress)
-    else:
-        supervisor = Supervisor(
-            run_dir,
-            plan_roles(cfg, run_dir),
-            resume=bool(args.resume),
-            restart_failed=cfg.run.restart_failed,
-            ready_timeout_s=cfg.run.ready_timeout_s,
-            stop_grace_s=cfg.run.stop_grace_s,
-            poll_interval_s=cfg.run.poll_interval_s,
-            progress=progress,
-            liveness=cfg.engine.liveness,
-            api_key=cfg.engine.api_key,
-        )
-        code = supervisor.run()
+            code = run_on_ray(
+                cfg, run_dir, resume=bool(args.resume), progress=progress, tracker=tracker
+            )
+        else:
+            supervisor = Supervisor(
+                run_dir,
+                plan_roles(cfg, run_dir),
+                resume=bool(args.resume),
+                restart_failed=cfg.run.restart_failed,
+                ready_timeout_s=cfg.run.ready_timeout_s,
+                stop_grace_s=cfg.run.stop_grace_s,
+                poll_interval_s=cfg.run.poll_interval_s,
+                progress=progress,
+                liveness=cfg.engine.liveness,
+                api_key=cfg.engine.api_key,
+                tracker=tracker,
+            )
+            code = supervisor.run()
+    finally:
+        tracker.close()
     verdict = "completed" if code == 0 else "stopped"
     print(f"[slime-async] run {verdict} (exit {code}); logs in {run_dir.logs_dir}", flush=True)
     summaries = (

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slime_async.config.base import Section
 
@@ -16,6 +16,17 @@ class LearnerConfig(Section):
     """Checkpoint directory (relative paths are under the run dir; None: <run_dir>/checkpoints)."""
     save_interval: int = Field(0, ge=0)
     """Save every this many optimizer steps (0: only at the end)."""
+    save_hf_interval: int = Field(0, ge=0)
+    """Every this many steps (and at the last) the checkpoint also holds a complete Hugging Face
+    directory in `checkpoints/step_N/hf/` (config, safetensors, tokenizer), written before the
+    checkpoint is complete; a multiple of `save_interval` (0: never; `slime-async export` makes
+    one from any checkpoint later)."""
+    token_record_interval: int = Field(1, ge=0)
+    """Every this many steps the learner writes `token_records/step_N.npz`: per token of the
+    batch its behaviour and learner log-probs, advantage and loss gradient, for `slime-async
+    inspect` (21 bytes per response token; 0: never)."""
+    token_record_keep: int = Field(0, ge=0)
+    """Keep only the newest this many token records (0: all)."""
     tensor_parallel: int = Field(1, ge=1)
     """Tensor-parallel size (data parallel = world size / tensor_parallel)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -110,3 +121,24 @@ class LearnerConfig(Section):
     per direction that reads the chunk's logits once (GPU; `actors/learner/logprobs_triton.py`),
     "torch" the exact elementwise torch ops (fp32 on the CPU), "auto": "triton" on a GPU where
     Triton imports, else "torch"."""
+
+    @model_validator(mode="after")
+    def _hf_at_checkpoints(self) -> "LearnerConfig":
+        # The HF export lives inside a checkpoint: it can only be written at a checkpoint step.
+        if (
+            self.save_hf_interval
+            and self.save_interval
+            and self.save_hf_interval % self.save_interval
+        ):
+            raise ValueError(
+                f"learner.save_hf_interval = {self.save_hf_interval} is not a multiple of "
+                f"learner.save_interval = {self.save_interval}: the HF export is written into a "
+                "checkpoint, so only at checkpoint steps"
+            )
+        if self.save_hf_interval and not self.save_interval:
+            raise ValueError(
+                f"learner.save_hf_interval = {self.save_hf_interval} with learner.save_interval = "
+                "0 (one checkpoint, at the end): set save_interval so that it divides "
+                "save_hf_interval (the HF export is written into a checkpoint)"
+            )
+        return self

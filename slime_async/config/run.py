@@ -61,10 +61,17 @@ class RunConfig(Section):
     """Function `package.module:fn(cfg)` that `slime-async run` calls first (build datasets, base model)."""
     seed: int = 0
     """Seed of every role whose own `seed` is unset (engine sampler, dataset order, learner init)."""
+    trackers: list[Literal["wandb", "tensorboard"]] = ["wandb"]
+    """Where every role's metrics go besides `metrics/<role>.jsonl`: one wandb run and/or one
+    TensorBoard directory (`<run_dir>/tensorboard`, needs `pip install
+    'slime_async[tensorboard]'`) per job, on one x axis (the policy version), continued by
+    `run --resume`. The supervisor forwards the records, so roles started without it (by
+    hand, on a cluster) write the JSONL files only."""
     wandb: Literal["offline", "online", "disabled"] = "offline"
-    """wandb mode; offline writes under the run dir, disabled never imports wandb."""
+    """wandb mode of the "wandb" tracker; offline writes under the run dir (`wandb sync` uploads
+    it later); disabled: no wandb even where `trackers` lists it, and wandb is never imported."""
     wandb_project: str = "slime-async"
-    """wandb project of every role's metrics (the run name is the run directory's name)."""
+    """wandb project of the job's run (the run name is the run directory's name)."""
     restart_failed: int = Field(2, ge=0)
     """How often each child role that dies is restarted (resuming its state: the learner from its
     checkpoint, an engine rejoining the weight group) before the whole run stops; 0: never."""
@@ -89,6 +96,12 @@ class RunConfig(Section):
     existing Ray cluster, placed by `[run.ray]` (needs `pip install 'slime_async[ray]'`)."""
     ray: RayConfig = RayConfig()
     """Placement on a Ray cluster (`launcher = "ray"` only)."""
+
+    @model_validator(mode="after")
+    def _unique_trackers(self) -> "RunConfig":
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ValueError(f"run.trackers = {self.trackers}: name each tracker once")
+        return self
 
     @model_validator(mode="after")
     def _launcher_keys(self) -> "RunConfig":

@@ -38,6 +38,9 @@ with the same few methods (`poll`, `alive`, `stop`, `tail`, `pid`, `log_path`): 
 children are not this machine's processes, so no watchdog or children.json is kept for them;
 Ray ends a dead driver's actors, and each actor's role dies with its actor.
 
+Metrics: every poll also hands the roles' new metrics records to the job's tracker (one wandb run,
+one TensorBoard directory: `slime_async/metrics/trackers.py`), which `run()` closes at the end.
+
 Memory: one Child per role and the unread tail of the metrics files it displays; nothing grows
 with the length of the run.
 """
@@ -62,6 +65,7 @@ from slime_async.launch.progress import ProgressDisplay
 from slime_async.launch.run_dir import READY_ENV, RunDir
 from slime_async.metrics import MetricsLogger, MetricsTail
 from slime_async.metrics import names as m
+from slime_async.metrics.trackers import JobTracker
 from slime_async.utils.procs import (
     WATCHDOG_CLEAN_STOP,
     Child,
@@ -138,6 +142,7 @@ class Supervisor:
         spawn: Callable[[RoleSpec, list[str], dict[str, str], Path], Child] | None = None,
         liveness: LivenessConfig | None = None,
         api_key: str | None = None,
+        tracker: JobTracker | None = None,
     ):
         self.run_dir = run_dir
         self.stages = [list(s) for s in stages]
@@ -154,6 +159,8 @@ class Supervisor:
         self.err = err or sys.stderr
         self.spawn = spawn
         """Starts a role elsewhere: (spec, argv, env, log path) -> a child; None: here."""
+        self.tracker = tracker
+        """Forwards every role's metrics records to wandb / TensorBoard; closed by `run()`."""
         self.children: dict[str, Child] = {}  # insertion order = start order
         self.failure: str | None = None  # the report of the failure that stopped the run
         self._signal: int | None = None
@@ -197,6 +204,8 @@ class Supervisor:
             for sig, old in handlers.items():
                 signal.signal(sig, old)
             self._poll_metrics()
+            if self.tracker is not None:
+                self.tracker.close()
             if self.progress is not None:
                 self.progress.close()
             self._log.close()
@@ -369,7 +378,7 @@ class Supervisor:
             **{m.SUP_ROLE_RESTARTS + name: n for name, n in self.restarts.items()},
             m.SUP_ROLE_EXIT + role: code,
         }
-        with MetricsLogger(self.run_dir.path, "supervisor", wandb_mode="disabled") as log:
+        with MetricsLogger(self.run_dir.path, "supervisor") as log:
             log.log(self.failures, record)
 
     def _fail(self, report: str) -> None:
@@ -385,6 +394,8 @@ class Supervisor:
         print(f"[slime-async] {text}", file=self.err, flush=True)
 
     def _poll_metrics(self) -> None:
+        if self.tracker is not None:
+            self.tracker.poll()
         if self.progress is None or self.progress.mode == "off":
             return
         for path in sorted(self.run_dir.metrics_dir.glob("*.jsonl")):

@@ -1,14 +1,14 @@
-"""Metrics: named records, reduced once per step, written to JSONL and wandb from one place.
+"""Metrics: named records, reduced once per step, written to JSONL from one place.
 
-    metrics = MetricsLogger(run_dir, "learner", wandb_mode="offline", config=cfg.model_dump())
+    metrics = MetricsLogger(run_dir, "learner")
     metrics.log(step, {"reward": mean(rewards), "staleness/hist": int_histogram(staleness)})
     metrics.close()
 
 Each role owns one logger and calls `log` once per step with everything it measured in that
 step; the logger adds `step` and `time` (unix seconds) and appends one JSON line to
 `<run_dir>/metrics/<role>.jsonl` (flushed at once, so the supervisor's progress display and
-`slime-async plot` can read it live), and mirrors the record to wandb. wandb is imported only when
-the mode is not "disabled"; "offline" writes under the run directory.
+`slime-async plot` can read it live). The job's supervisor forwards every role's records from
+there to one wandb run and one TensorBoard directory (`run.trackers`, `trackers.py`).
 
 A value is a number or a histogram. Histograms are plain dicts so the JSONL stays readable:
 `{"values": [0, 1, 2], "counts": [5, 3, 1]}` for integer-valued data (staleness) or
@@ -86,40 +86,14 @@ def _check_histogram(key: str, h: Mapping[str, Any]) -> Histogram:
 
 
 class MetricsLogger:
-    """One role's metrics sink: JSONL always, wandb unless `wandb_mode` is "disabled"."""
+    """One role's metrics sink: `<run_dir>/metrics/<role>.jsonl` (the trackers read it there)."""
 
-    def __init__(
-        self,
-        run_dir: str | Path,
-        role: str,
-        wandb_mode: str = "offline",
-        config: Mapping[str, Any] | None = None,
-        project: str = "slime-async",
-    ):
-        if wandb_mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"wandb_mode {wandb_mode!r}: expected offline, online or disabled")
+    def __init__(self, run_dir: str | Path, role: str):
         self.role = role
         self.path = metrics_path(run_dir, role)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Append: a resumed run continues the same file (readers keep the last line of a step).
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._wandb_run = None
-        if wandb_mode != "disabled":
-            # Imported here, not at the top: wandb takes ~0.9 s to import (measured on the
-            # 2-core machine) and run.wandb = "disabled" must never import it (tested).
-            import wandb
-
-            run_name = Path(run_dir).resolve().name
-            self._wandb = wandb
-            self._wandb_run = wandb.init(
-                dir=str(run_dir),
-                mode=wandb_mode,
-                project=project,
-                name=f"{run_name}-{role}",
-                group=run_name,
-                job_type=role,
-                config=dict(config or {}),
-            )
 
     def log(self, step: int, record: Mapping[str, Any]) -> None:
         """Write one step's record (numbers and histogram dicts; see the module docstring)."""
@@ -127,26 +101,8 @@ class MetricsLogger:
         line = {"step": int(step), "time": time.time(), **clean}
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
-        if self._wandb_run is not None:
-            self._wandb_run.log(self._to_wandb(clean), step=int(step))
-
-    def _to_wandb(self, clean: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in clean.items():
-            if isinstance(value, dict):
-                edges = value.get("edges") or [v - 0.5 for v in value["values"]] + [
-                    value["values"][-1] + 0.5 if value["values"] else 0.5
-                ]
-                if value["counts"]:
-                    out[key] = self._wandb.Histogram(np_histogram=(value["counts"], edges))
-            elif value is not None:
-                out[key] = value
-        return out
 
     def close(self) -> None:
-        if self._wandb_run is not None:
-            self._wandb_run.finish()
-            self._wandb_run = None
         if not self._file.closed:
             self._file.close()
 

@@ -17,6 +17,7 @@ from tests.support.repo import REPO
 from tests.support.run_config import E2E_MAX_STALENESS as MAX_STALENESS
 from tests.support.run_config import E2E_STEPS as STEPS
 from tests.support.run_config import e2e_run_config as _config
+from tests.support.tensorboard_events import read_scalars
 
 
 def _versions_follow_updates(records: list[dict]) -> None:
@@ -95,7 +96,8 @@ def test_pipeline_runs_pushes_and_loses_nothing(tiny_setup, mode):
 @pytest.mark.slow
 def test_interrupted_run_resumes_without_loss_or_repeat(tiny_setup):
     """Ctrl-C mid-run, then `run --resume`: the learner continues from its last checkpoint, the
-    buffer (WAL) hands back the batches trained after it, and every step is trained once more."""
+    buffer (WAL) hands back the batches trained after it, and every step is trained once more.
+    Both halves land in one wandb run (offline) and one TensorBoard directory."""
     import os
     import signal
     import time
@@ -107,6 +109,8 @@ def test_interrupted_run_resumes_without_loss_or_repeat(tiny_setup):
         f"learner.num_steps={total}",
         "learner.save_interval=3",
         f"run.run_dir={root / 'resume'}",
+        'run.trackers=["wandb", "tensorboard"]',
+        "run.wandb=offline",
     ]
     run_dir = root / "resume"
     console = root / "resume-first.out"
@@ -154,3 +158,23 @@ def test_interrupted_run_resumes_without_loss_or_repeat(tiny_setup):
     # Every batch up to the last checkpoint committed once; what was trained after it came back.
     assert final["counts"]["committed_trajectories"] >= (total - 3) * 8
     assert final["batches_delivered_uncommitted"] == 0
+
+    # One wandb run: the resumed supervisor continued the first one's run id.
+    run_id = json.loads((run_dir / "tracking.json").read_text())["wandb_id"]
+    segments = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(segments) == 2 and all(s.name.endswith(f"-{run_id}") for s in segments)
+    assert f"wandb run {run_id}" in again.stdout
+    # One TensorBoard directory with the learner's and the generator's scalars of both halves,
+    # every record forwarded once, on the policy version.
+    scalars = read_scalars(run_dir / "tensorboard")
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [v for v, _ in scalars["learner/version"]] == [r["version"] for r in lines]
+    assert [v for v, _ in scalars["learner/reward"]] == [r["version"] for r in lines]
+    gen_lines = [
+        json.loads(x) for x in (run_dir / "metrics" / "generator0.jsonl").read_text().splitlines()
+    ]
+    gen_tb = scalars["generator0/gen/tokens_per_s"]
+    assert [v for v, _ in gen_tb] == [
+        r["step"] for r in gen_lines if isinstance(r["gen/tokens_per_s"], int | float)
+    ]
+    assert max(v for v, _ in gen_tb) >= versions[-1] - 2

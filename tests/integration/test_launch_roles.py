@@ -102,7 +102,7 @@ LEARNER = textwrap.dedent(
     cfg = load_config([sys.argv[1]])
     resumed = "--resumed" in sys.argv
     announce_ready()
-    with MetricsLogger(cfg.run.run_dir, "learner", wandb_mode="disabled") as log:
+    with MetricsLogger(cfg.run.run_dir, "learner") as log:
         first = 4 if resumed else 1
         for step in range(first, cfg.learner.num_steps + 1):
             log.log(step, {"reward": step / 10, "staleness/mean": 1.0})

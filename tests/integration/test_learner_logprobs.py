@@ -1,10 +1,15 @@
 """The Megatron learner's per-token log-probs equal the HF model's, at TP=1 and TP=2 (gloo).
 
-Also: HF export at TP=2 is bit-exact, training at TP=2 equals training at TP=1, and a TP=2
-checkpoint resumes at TP=1.
+Also: HF export at TP=2 is bit-exact, training at TP=2 equals training at TP=1, a TP=2
+checkpoint resumes at TP=1, and `slime-async export` of a trained TP=2 checkpoint (under torchrun
+at TP=2, and in one process) gives an HF model whose log-probs are the learner's.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from slime_async.actors.learner.trainer import Learner
+from slime_async.utils.procs import free_port
 from tests.support import learner_worker
 from tests.support.learner_worker import (
     SEQS,
@@ -107,6 +113,40 @@ def test_tp2_checkpoint_resumes_at_tp1(tp2_run):
         learner.close()
     for lp, want in zip(got, trained["logp"], strict=True):
         assert (lp - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_export_of_a_tp2_checkpoint_scores_like_the_learner(tp2_run, tmp_path, ranks):
+    """The trained TP=2 checkpoint, exported by `slime-async export` under torchrun at TP=2 (and
+    resharded into one process), loads in transformers with the learner's log-probs (fp32)."""
+    out = tmp_path / "hf"
+    args = ["export", str(tp2_run / "ckpt_tp2"), str(out)]
+    if ranks == 2:
+        launcher = [
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            "-m",
+            "slime_async",
+        ]
+        args += ["--tensor-parallel", "2"]
+    else:
+        launcher = ["-m", "slime_async"]
+    r = subprocess.run(
+        [sys.executable, *launcher, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("wrote HF directory") == 1  # rank 0 alone reports
+    trained = torch.load(tp2_run / "tp2_trained.pt")
+    want = hf_reference(out, temperature=0.7)
+    for lp, (ref_lp, _) in zip(trained["logp"], want, strict=True):
+        assert (lp - ref_lp).abs().max().item() < 1e-5
 
 
 def test_tp2_training_equals_tp1(model_dirs, tp2_run):

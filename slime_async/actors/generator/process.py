@@ -66,16 +66,12 @@ async def _run(cfg: SlimeConfig, gen_cfg, urls: list[str], tok_path: str) -> int
         gen = Generator(gen_cfg, pool, tokenizer, run_dir=cfg.run.run_dir)
         if cfg.run.run_dir:
             metrics = gen.metrics = MetricsLogger(
-                cfg.run.run_dir,
-                f"generator{gen_cfg.shard_index}",
-                wandb_mode=cfg.run.wandb,
-                config=cfg.model_dump(mode="json"),
-                project=cfg.run.wandb_project,
+                cfg.run.run_dir, f"generator{gen_cfg.shard_index}"
             )
             if cfg.eval.interval and gen_cfg.shard_index == 0:  # generator 0 evaluates
                 from slime_async.actors.generator.evaluate import Evaluator
 
-                eval_metrics = MetricsLogger(cfg.run.run_dir, "eval", wandb_mode="disabled")
+                eval_metrics = MetricsLogger(cfg.run.run_dir, "eval")
                 gen.evaluator = Evaluator(
                     cfg.eval,
                     gen_cfg.sampling,

@@ -3,16 +3,19 @@
 A checkpoint directory holds the model and optimizer as ShardedTensors (so it loads at any TP
 size), per-rank RNG states (restored only when the world size matches), and a common part
 written by rank 0: step, policy version, the architecture, the HF config and the caller's
-`extra` dict (the buffer consumer's commit cursor). `hf/` beside it holds config.json and the
-tokenizer files, so `slime-async convert` can write a complete HF directory from the checkpoint
-alone. The directory is written under a temporary name and renamed when complete: a crash
-mid-save never leaves a directory that looks like a checkpoint.
+`extra` dict (the buffer consumer's commit cursor). `tokenizer/` beside it holds the tokenizer
+files, so `slime-async export` writes a complete HF directory from the checkpoint alone. With
+`learner.save_hf_interval`, `hf/` holds that complete HF directory (config, safetensors,
+tokenizer), written before the rename. The directory is written under a temporary name and
+renamed when complete: a crash mid-save never leaves a directory that looks like a checkpoint,
+nor an `hf/` without its weights.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,21 @@ from slime_async.models.convert import copy_tokenizer_files
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
 COMMON_KEY = "learner"
+TOKENIZER_DIR = "tokenizer"
+"""The checkpoint's tokenizer files (and generation config), for exports."""
+HF_DIR = "hf"
+"""A complete HF export of the checkpoint's weights (`learner.save_hf_interval`)."""
+
+
+def tokenizer_dir(path: str | Path) -> Path | None:
+    """Where checkpoint `path` keeps its tokenizer files, or None when it has none.
+
+    Checkpoints written before `tokenizer/` existed kept them in `hf/` (without weights)."""
+    for name in (TOKENIZER_DIR, HF_DIR):
+        d = Path(path) / name
+        if d.is_dir():
+            return d
+    return None
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -95,8 +113,12 @@ def save(
     optimizer,
     common: dict[str, Any],
     tokenizer_dir: str | Path | None,
+    write_hf: Callable[[Path], Any] | None = None,
 ) -> Path:
-    """Every rank calls it. Fails (before writing) if `path` already exists."""
+    """Every rank calls it. Fails (before writing) if `path` already exists.
+
+    `write_hf(dir)`, called on every rank before the rename, writes the complete HF export into
+    `dir` (the checkpoint's `hf/`)."""
     from megatron.core import dist_checkpointing
 
     final = Path(path).absolute()
@@ -110,12 +132,14 @@ def save(
     common = {**common, "world_size": dist.get_world_size()}
     dist_checkpointing.save(_state_dict(model, optimizer, common, with_rng=True), str(tmp))
     dist.barrier()
+    if dist.get_rank() == 0 and tokenizer_dir is not None:
+        tok = tmp / TOKENIZER_DIR
+        tok.mkdir()
+        copy_tokenizer_files(tokenizer_dir, tok)
+    if write_hf is not None:
+        write_hf(tmp / HF_DIR)
+    dist.barrier()
     if dist.get_rank() == 0:
-        hf = tmp / "hf"
-        hf.mkdir()
-        (hf / "config.json").write_text(json.dumps(common["hf_config"], indent=2) + "\n")
-        if tokenizer_dir is not None:
-            copy_tokenizer_files(tokenizer_dir, hf)
         tmp.rename(final)
     dist.barrier()
     return final

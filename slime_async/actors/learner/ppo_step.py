@@ -27,6 +27,7 @@ from slime_async.actors.learner.batch import (
 from slime_async.actors.learner.microbatches import MicroBatches
 from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.actors.learner.stale_tokens import StaleTokens
+from slime_async.actors.learner.token_record import TokenRecorder
 from slime_async.actors.learner.updates import Denominators, Updates
 from slime_async.algos import AdvantageInput, Algorithm, LossInput
 from slime_async.models import routing
@@ -81,12 +82,15 @@ class PPOStep:
         routing_replay: bool,
         temperature: float,
         stale: StaleTokens,
+        token_record_interval: int = 0,
     ):
         """`algo`: its loss gets pi_prox as `prox_logp` (this step resolves it); `ref_model`: the
         frozen KL reference, or None; `interpolate`: pi_prox by AReaL's log-linear interpolation,
         checked against the forward pass every `prox_compare_interval` batches (0: never), else
         the forward pass; `temperature`: for trajectories that record none; `stale`: the
-        buffer's bound on model tokens and what to do with those beyond it."""
+        buffer's bound on model tokens and what to do with those beyond it;
+        `token_record_interval`: record every token of every N-th step (0: never; see
+        `token_record.py`), for `take_record()`."""
         self.layout = layout
         self.microbatches = microbatches
         self.updates = updates
@@ -103,6 +107,9 @@ class PPOStep:
         self.stale = stale
         self.batches = 0
         """RL batches seen, for the interval of the pi_prox comparison."""
+        self.token_record_interval = token_record_interval
+        self.record: dict | None = None
+        """Rank 0: the last recorded step's per-token arrays, until `take_record()`."""
 
     def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
         """One RL batch: `algo.ppo_epochs` x `algo.mini_batches` optimizer updates; version += 1.
@@ -180,8 +187,19 @@ class PPOStep:
 
         if self.routing_replay:
             self.take_routing_counts()  # only this step's update passes count
-        out = self.updates.run(rows, loss_of, extra, self.mini_batches, self.ppo_epochs)
+        n = self.token_record_interval
+        recorder = None
+        if n and (self.updates.step + 1) % n == 0:
+            recorder = TokenRecorder(rows, [t.id for g in kept for t in g])
+        self.updates.recorder = recorder
+        try:
+            out = self.updates.run(rows, loss_of, extra, self.mini_batches, self.ppo_epochs)
+        finally:
+            self.updates.recorder = None
         out.update(self.moe_loss_metrics())
+        if recorder is not None:
+            p = self.layout
+            self.record = recorder.gather(p.dp_group, p.is_rank0, p.tp_rank)
         if self.routing_replay:
             diff, total = self.take_routing_counts()
             t = torch.tensor([diff, total], dtype=torch.float64, device=self.layout.device)
@@ -189,6 +207,11 @@ class PPOStep:
             out[M.MOE_ROUTING_DIFF] = float(t[0] / t[1]) if t[1] > 0 else 0.0
             out[M.MOE_REPLAY_TOKENS] = float(t[1])
         return out
+
+    def take_record(self) -> dict | None:
+        """Rank 0: the per-token arrays of the step just trained, if it was recorded (once)."""
+        record, self.record = self.record, None
+        return record
 
     def check_routed(self, rows: list[Row]) -> dict[str, float]:
         """Routing replay: each row's recorded routing must fit the model; rows without one

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 import slime_async.metrics.names as M
 from slime_async.actors.engine.weight_push import WeightPusher
+from slime_async.actors.learner import token_record
 from slime_async.actors.learner.batch import TrainGroup
 from slime_async.actors.learner.checkpoint import is_checkpoint
 from slime_async.actors.learner.trainer import Learner
@@ -144,13 +145,7 @@ class _Rank0:
         self.eval_pending: int | None = None
         """The version whose pinned evaluation was requested and not yet waited for."""
         if run_dir is not None:
-            self.metrics = MetricsLogger(
-                run_dir,
-                "learner",
-                cfg.run.wandb,
-                config=cfg.model_dump(mode="json"),
-                project=cfg.run.wandb_project,
-            )
+            self.metrics = MetricsLogger(run_dir, "learner")
 
     def next_batch(self) -> tuple[Batch, float]:
         """Block until the buffer delivers a batch; return it and the seconds waited."""
@@ -358,6 +353,11 @@ def _train(
         t_train = time.perf_counter()
         m = learner.train_step(groups)
         train_s = time.perf_counter() - t_train
+        token_rec = learner.take_token_record()
+        if token_rec is not None and rank0 is not None and rank0.run_dir is not None:
+            token_record.write(
+                rank0.run_dir, learner.step, learner.version, token_rec, lc.token_record_keep
+            )
         push_s = 0.0
         last = learner.step == lc.num_steps
         due = learner.step % cfg.push.interval == 0 or last
@@ -422,8 +422,11 @@ def _train(
         if checkpoint:
             # Every batch delivered so far is trained on: the cursor is exactly this step's.
             cursor = rank0.consumer.cursor() if rank0 is not None else 0
+            n_hf = lc.save_hf_interval
             learner.save_checkpoint(
-                save_dir / f"step_{learner.step}", extra={"buffer_cursor": cursor}
+                save_dir / f"step_{learner.step}",
+                extra={"buffer_cursor": cursor},
+                hf=bool(n_hf) and (last or learner.step % n_hf == 0),
             )
         if rank0 is not None and (checkpoint or not lc.save_interval):
             # Commit what a checkpoint now holds; without mid-run checkpoints commit at once

@@ -40,6 +40,7 @@ import torch
 from slime_async import megatron_compat
 from slime_async.actors.learner import checkpoint as learner_ckpt
 from slime_async.actors.learner import export as learner_export
+from slime_async.actors.learner import hf_export
 from slime_async.actors.learner.batch import TrainGroup
 from slime_async.actors.learner.microbatches import MicroBatches
 from slime_async.actors.learner.optim import MasterAdamW, lr_at
@@ -120,7 +121,7 @@ class Learner:
                 )
             self.arch = ModelArch(**common["arch"])
             self.hf_config = common["hf_config"]
-            self.tokenizer_dir: Path | None = Path(cfg.load) / "hf"
+            self.tokenizer_dir: Path | None = learner_ckpt.tokenizer_dir(cfg.load)
         else:
             self.arch = ModelArch.from_hf_dir(cfg.model_path)
             self.hf_config = json.loads((Path(cfg.model_path) / "config.json").read_text())
@@ -223,6 +224,7 @@ class Learner:
             routing_replay=cfg.routing_replay,
             temperature=self.temperature,
             stale=StaleTokens(p, max_staleness, stale_policy),
+            token_record_interval=cfg.token_record_interval,
         )
         self.model.train()
 
@@ -276,6 +278,11 @@ class Learner:
         """
         return self.ppo.train_step(groups)
 
+    def take_token_record(self) -> dict[str, Any] | None:
+        """Rank 0: the per-token record of the RL step just trained (`token_record.py`), or
+        None (another rank, or a step `learner.token_record_interval` does not record)."""
+        return self.ppo.take_record()
+
     def sft_step(self, examples: list[tuple[list[int], list[int]]]) -> dict[str, float]:
         """One supervised step: mean NLL of the target tokens over all ranks' examples."""
         return self.updates.run(
@@ -304,22 +311,26 @@ class Learner:
         return learner_export.hf_buckets(self.model, self.arch, self.parallel, bucket_bytes)
 
     def save_hf(self, out_dir: str | Path) -> Path | None:
-        """A complete HF model directory (config, safetensors, tokenizer); every rank calls it."""
-        tensors = (t for bucket in self.export_hf_buckets(1 << 30) for t in bucket)
-        if not self.is_rank0:
-            for _ in tensors:
-                pass
-            return None
-        config = dict(self.hf_config)
-        for key in ("dtype", "torch_dtype"):
-            if key in config:
-                config[key] = self.cfg.dtype
-        return convert.write_hf_dir(out_dir, tensors, config, self.tokenizer_dir)
+        """A complete HF model directory (config, safetensors, tokenizer); every rank calls it.
+
+        Written under `<out_dir>.partial` and renamed once complete (`hf_export.write_hf`)."""
+        return hf_export.write_hf(
+            self.model,
+            self.arch,
+            self.parallel,
+            self.hf_config,
+            self.tokenizer_dir,
+            Path(out_dir),
+            self.cfg.dtype,
+        )
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, ckpt_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Model, optimizer, step, version, RNG and `extra` (plain data) into `ckpt_dir`."""
+    def save_checkpoint(
+        self, ckpt_dir: str | Path, extra: dict[str, Any] | None = None, *, hf: bool = False
+    ) -> Path:
+        """Model, optimizer, step, version, RNG and `extra` (plain data) into `ckpt_dir`; with
+        `hf`, also a complete HF export of the weights in its `hf/` (before it is complete)."""
         common = {
             "step": self.step,
             "version": self.version,
@@ -328,7 +339,14 @@ class Learner:
             "hf_config": self.hf_config,
             "algo_state": self.algo.state_dict(),
         }
-        return learner_ckpt.save(ckpt_dir, self.model, self.optimizer, common, self.tokenizer_dir)
+        return learner_ckpt.save(
+            ckpt_dir,
+            self.model,
+            self.optimizer,
+            common,
+            self.tokenizer_dir,
+            write_hf=self.save_hf if hf else None,
+        )
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> dict[str, Any]:
         """Restore a checkpoint written at any TP size; returns its `extra` dict."""

@@ -25,6 +25,7 @@ import slime_async.metrics.names as M
 from slime_async.actors.learner.batch import MicroBatch, Row, check_ids
 from slime_async.actors.learner.microbatches import MicroBatches
 from slime_async.actors.learner.parallel import ParallelLayout
+from slime_async.actors.learner.token_record import TokenRecorder
 from slime_async.algos.metrics import finalize_metrics, merge_metrics
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
@@ -74,6 +75,8 @@ class Updates:
         """Optimizer steps taken (batches trained on, applied or not)."""
         self.version = 0
         """The policy version of the weights: one more after each batch with an update applied."""
+        self.recorder: TokenRecorder | None = None
+        """Set by the RL step for a step whose tokens are recorded (`token_record.py`)."""
 
     def check_same_data_in_tp_group(self, rows: list[Row]) -> None:
         """TP ranks compute one model together: they must hold the same rows."""
@@ -142,9 +145,13 @@ class Updates:
                 logp, ent = self.microbatches.forward(
                     self.train_model, mb, self.with_entropy, aux_weight=share / routed_tokens
                 )
+                if self.recorder is not None and logp.requires_grad:
+                    logp.retain_grad()  # d loss / d logp per token, for the record
                 loss, raw = loss_of(mb, logp, ent, den)
                 loss.backward()
                 self.microbatches.end_aux(self.train_model)
+            if self.recorder is not None:
+                self.recorder.observe(rows, mb, logp)
             loss_sum += loss.detach()  # one host sync per update, below, not per micro-batch
             out["raws"].append(raw)
         out["loss"] = float(loss_sum)
@@ -152,6 +159,8 @@ class Updates:
         self.optimizer.reduce_gradients(p.dp_group, p.tp_group, p.expert_dp_group)
         norm = self.optimizer.grad_norm(p.tp_group, p.ep_group)
         out["grad_norm"] = norm
+        if self.recorder is not None:
+            self.recorder.update_done(norm)
         if not math.isfinite(norm):
             out["skipped"] = "non_finite"
         elif norm == 0.0:

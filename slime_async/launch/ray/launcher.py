@@ -41,6 +41,7 @@ from slime_async.launch.ray.placement import Slot, bundle_of, check_fits, reserv
 from slime_async.launch.run_dir import RunDir
 from slime_async.launch.supervisor import RoleSpec, Supervisor
 from slime_async.launch.table import RoleAddresses, plan_roles
+from slime_async.metrics.trackers import JobTracker
 
 PLACEMENT_JSON = "placement.json"
 """In the run directory: each process's node (address, Ray node id, host name, GPUs, bundle)."""
@@ -310,9 +311,16 @@ class RayRun:
 
 
 def run_on_ray(
-    cfg: SlimeConfig, run_dir: RunDir, *, resume: bool, progress: ProgressDisplay | None
+    cfg: SlimeConfig,
+    run_dir: RunDir,
+    *,
+    resume: bool,
+    progress: ProgressDisplay | None,
+    tracker: JobTracker | None = None,
 ) -> int:
-    """`slime-async run` with `run.launcher = "ray"`; the exit code of `Supervisor.run`."""
+    """`slime-async run` with `run.launcher = "ray"`; the exit code of `Supervisor.run`.
+
+    `tracker` forwards the metrics files synced into the head's run directory."""
     import os
 
     ray = import_ray()
@@ -340,6 +348,7 @@ def run_on_ray(
             spawn=run.spawn,
             liveness=cfg.engine.liveness,
             api_key=cfg.engine.api_key,
+            tracker=tracker,
         )
         for line in run.placement_lines():
             supervisor.event(f"placed {line}")

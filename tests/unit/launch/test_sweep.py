@@ -62,7 +62,7 @@ def test_excluded_points_are_left_out():
 
 
 def _fake_run(rd, accuracies, tokens=100.0, step_s=1.0):
-    with MetricsLogger(rd, "learner", wandb_mode="disabled") as log:
+    with MetricsLogger(rd, "learner") as log:
         for step in range(1, 7):
             log.log(
                 step,
@@ -77,7 +77,7 @@ def _fake_run(rd, accuracies, tokens=100.0, step_s=1.0):
                     M.STALENESS_LEARNER_MAX: 2,
                 },
             )
-    with MetricsLogger(rd, "eval", wandb_mode="disabled") as log:
+    with MetricsLogger(rd, "eval") as log:
         for v, acc in zip((0, 3, 6), accuracies, strict=True):
             log.log(v, {M.EVAL_ACC_GREEDY: acc})
 
@@ -98,7 +98,7 @@ def test_run_summary_time_and_tokens_to_target(tmp_path):
 def test_run_summary_counts_masked_weights_as_cut(tmp_path):
     """mis zeroes the weights outside the bound (is_dropped_frac) instead of clamping them
     (is_truncated_frac): the table's "IW cut at bound" shows either."""
-    with MetricsLogger(tmp_path, "learner", wandb_mode="disabled") as log:
+    with MetricsLogger(tmp_path, "learner") as log:
         for step, dropped in ((1, 0.02), (2, 0.04)):
             log.log(step, {M.TOKENS: 10.0, M.IW_MEAN: 0.9, M.IS_DROPPED_FRAC: dropped})
     assert run_summary(tmp_path, M.EVAL_ACC_GREEDY, None)["iw_truncated"] == pytest.approx(0.03)

@@ -1,10 +1,9 @@
-"""Metrics records -> JSONL (+ wandb offline), reducers, idle accounting, the progress display."""
+"""Metrics records -> JSONL, reducers, idle accounting, the progress display (the trackers:
+test_trackers.py)."""
 
 import io
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
@@ -22,7 +21,7 @@ class FakeClock:
 
 
 def test_log_writes_one_json_line_per_step(tmp_path):
-    with MetricsLogger(tmp_path, "learner", wandb_mode="disabled") as log:
+    with MetricsLogger(tmp_path, "learner") as log:
         log.log(1, {m.REWARD: 0.5, m.STALENESS_HIST: m.int_histogram([0, 1, 1, 3]), "ok": True})
         log.log(2, {m.LOSS: float("nan"), m.GRAD_NORM: 2})
     lines = (tmp_path / "metrics" / "learner.jsonl").read_text().splitlines()
@@ -35,10 +34,10 @@ def test_log_writes_one_json_line_per_step(tmp_path):
 
 
 def test_log_appends_across_loggers_and_read_keeps_last_of_a_step(tmp_path):
-    with MetricsLogger(tmp_path, "learner", wandb_mode="disabled") as log:
+    with MetricsLogger(tmp_path, "learner") as log:
         log.log(1, {m.REWARD: 0.1})
         log.log(2, {m.REWARD: 0.2})
-    with MetricsLogger(tmp_path, "learner", wandb_mode="disabled") as log:  # a resumed run
+    with MetricsLogger(tmp_path, "learner") as log:  # a resumed run
         log.log(2, {m.REWARD: 0.25})
         log.log(3, {m.REWARD: 0.3})
     recs = m.read_metrics(m.metrics_path(tmp_path, "learner"))
@@ -56,7 +55,7 @@ def test_log_appends_across_loggers_and_read_keeps_last_of_a_step(tmp_path):
     ],
 )
 def test_bad_values_are_named(tmp_path, record, match):
-    with MetricsLogger(tmp_path, "learner", wandb_mode="disabled") as log:
+    with MetricsLogger(tmp_path, "learner") as log:
         with pytest.raises(ValueError, match=match):
             log.log(1, record)
         log.log(2, {"fine": 1.0})
@@ -66,33 +65,7 @@ def test_bad_values_are_named(tmp_path, record, match):
 
 def test_role_name_is_checked(tmp_path):
     with pytest.raises(ValueError, match=r"metrics role '\.\./x'"):
-        MetricsLogger(tmp_path, "../x", wandb_mode="disabled")
-
-
-def test_disabled_mode_never_imports_wandb(tmp_path):
-    code = (
-        "import sys\n"
-        "from slime_async.metrics import MetricsLogger\n"
-        f"log = MetricsLogger({str(tmp_path)!r}, 'gen0', wandb_mode='disabled')\n"
-        "log.log(1, {'x': 1.0}); log.close()\n"
-        "print('wandb' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
-
-
-def test_offline_wandb_writes_under_the_run_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    with MetricsLogger(
-        tmp_path, "learner", wandb_mode="offline", config={"a": 1}, project="my-project"
-    ) as log:
-        assert log._wandb_run.project == "my-project"  # run.wandb_project reaches wandb
-        log.log(1, {m.REWARD: 0.5, m.STALENESS_HIST: m.int_histogram([0, 0, 2])})
-        log.log(2, {m.REWARD: 0.7, "empty": {"values": [], "counts": []}})
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1
-    assert list(runs[0].glob("*.wandb")), "offline run has no data file"
-    assert len(m.read_metrics(log.path)) == 2
+        MetricsLogger(tmp_path, "../x")
 
 
 def test_reducers():

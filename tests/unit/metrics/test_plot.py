@@ -13,7 +13,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def write_run(run_dir, steps=12):
-    with MetricsLogger(run_dir, "learner", wandb_mode="disabled") as learner:
+    with MetricsLogger(run_dir, "learner") as learner:
         for step in range(1, steps + 1):
             staleness = [step % 3, 0, 1, min(step, 4)]
             learner.log(
@@ -34,7 +34,7 @@ def write_run(run_dir, steps=12):
                     m.PUSH_S: 0.01,
                 },
             )
-    with MetricsLogger(run_dir, "generator0", wandb_mode="disabled") as gen:
+    with MetricsLogger(run_dir, "generator0") as gen:
         for version in range(steps):
             gen.log(version, {m.GEN_TOKENS_PER_S: 500.0 + version, m.GENERATOR_IDLE_PCT: 2.0})
 
@@ -60,7 +60,7 @@ def test_plot_command_writes_four_pngs(tmp_path):
 def test_plot_skips_figures_without_data(tmp_path):
     from slime_async.commands.plot import plot_run
 
-    with MetricsLogger(tmp_path, "learner", wandb_mode="disabled") as learner:
+    with MetricsLogger(tmp_path, "learner") as learner:
         learner.log(1, {m.REWARD: 0.1})
         learner.log(2, {m.REWARD: 0.2})
     written = plot_run(tmp_path, tmp_path / "figs")
@@ -79,7 +79,7 @@ def test_plot_without_metrics_is_a_clear_error(tmp_path):
 
 def _write_lag_run(run_dir, lag, steps=6):
     """A learner at a fixed lag with per-lag importance weights, and pinned evaluations."""
-    with MetricsLogger(run_dir, "learner", wandb_mode="disabled") as learner:
+    with MetricsLogger(run_dir, "learner") as learner:
         for step in range(1, steps + 1):
             learner.log(
                 step,
@@ -92,7 +92,7 @@ def _write_lag_run(run_dir, lag, steps=6):
                     m.STEP_SECONDS: 1.0,
                 },
             )
-    with MetricsLogger(run_dir, "eval", wandb_mode="disabled") as ev:
+    with MetricsLogger(run_dir, "eval") as ev:
         for v in range(0, steps + 1, 3):
             ev.log(v, {m.EVAL_ACC_GREEDY: 0.5 + 0.05 * v, m.EVAL_ACC_SAMPLED: 0.3 + 0.05 * v})
 
