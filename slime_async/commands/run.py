@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
 
     check_plugins(cfg)  # import and check every plug-in before any process starts
     try:
-        check_trackers(cfg.run.trackers)
+        check_trackers(cfg.run.trackers, cfg.run.wandb)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.run.prepare:

@@ -231,11 +231,14 @@ def _tb_histogram(
     )
 
 
-def check_trackers(trackers: Sequence[str]) -> None:
-    """Refuse, before anything starts, a tracker whose package is missing."""
+def check_trackers(trackers: Sequence[str], wandb_mode: str = "offline") -> None:
+    """Refuse, before anything starts, a tracker whose package is missing (wandb only when it
+    will be used: `run.wandb = "disabled"` never imports it)."""
     import importlib.util
 
     for name, install in (("wandb", "wandb"), ("tensorboard", "'slime_async[tensorboard]'")):
+        if name == "wandb" and wandb_mode == "disabled":
+            continue
         if name in trackers and importlib.util.find_spec(name) is None:
             raise ValueError(
                 f'run.trackers lists "{name}" but the {name} package is not installed: '

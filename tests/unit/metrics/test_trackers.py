@@ -116,3 +116,17 @@ def test_a_missing_tracker_package_is_named(monkeypatch):
     )
     with pytest.raises(ValueError, match=r"pip install 'slime_async\[tensorboard\]'"):
         check_trackers(["tensorboard"])
+
+
+def test_wandb_is_not_required_when_its_mode_is_disabled(monkeypatch):
+    """`run.wandb = "disabled"` never imports wandb, so a machine without it may still run with
+    the default trackers (seen on a GPU image that has no wandb)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    check_trackers(["wandb"], "disabled")
+    with pytest.raises(ValueError, match="pip install wandb"):
+        check_trackers(["wandb"], "offline")
