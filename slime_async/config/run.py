@@ -60,7 +60,8 @@ class RunConfig(Section):
     prepare: str | None = None
     """Function `package.module:fn(cfg)` that `slime-async run` calls first (build datasets, base model)."""
     seed: int = 0
-    """Seed of every role whose own `seed` is unset (engine sampler, dataset order, learner init)."""
+    """Seed of every role whose own `seed` is unset (engine sampler, dataset order, learner init,
+    evaluation samplers): runs of one seed share all of them (a sweep's paired design)."""
     wandb: Literal["offline", "online", "disabled"] = "offline"
     """wandb mode; offline writes under the run dir, disabled never imports wandb."""
     wandb_project: str = "slime-async"
