@@ -120,13 +120,32 @@ def test_mini_batches_make_the_clip_active(model_dir, learner_factory):
     assert all(f > 0 for f in fracs[4]), fracs
 
 
-def test_interpolated_prox_follows_areal_version_convention():
+def test_interpolated_prox_gives_mu_only_to_fresh_tokens():
+    """The learner's version v is pi_prox (the weights that sampled version-v tokens); a token k
+    versions old is k / (k + 1) of the way from mu to pi_theta (version v + 1)."""
     mu = torch.full((1, 5), -2.0)
     theta = torch.full((1, 5), -1.0)
     versions = torch.tensor([[10, 9, 8, 7, 11]])  # lags 0, 1, 2, 3 and one from a newer version
     got = interpolated_prox_logp(mu, theta, versions, current_version=10)
-    alpha = torch.tensor([[0.0, 0.0, 0.5, 2 / 3, 0.0]])
+    alpha = torch.tensor([[0.0, 0.5, 2 / 3, 3 / 4, 0.0]])
     assert torch.allclose(got, mu + alpha * (theta - mu))
+
+
+def test_interpolated_prox_of_lag_one_tokens_is_nearer_the_exact_prox_than_mu(
+    model_dir, learner_factory
+):
+    """Tokens one version old: the interpolation must not fall back to mu (naive PPO)."""
+    algo = AlgoConfig(
+        advantage="grpo", loss="decoupled_ppo", prox_source="interpolate", mini_batches=2
+    )
+    learner = learner_factory(learner_cfg(str(model_dir), prox_compare_interval=1), algo)
+    learner.version = 3
+    groups = make_groups(5, 3, group_size=2)
+    for g in groups:
+        for t in g:
+            t.versions = np.full(len(t.response_ids), 2, dtype=np.int32)  # 1 version old
+    m = learner.train_step(groups)
+    assert m["prox/interp_abs_err"] < 0.9 * m["prox/behavior_abs_err"], m
 
 
 def test_interpolate_option_trains_and_reports_its_error_against_the_forward(
