@@ -182,6 +182,7 @@ class Learner:
             optimizer_kind=optimizer_kind,
             lr_at=lambda step: lr_at(step, cfg),
             with_entropy=self.algo.needs_entropy,
+            ess_scaled_lr=self.algo.ess_scaled_lr,
         )
         if self.is_rank0:
             log.info(
