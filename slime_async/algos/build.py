@@ -185,4 +185,3 @@ def lr_scale_from(sums: list[float]) -> float:
     if n <= 0 or sq <= 0:
         return 1.0
     return min(1.0, (total * total / (n * sq)) ** 0.5)
-

@@ -165,4 +165,3 @@ def behavior_diagnostics(
     stats.mean("log_ratio_m2", lr * lr)
     stats.sequence_weight("seq_is_weight", lr.sum(-1))
     stats.per_sequence("seq_max_log_ratio", lr.abs().amax(-1), with_max=True)
-

@@ -84,7 +84,7 @@ def m2po(inp: LossInput, cfg: AlgoConfig) -> LossOutput:
     loss sees one at a time); with one micro-batch per update it is the paper's batch mask.
     Metrics: m2po_masked_frac, m2po_m2 (before the mask).
     """
-    mask, stats, prox = _start(inp, cfg)
+    mask, stats, _ = _start(inp, cfg)
     log_r = masked(inp.logp - inp.behavior_logp.detach(), mask)
     keep = second_moment_mask(log_r, mask, cfg.m2po_tau)
     ratio = torch.exp(log_r)
@@ -111,7 +111,7 @@ def dppo(inp: LossInput, cfg: AlgoConfig) -> LossOutput:
     weight: the policy term's gradient is min(r, C) A grad log pi_theta (None: untruncated, as
     prime-rl ships it). Metrics: dppo_masked_frac, is_truncated_frac.
     """
-    mask, stats, prox = _start(inp, cfg)
+    mask, stats, _ = _start(inp, cfg)
     adv = masked(inp.advantages, mask)
     mu = masked(inp.behavior_logp.detach(), mask)
     logp = masked(inp.logp, mask)
@@ -225,7 +225,7 @@ def mu_band(inp: LossInput, cfg: AlgoConfig) -> LossOutput:
     up), the band grows linearly with k, so fresh tokens keep PPO's region and stale ones get
     room for the k versions they missed. Metrics: clip_frac, ratio_outside (outside the band).
     """
-    mask, stats, prox = _start(inp, cfg)
+    mask, stats, _ = _start(inp, cfg)
     lag = version_lag(inp).clamp(min=0).to(inp.logp.dtype)
     widen = 1.0 + cfg.band_growth * lag
     low = (1.0 - cfg.eps_clip_low * widen).clamp(min=0.0)

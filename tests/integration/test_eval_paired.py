@@ -29,9 +29,7 @@ def setup(tmp_path_factory):
     data = root / "eval.jsonl"
     rows = [{"prompt": f"{i}+{i + 2}=", "answer": str(2 * i + 2)} for i in range(12)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    started = [
-        start_engines(1, model, root, f"engine.seed={s}")[0] for s in (11, 12)
-    ]
+    started = [start_engines(1, model, root, f"engine.seed={s}")[0] for s in (11, 12)]
     try:
         yield root, model, data, [url for _, url in started]
     finally:
@@ -41,9 +39,7 @@ def setup(tmp_path_factory):
 
 def _answers(root, model, data, url, run, seed, concurrency):
     run_dir = root / run
-    cfg = EvalConfig(
-        data=str(data), samples=3, greedy=True, seed=seed, concurrency=concurrency
-    )
+    cfg = EvalConfig(data=str(data), samples=3, greedy=True, seed=seed, concurrency=concurrency)
 
     async def go():
         async with EngineClient(url) as engine:

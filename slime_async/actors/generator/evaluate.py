@@ -173,7 +173,9 @@ class Evaluator:
         results = [(i, kind, ok, len(ids)) for i, kind, ok, ids in answers]
         if self.cfg.answers:
             lines = [
-                json.dumps({"record": i, "kind": kind, "correct": ok, "length": len(ids), "ids": ids})
+                json.dumps(
+                    {"record": i, "kind": kind, "correct": ok, "length": len(ids), "ids": ids}
+                )
                 for i, kind, ok, ids in answers
             ]
             path = answers_path(self.run_dir, version)
@@ -204,7 +206,10 @@ class Evaluator:
         """The answer's sampling parameters: with `eval.seed`, a sampled answer's own seed."""
         if self.cfg.seed is None or kind == "greedy":
             return sampling
-        return {**sampling.model_dump(), "sampling_seed": answer_seed(self.cfg.seed, i, int(kind[1:]))}
+        return {
+            **sampling.model_dump(),
+            "sampling_seed": answer_seed(self.cfg.seed, i, int(kind[1:])),
+        }
 
     async def _answer(
         self, version: int, i: int, kind: str, sampling: SamplingConfig

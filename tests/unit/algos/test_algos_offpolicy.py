@@ -212,9 +212,7 @@ def test_m2po_is_importance_weighted_pg_on_the_kept_tokens():
     keep = second_moment_mask(log_r[:, None], torch.ones(K, 1, dtype=torch.bool), 0.1)[:, 0]
     assert 0 < int((~keep).sum()) < K and m["m2po_masked_frac"] == float((~keep).double().mean())
     assert m["m2po_m2"] == pytest.approx(float((log_r**2).mean()))
-    assert torch.allclose(
-        g, closed_form(lambda lp: -(keep * ADV * (lp - MU).exp())), atol=1e-9
-    )
+    assert torch.allclose(g, closed_form(lambda lp: -(keep * ADV * (lp - MU).exp())), atol=1e-9)
     loose, _ = grad_of("m2po", m2po_tau=10.0)  # nothing masked: plain IS policy gradient
     assert torch.allclose(loose, closed_form(lambda lp: -ADV * (lp - MU).exp()), atol=1e-9)
     assert float((g - loose).abs().max()) > 1e-2
@@ -285,8 +283,22 @@ def test_vcpo_trains_tis_with_an_ess_scaled_step():
 
 
 @pytest.mark.parametrize(
-    "name", ["ppo_clip", "decoupled_ppo", "tis", "mis", "aipo", "gspo", "decoupled_gspo",
-             "m2po", "dppo", "seq_mask", "cispo", "vcpo", "mu_band"]
+    "name",
+    [
+        "ppo_clip",
+        "decoupled_ppo",
+        "tis",
+        "mis",
+        "aipo",
+        "gspo",
+        "decoupled_gspo",
+        "m2po",
+        "dppo",
+        "seq_mask",
+        "cispo",
+        "vcpo",
+        "mu_band",
+    ],
 )
 def test_every_loss_reports_the_whole_answer_diagnostics_by_lag(name):
     inp = _sequences()
