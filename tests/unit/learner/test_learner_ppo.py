@@ -239,3 +239,24 @@ def test_resume_without_model_path_refuses_a_trained_checkpoint_as_kl_reference(
         algo_cfg(loss="tests.support.learner_worker:ref_probe_loss", kl_coef=0.1),
     )
     assert resumed.train_step(make_groups(2, 2))["ref_gap_max"] > 0
+
+
+def test_vcpo_scales_each_update_by_the_sqrt_of_its_answers_ess(model_dir, learner_factory):
+    """Same batch, same start: vcpo's step is tis's with the learning rate times sqrt(ESS) of the
+    answers' weights pi_prox / mu, which are far from 1 here (mu = the engine's log-probs of
+    make_groups, unrelated to the model)."""
+    moved = {}
+    for loss in ("tis", "vcpo"):
+        algo = AlgoConfig(advantage="grpo", loss=loss, mini_batches=1)
+        learner = learner_factory(learner_cfg(str(model_dir), lr=1e-3), algo)
+        before = {k: v.detach().clone() for k, v in learner.model.named_parameters()}
+        m = learner.train_step(make_groups(3, 3, group_size=2))
+        after = dict(learner.model.named_parameters())
+        moved[loss] = sum(float((after[k].detach() - before[k]).abs().sum()) for k in before)
+        moved[loss + "_m"] = m
+        learner.close()
+    scale = moved["vcpo_m"]["lr_ess_scale"]
+    assert 0 < scale < 0.9 and "lr_ess_scale" not in moved["tis_m"]
+    assert scale == pytest.approx(moved["vcpo_m"]["seq_is_weight_ess"] ** 0.5, rel=1e-6)
+    # AdamW's first step moves each weight by about lr: the scaled run moves by about scale x
+    assert moved["vcpo"] == pytest.approx(scale * moved["tis"], rel=0.05)
