@@ -27,6 +27,7 @@ from slime_async.actors.learner.batch import (
 from slime_async.actors.learner.microbatches import MicroBatches
 from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.actors.learner.stale_tokens import StaleTokens
+from slime_async.actors.learner.stop_ban import StopBan
 from slime_async.actors.learner.updates import Denominators, Updates
 from slime_async.algos import AdvantageInput, Algorithm, LossInput
 from slime_async.algos.importance import interpolated_prox
@@ -71,12 +72,14 @@ class PPOStep:
         routing_replay: bool,
         temperature: float,
         stale: StaleTokens,
+        stop_ban: StopBan | None = None,
     ):
         """`algo`: its loss gets pi_prox as `prox_logp` (this step resolves it); `ref_model`: the
         frozen KL reference, or None; `interpolate`: pi_prox by AReaL's log-linear interpolation,
         checked against the forward pass every `prox_compare_interval` batches (0: never), else
         the forward pass; `temperature`: for trajectories that record none; `stale`: the
-        buffer's bound on model tokens and what to do with those beyond it."""
+        buffer's bound on model tokens and what to do with those beyond it; `stop_ban`: the
+        engines' min_new_tokens rule (None: off)."""
         self.layout = layout
         self.microbatches = microbatches
         self.updates = updates
@@ -91,6 +94,7 @@ class PPOStep:
         self.routing_replay = routing_replay
         self.temperature = temperature
         self.stale = stale
+        self.stop_ban = stop_ban
         self.batches = 0
         """RL batches seen, for the interval of the pi_prox comparison."""
 
@@ -103,7 +107,7 @@ class PPOStep:
         and count in no denominator.
         """
         kept, advantages = self.advantages(groups)
-        rows = rows_from_groups(kept, self.arch.vocab_size, self.temperature)
+        rows = rows_from_groups(kept, self.arch.vocab_size, self.temperature, self.stop_ban)
         for row, adv in zip(rows, advantages, strict=True):
             row.per_token["advantages"] = adv
         extra = {M.GROUPS_KEPT: float(len(kept)), M.GROUPS_GIVEN: float(len(groups))}

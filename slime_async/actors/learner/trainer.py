@@ -47,6 +47,7 @@ from slime_async.actors.learner.options import resolve_logprob_kernel, resolve_s
 from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.actors.learner.ppo_step import PPOStep, interpolated_prox_logp
 from slime_async.actors.learner.stale_tokens import StaleTokens
+from slime_async.actors.learner.stop_ban import StopBan
 from slime_async.actors.learner.updates import Updates, nll_loss, sft_rows
 from slime_async.algos import build_algorithm
 from slime_async.config.algo import AlgoConfig
@@ -73,10 +74,13 @@ class Learner:
         *,
         max_staleness: int | None = None,
         stale_policy: str = "keep",
+        stop_ban: StopBan | None = None,
     ):
         """`temperature`: the run's sampling temperature, for trajectories that record none.
         `max_staleness` / `stale_policy`: the buffer's bound and what to do with tokens beyond it
-        ("mask" zeroes their loss mask; "drop" and "keep" train on them; None: not checked)."""
+        ("mask" zeroes their loss mask; "drop" and "keep" train on them; None: not checked).
+        `stop_ban`: the engines' min_new_tokens rule, so the learner scores the first tokens of
+        each turn with the stop ids left out, as they were sampled (`stop_ban.py`)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (got {temperature})")
         if stale_policy not in ("drop", "mask", "keep"):
@@ -84,6 +88,7 @@ class Learner:
         self.cfg = learner_cfg
         self.algo_cfg = algo_cfg
         self.temperature = float(temperature)
+        self.stop_ban = stop_ban if stop_ban is not None and stop_ban.active else None
         # Plug-ins first: a wrong name or a broken function fails before any process group.
         # The learner resolves pi_prox itself (forward pass or interpolation, it knows the
         # weights' versions) and hands it to the loss as prox_logp, which the loss then uses as is.
@@ -145,6 +150,7 @@ class Learner:
             logprob_chunk_tokens=cfg.logprob_chunk_tokens,
             routing_replay=cfg.routing_replay,
             temperature=self.temperature,
+            stop_ids=self.stop_ban.stop_ids if self.stop_ban else (),
         )
         # The resolved speed options, as callers outside read them.
         self.attention, self.pack, self.pack_min_padding = (
@@ -224,6 +230,7 @@ class Learner:
             routing_replay=cfg.routing_replay,
             temperature=self.temperature,
             stale=StaleTokens(p, max_staleness, stale_policy),
+            stop_ban=self.stop_ban,
         )
         self.model.train()
 
