@@ -48,24 +48,24 @@ def _finish(
 def second_moment_mask(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tensor:
     """`[B, T]` bool: the tokens M2PO keeps, given `log_ratio: [B, T]` and `mask: [B, T]`.
 
-    Tokens are dropped in order of decreasing (log r)^2, as few as possible, until the mean
-    (log r)^2 of the remaining ones is at most `tau` (none dropped if it already is)."""
-    q = (log_ratio.detach() ** 2)[mask]  # [N]
-    keep = mask.clone()
-    if q.numel() == 0 or float(q.mean()) <= tau:
-        return keep
-    order = torch.argsort(q, descending=True, stable=True)
-    sorted_q = q[order]
-    n = q.numel()
-    dropped_sum = torch.cumsum(sorted_q, 0)  # after dropping the first m + 1
-    remaining = torch.arange(n - 1, -1, -1, device=q.device, dtype=q.dtype)  # n - (m + 1)
-    m2_after = (q.sum() - dropped_sum) / remaining.clamp(min=1)
-    ok = (m2_after <= tau) & (remaining > 0)
-    drop = int(torch.nonzero(ok)[0]) + 1 if bool(ok.any()) else n
-    kept_flat = torch.ones(n, dtype=torch.bool, device=q.device)
-    kept_flat[order[:drop]] = False
-    keep[mask] = kept_flat
-    return keep
+    Per answer (row): its tokens are dropped in order of decreasing (log r)^2, as few as
+    possible, until the mean (log r)^2 of its remaining tokens is at most `tau` (none dropped if
+    it already is; all of them if even its smallest one is above `tau`)."""
+    q = torch.where(mask, log_ratio.detach() ** 2, torch.full_like(log_ratio, -1.0))  # [B, T]
+    sorted_q, order = torch.sort(q, dim=-1, descending=True, stable=True)
+    valid = sorted_q >= 0  # a row's tokens come first, largest first
+    n = mask.sum(-1, keepdim=True).to(q.dtype)  # [B, 1]
+    kept_q = torch.where(valid, sorted_q, torch.zeros_like(sorted_q))
+    total = kept_q.sum(-1, keepdim=True)
+    after = torch.arange(1, q.shape[-1] + 1, device=q.device, dtype=q.dtype)  # dropped count
+    remaining = n - after  # [B, T]
+    m2_after = (total - kept_q.cumsum(-1)) / remaining.clamp(min=1)
+    ok = (m2_after <= tau) & (remaining > 0) & valid
+    first_ok = torch.where(ok.any(-1), ok.float().argmax(-1) + 1, n[:, 0].long())  # [B]
+    drop = torch.where(total[:, 0] / n[:, 0].clamp(min=1) <= tau, 0, first_ok)  # [B]
+    dropped_sorted = torch.arange(q.shape[-1], device=q.device)[None, :] < drop[:, None]
+    dropped = torch.zeros_like(mask).scatter(1, order, dropped_sorted & valid)
+    return mask & ~dropped
 
 
 @LOSSES.register("m2po")
@@ -73,15 +73,17 @@ def m2po(inp: LossInput, cfg: AlgoConfig) -> LossOutput:
     """M2PO: importance-weighted policy gradient, tokens masked to bound the second moment.
 
         r_t  = pi_theta(y_t) / mu(y_t)
-        keep = second_moment_mask(log r, tau = m2po_tau): drop the tokens of largest (log r_t)^2
-               until (1/N_kept) sum_kept (log r_t)^2 <= tau
+        keep = second_moment_mask(log r, tau = m2po_tau): in each answer, drop its tokens of
+               largest (log r_t)^2 until (1/N_kept) sum_kept (log r_t)^2 <= tau
         l_t  = -keep_t * A_t * r_t                     (gradient keep A r grad log pi_theta)
 
     No ratio clip: the mask on the second moment of the log-ratio is the trust region, and it
     lets most of a very stale batch train where a clip against mu would cut it (Second-Moment
     Trust Policy Optimization: Zheng, Zhao and Chen, "Prosperity before Collapse: How Far Can
-    Off-Policy RL Reach with Stale Data on LLMs?", 2025; tau_M2 = 0.04 there). The mask is taken over each micro-batch (a
-    loss sees one at a time); with one micro-batch per update it is the paper's batch mask.
+    Off-Policy RL Reach with Stale Data on LLMs?", 2025; tau_M2 = 0.04 there). The paper bounds
+    the M2 of the whole batch; here each answer's is bounded, which is the same at every
+    micro-batch split and data-parallel size (a batch-level mask would depend on how the learner
+    splits the batch) and stricter: no answer can hide a far-off token behind many near ones.
     Metrics: m2po_masked_frac, m2po_m2 (before the mask).
     """
     mask, stats, _ = _start(inp, cfg)
