@@ -101,6 +101,14 @@ class AlgoConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "AlgoConfig":
+        builtin = ":" not in self.loss  # a user's loss may read any field
+        for key, users in _LOSS_ONLY.items():
+            default = type(self).model_fields[key].default
+            if builtin and getattr(self, key) != default and self.loss not in users:
+                raise ValueError(
+                    f"algo.{key} is read only by loss {' / '.join(users)}, but algo.loss = "
+                    f"{self.loss!r}: it would do nothing"
+                )
         if self.is_high is not None and self.is_low > self.is_high:
             raise ValueError(f"is_low ({self.is_low}) must not exceed is_high ({self.is_high})")
         if self.overlong_max_len is not None and self.overlong_buffer_len > self.overlong_max_len:
@@ -109,3 +117,17 @@ class AlgoConfig(Section):
                 f"overlong_max_len ({self.overlong_max_len})"
             )
         return self
+
+
+_LOSS_ONLY = {
+    "m2po_tau": ("m2po",),
+    "dppo_mask_low": ("dppo",),
+    "dppo_mask_high": ("dppo",),
+    "dppo_kl_tau": ("dppo",),
+    "seq_mask_delta": ("seq_mask",),
+    "cispo_eps_low": ("cispo",),
+    "cispo_eps_high": ("cispo",),
+    "band_growth": ("mu_band",),
+}
+"""Settings of one built-in loss: away from their defaults with another built-in loss they are
+refused (a resolved config.json holds every field at its value, so "set" means "not default")."""
