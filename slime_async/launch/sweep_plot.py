@@ -61,6 +61,7 @@ def plot_paired(summary: dict[str, Any], out_dir: str | Path) -> list[Path]:
     ax.axhline(0.0, color="black", linewidth=0.8)
     if xs_all:
         ax.set_xticks(range(len(xs_all)), [str(x) for x in xs_all])
+        ax.set_xlim(-0.6, len(xs_all) - 0.4)
         ax.set_xlabel("lag (buffer.fixed_lag)")
     ax.set_ylabel(f"difference to {section['reference']} (points)")
     ax.set_title(f"final {section['metric']}: paired difference, 95% CI (t; bootstrap shaded)")
