@@ -5,8 +5,8 @@
 #
 #   OUT=runs/staleness-grid JOBS=8 bash configs/staleness/grid.sh
 #
-# JOBS runs at once (each keeps about 2 cores busy: JOBS = cores / 2). SEEDS comes from the
-# pilot's paired spread (docs/staleness.md says how many resolve a 2-point difference); the
+# JOBS runs at once (each keeps about 2 cores busy: JOBS = cores / 2). SEEDS: the paired pilot
+# (docs/benchmarks/2026-12-02-staleness-paired-pilot.md) says 20 resolve about +-5.6 points; the
 # summary (summary.md, summary.json, plots/paired_difference.png) is written when it ends and
 # can be redone alone with SUMMARY_ONLY=1. TIME_LIMIT (seconds) stops it cleanly for a resume.
 set -eu
