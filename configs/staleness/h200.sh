@@ -22,6 +22,7 @@ LAGS=${LAGS:-0,8,16}
 LOSSES=${LOSSES:-ppo_clip,tis,decoupled_ppo,mis}
 BENCH_STEPS=${BENCH_STEPS:-40}
 EXTRA=${EXTRA:-}                       # overrides of the grid's config
+MARGIN=${MARGIN:-2.0}                  # TOST margin in points against on-policy (lag 0)
 # sync vs async on the quickstart's own settings (stable learning), evaluated as the grid is
 BENCH_CONFIG=${BENCH_CONFIG:-"configs/quickstart.toml eval.max_examples=200 eval.samples=4"}
 PY=${PY:-python3}
@@ -81,6 +82,7 @@ env $DEV_ENV $PY -m slime_async sweep $BASE $EXTRA $DEV_ARGS \
   --grid buffer.fixed_lag=$LAGS --grid algo.loss=$LOSSES \
   --exclude "buffer.fixed_lag=0 algo.loss=${LOSSES#*,}" --seeds "$SEEDS" --jobs "$JOBS" \
   --metric $METRIC --target-accuracy 0.6 --time-limit "$left" --out "$WORK/grid" \
+  --reference "buffer.fixed_lag=0 algo.loss=${LOSSES%%,*}" --equivalence "$MARGIN" \
   >"$WORK/sweep.txt" 2>&1
 echo "sweep exit $? after $(($(date +%s) - t0)) s"
 wait $bench

@@ -48,6 +48,9 @@ MODEL = CACHE / "arithmetic-base"
 """The quickstart's warmed-up base model, built by `prepare` when missing."""
 EVAL = CACHE / "arithmetic" / "eval.jsonl"
 """The quickstart's held-out problems (eval.data; another seed than the training prompts)."""
+EVAL_LARGE = CACHE / "arithmetic" / "eval_large.jsonl"
+"""A larger held-out set (2,000 problems, a third seed) for evaluations that must resolve small
+differences: `eval.data` pointing here with `eval.max_examples` up to 2,000."""
 SLIP_PROB = 0.3
 
 
@@ -124,6 +127,8 @@ def prepare(cfg: SlimeConfig) -> None:
         make_dataset(DATASET, 4000, seed=0, difficulty=quickstart_difficulty())
     if not EVAL.exists():
         make_dataset(EVAL, 200, seed=1, difficulty=quickstart_difficulty())
+    if not EVAL_LARGE.exists():
+        make_dataset(EVAL_LARGE, 2000, seed=2, difficulty=quickstart_difficulty())
     if not (MODEL / DONE).exists():
         print(f"building the quickstart's base model in {MODEL} (cached for later runs)")
         build_base_model(MODEL)
@@ -133,6 +138,8 @@ def prepare(cfg: SlimeConfig) -> None:
         ("eval.data", cfg.eval.data, EVAL),
     )
     for key, value, own in named:
+        if key == "eval.data" and value and Path(value).resolve() == EVAL_LARGE:
+            continue
         if value and Path(value).resolve() != own and not Path(value).exists():
             print(f"run.prepare: {key} = {value} does not exist; this hook builds only {own}")
 

@@ -9,6 +9,7 @@ look-up and the start-up checks. Importing this package registers every built-in
     losses      ppo.py         ppo_clip, decoupled_ppo, tis, mis
                 reinforce.py   aipo
                 gspo.py        gspo, decoupled_gspo
+                offpolicy.py   m2po, dppo, seq_mask, cispo, vcpo, mu_band (for large lags)
     pieces      importance.py  pi_prox, bounded importance weights (token/sequence/geometric)
                 kl.py          KL penalty (k1/k2/k3 values, all with grad KL(pi||ref)), entropy
                 aggregation.py token mean / sequence mean / Dr.GRPO constant
@@ -21,11 +22,13 @@ What the learner must know (the rest is in the functions' docstrings):
   all-reduce over the data-parallel group) and call the estimator on every rank each step.
 - The PPO-family clip is a trust region around pi_prox, the policy at the start of the batch
   (`LossInput.prox_logp`); it is active only when the batch gets several optimizer steps.
+- A loss with `ess_scaled_lr` (vcpo) asks for each update's learning rate to be scaled by the
+  square root of the update's sequence-weight ESS (`Algorithm.ess_scaled_lr`, `lr_scale_from`).
 - The KL penalty has the gradient of KL(pi_theta || ref) whatever `kl_estimator` (which picks
   the value), and is importance-weighted on stale tokens like the policy term.
 """
 
-from slime_async.algos import advantages, gspo, ppo, reinforce  # noqa: F401  (registration)
+from slime_async.algos import advantages, gspo, offpolicy, ppo, reinforce  # noqa: F401
 from slime_async.algos.advantages import min_group_size
 from slime_async.algos.api import (
     ADVANTAGES,

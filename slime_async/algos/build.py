@@ -62,6 +62,12 @@ class Algorithm:
         return self.cfg.kl_coef > 0
 
     @property
+    def ess_scaled_lr(self) -> bool:
+        """The learner must scale each update's learning rate by `lr_scale_from` of the raw
+        metrics of the update's micro-batches (all ranks): VCPO's step size."""
+        return bool(getattr(self.loss_fn, "ess_scaled_lr", False))
+
+    @property
     def needs_entropy(self) -> bool:
         """The learner must fill `LossInput.entropy` (with grad)."""
         return self.cfg.entropy_coef > 0
@@ -166,3 +172,16 @@ def build_algorithm(cfg: AlgoConfig, *, dry_run: bool = True) -> Algorithm:
     if dry_run:
         _dry_run(algo)
     return algo
+
+
+ESS_KEYS = ("seq_is_weight|sum", "seq_is_weight|n", "seq_is_weight|sq")
+"""The raw metrics of the answers' behaviour weights that VCPO's step size is computed from."""
+
+
+def lr_scale_from(sums: list[float]) -> float:
+    """sqrt of the normalised ESS (sum W)^2 / (n sum W^2) from the update's summed `ESS_KEYS`
+    (1.0 when the update has no answers)."""
+    total, n, sq = sums
+    if n <= 0 or sq <= 0:
+        return 1.0
+    return min(1.0, (total * total / (n * sq)) ** 0.5)

@@ -11,7 +11,7 @@ import torch
 
 from slime_async.algos.aggregation import masked, token_mask, version_lag
 from slime_async.algos.api import LOSSES, LossInput, LossOutput
-from slime_async.algos.importance import behavior_weights, proximal_logp
+from slime_async.algos.importance import behavior_diagnostics, behavior_weights, proximal_logp
 from slime_async.algos.metrics import TokenStats
 from slime_async.algos.ppo import surrogate_output
 from slime_async.config.algo import AlgoConfig
@@ -62,10 +62,9 @@ def gspo(inp: LossInput, cfg: AlgoConfig) -> LossOutput:
     """
     mask = token_mask(inp)
     stats = TokenStats(mask, version_lag(inp))
-    if cfg.ppo_old_policy == "behavior":
-        old = masked(inp.behavior_logp.detach(), mask)
-    else:
-        old = proximal_logp(inp, cfg, mask)
+    prox = proximal_logp(inp, cfg, mask)
+    behavior_diagnostics(inp, mask, prox, stats)
+    old = masked(inp.behavior_logp.detach(), mask) if cfg.ppo_old_policy == "behavior" else prox
     return _gspo_output(inp, cfg, mask, stats, old, None, None)
 
 
@@ -87,5 +86,6 @@ def decoupled_gspo(inp: LossInput, cfg: AlgoConfig) -> LossOutput:
     mask = token_mask(inp)
     stats = TokenStats(mask, version_lag(inp))
     prox = proximal_logp(inp, cfg, mask)
+    behavior_diagnostics(inp, mask, prox, stats)
     weight = behavior_weights(inp, cfg, mask, prox, stats, cfg.is_mode)
     return _gspo_output(inp, cfg, mask, stats, prox, weight, prox)

@@ -35,10 +35,27 @@ def proximal_logp(inp: LossInput, cfg: AlgoConfig, mask: torch.Tensor) -> torch.
     if cfg.prox_source == "forward":
         prox = inp.prox_logp if inp.prox_logp is not None else inp.logp
         return masked(prox.detach(), mask)
-    lag = version_lag(inp).clamp(min=0).to(inp.logp.dtype)
-    alpha = lag / (lag + 1)
     mu = masked(inp.behavior_logp, mask)
-    return masked(mu + alpha * (inp.logp.detach() - mu), mask)
+    return masked(interpolated_prox(mu, inp.logp, version_lag(inp)), mask)
+
+
+def interpolated_prox(
+    behavior_logp: torch.Tensor, logp: torch.Tensor, lag: torch.Tensor
+) -> torch.Tensor:
+    """`[B, T]` AReaL's log-linear pi_prox in this project's version numbering, detached.
+
+        log pi_prox = log mu + alpha (log pi_theta - log mu),   alpha = k / (k + 1),
+
+    k = the token's lag (current_version - its version; k < 0 counts as 0). pi_prox is the
+    learner's policy at the start of the batch, version v = current_version; mu is version
+    v - k; pi_theta is the policy this batch trains towards, version v + 1. So a fresh token
+    (k = 0, sampled by pi_prox itself) gets mu, a token one version old is half-way, and
+    alpha -> 1 for very old tokens, where pi_prox is much nearer pi_theta than mu.
+    """
+    k = lag.clamp(min=0).to(logp.dtype)
+    alpha = k / (k + 1)
+    mu = behavior_logp.detach()
+    return mu + alpha * (logp.detach() - mu)
 
 
 @dataclass
@@ -128,3 +145,23 @@ def behavior_weights(
         stats.mean("is_truncated_frac", w.truncated)
     stats.mean("behav_kl", torch.exp(log_ratio) - 1 - log_ratio)
     return w.weight
+
+
+def behavior_diagnostics(
+    inp: LossInput, mask: torch.Tensor, prox: torch.Tensor, stats: TokenStats
+) -> None:
+    """Whole-answer diagnostics of the behaviour log-ratio log(pi_prox / mu), by lag.
+
+        log_ratio_m2       (1/N) sum_t (log pi_prox(y_t) / mu(y_t))^2   (M2PO's M2, per token)
+        seq_is_weight      W_i = prod_t pi_prox / mu over answer i; its normalised ESS
+                           seq_is_weight_ess = (sum_i W_i)^2 / (n sum_i W_i^2), in [1/n, 1]
+        seq_max_log_ratio  max_t |log pi_prox / mu| of each answer (mean over answers, and max)
+
+    The token ESS (`is_weight_ess`) hides what a reward on the whole answer sees: at a token ESS
+    of 0.84 over answers of ~30 tokens the answers' own weights can have an ESS of a few
+    percent. Every built-in loss reports these, whatever its own weight.
+    """
+    lr = masked(prox - inp.behavior_logp.detach(), mask)  # [B, T]
+    stats.mean("log_ratio_m2", lr * lr)
+    stats.sequence_weight("seq_is_weight", lr.sum(-1))
+    stats.per_sequence("seq_max_log_ratio", lr.abs().amax(-1), with_max=True)

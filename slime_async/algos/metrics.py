@@ -28,6 +28,8 @@ class TokenStats:
     """Collects per-token statistics of one micro-batch; a single host sync in `raw()`.
 
     `mask: [B, T]` bool selects the tokens that count; `lag: [B, T]` int their version lag.
+    Per-sequence statistics (`per_sequence`, `sequence_weight`) count each row with a token in
+    the mask once, in the bucket of its oldest token's lag.
     """
 
     def __init__(self, mask: torch.Tensor, lag: torch.Tensor):
@@ -39,6 +41,10 @@ class TokenStats:
                 "a token's version is ahead of the learner's current_version "
                 f"(lag {int(self._lag.min())}): versions must come from pushed weights"
             )
+        # A sequence's lag is its oldest token's; rows without a token of the mask do not count.
+        self._rows = mask.any(-1)  # [B]
+        lag_full = torch.where(mask, lag, torch.zeros_like(lag))
+        self._row_lag = lag_full.max(-1).values[self._rows]  # [B'], B' rows with tokens
         self._keys: list[str] = []
         self._values: list[torch.Tensor] = []
 
@@ -76,6 +82,33 @@ class TokenStats:
         top = torch.zeros(self._num_lags, dtype=v.dtype, device=v.device)
         top = top.scatter_reduce(0, self._lag, v, reduce="amax", include_self=False)
         self._put(name, "max", v.max(), top)
+
+    def per_sequence(self, name: str, x: torch.Tensor, *, with_max: bool = False) -> None:
+        """Sequence mean (and max) of `x: [B]`, one value per sequence, bucketed by its lag."""
+        v = x.detach()[self._rows].double()
+        ones = torch.ones_like(v)
+        by = self._row_bincount
+        self._put(name, "sum", v.sum(), by(v))
+        self._put(name, "n", ones.sum(), by(ones))
+        if with_max and v.numel():
+            top = torch.zeros(self._num_lags, dtype=v.dtype, device=v.device)
+            top = top.scatter_reduce(0, self._row_lag, v, reduce="amax", include_self=False)
+            self._put(name, "max", v.max(), top)
+
+    def sequence_weight(self, name: str, log_w: torch.Tensor) -> None:
+        """Mean and normalised ESS of the sequence weights exp(`log_w: [B]`).
+
+        log_w is clamped to [-300, 300] so the squares stay finite in float64 (a weight of
+        e^300 already holds all the mass of any batch: its ESS is 1 / n either way)."""
+        w = log_w.detach()[self._rows].double().clamp(-300.0, 300.0).exp()
+        ones = torch.ones_like(w)
+        by = self._row_bincount
+        self._put(name, "sum", w.sum(), by(w))
+        self._put(name, "n", ones.sum(), by(ones))
+        self._put(name, "sq", (w * w).sum(), by(w * w))
+
+    def _row_bincount(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.bincount(self._row_lag, weights=x, minlength=self._num_lags)
 
     def raw(self) -> dict[str, float]:
         """The raw metrics (see the module docstring); lag buckets without tokens are left out."""

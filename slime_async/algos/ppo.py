@@ -12,7 +12,7 @@ import torch
 
 from slime_async.algos.aggregation import aggregate, masked, token_mask, version_lag
 from slime_async.algos.api import LOSSES, LossInput, LossOutput
-from slime_async.algos.importance import behavior_weights, proximal_logp
+from slime_async.algos.importance import behavior_diagnostics, behavior_weights, proximal_logp
 from slime_async.algos.kl import add_regularizers
 from slime_async.algos.metrics import TokenStats
 from slime_async.config.algo import AlgoConfig
@@ -92,10 +92,9 @@ def ppo_clip(inp: LossInput, cfg: AlgoConfig) -> LossOutput:
     """
     mask = token_mask(inp)
     stats = TokenStats(mask, version_lag(inp))
-    if cfg.ppo_old_policy == "behavior":
-        old = inp.behavior_logp.detach()
-    else:
-        old = proximal_logp(inp, cfg, mask)
+    prox = proximal_logp(inp, cfg, mask)
+    behavior_diagnostics(inp, mask, prox, stats)
+    old = inp.behavior_logp.detach() if cfg.ppo_old_policy == "behavior" else prox
     ratio = torch.exp(masked(inp.logp - old, mask))
     return surrogate_output(inp, cfg, mask, stats, ratio, _token_clip(cfg), None, None)
 
@@ -104,6 +103,7 @@ def _decoupled(inp: LossInput, cfg: AlgoConfig, mode: str) -> LossOutput:
     mask = token_mask(inp)
     stats = TokenStats(mask, version_lag(inp))
     prox = proximal_logp(inp, cfg, mask)
+    behavior_diagnostics(inp, mask, prox, stats)
     weight = behavior_weights(inp, cfg, mask, prox, stats, mode)
     ratio = torch.exp(masked(inp.logp - prox, mask))
     return surrogate_output(inp, cfg, mask, stats, ratio, _token_clip(cfg), weight, prox)

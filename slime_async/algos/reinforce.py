@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from slime_async.algos.aggregation import aggregate, masked, token_mask, version_lag
 from slime_async.algos.api import LOSSES, LossInput, LossOutput
-from slime_async.algos.importance import importance_weights
+from slime_async.algos.importance import behavior_diagnostics, importance_weights, proximal_logp
 from slime_async.algos.kl import add_regularizers
 from slime_async.algos.metrics import TokenStats
 from slime_async.config.algo import AlgoConfig
@@ -21,6 +21,7 @@ def aipo(inp: LossInput, cfg: AlgoConfig) -> LossOutput:
     """
     mask = token_mask(inp)
     stats = TokenStats(mask, version_lag(inp))
+    behavior_diagnostics(inp, mask, proximal_logp(inp, cfg, mask), stats)
     w = importance_weights(
         inp.logp.detach() - inp.behavior_logp.detach(),
         mask,

@@ -5,6 +5,9 @@ Every point of the grid x every seed is one `slime-async run` in its own directo
 slime_async/launch/sweep.py), within `--time-limit S` seconds if given; a finished point is
 skipped when the same command runs again. Then the summary table (summary.md, summary.json) and
 the overlaid plots (plots/) are written next to the runs. `--summary-only` redoes those alone.
+With `--reference POINT` the summary compares every point with that one seed by seed (the seeds
+pair data order, initial weights and evaluation samplers): mean difference, 95% intervals, and
+with `--equivalence M` a TOST verdict within +-M points, per lag (plots/paired_difference.png).
 """
 
 from __future__ import annotations
@@ -63,6 +66,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="stop by S seconds after the start: start no point the longest finished run says "
         "would end later, stop running points at S (unfinished, resumable); summary of the rest",
     )
+    p.add_argument(
+        "--reference",
+        default=None,
+        metavar="POINT",
+        help="compare every point with this one seed by seed (its name, or its 'KEY=V KEY=V' "
+        "pairs): mean difference, 95%% CI (paired t and bootstrap), per lag",
+    )
+    p.add_argument(
+        "--equivalence",
+        type=float,
+        default=None,
+        metavar="M",
+        help="TOST equivalence margin in points (e.g. 2.0): is each point within +-M of the "
+        "reference at 95%% confidence (needs --reference)",
+    )
     p.add_argument("--summary-only", action="store_true", help="write table and plots, run nothing")
 
 
@@ -89,6 +107,8 @@ def main(args: argparse.Namespace) -> int:
             args.jobs,
             parse_exclude(args.exclude),
             args.time_limit,
+            args.reference,
+            args.equivalence,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -110,4 +130,9 @@ def main(args: argparse.Namespace) -> int:
 
         for path in plot_runs(find_runs([sweep.out]), sweep.out / "plots", args.metric):
             print(path)
+        if summary.get("paired"):
+            from slime_async.launch.sweep_plot import plot_paired
+
+            for path in plot_paired(summary, sweep.out / "plots"):
+                print(path)
     return 1 if counts["failed"] else 0

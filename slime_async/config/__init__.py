@@ -89,7 +89,7 @@ class SlimeConfig(Section):
             self.buffer.groups_per_step = self.learner.groups_per_step
             self.buffer.model_fields_set.discard("groups_per_step")
         # run.seed seeds every role whose own seed is not set (and config.json records each).
-        for section in (self.engine, self.generator, self.learner):
+        for section in (self.engine, self.generator, self.learner, self.eval):
             if "seed" not in section.model_fields_set:
                 section.seed = self.run.seed
                 section.model_fields_set.discard("seed")

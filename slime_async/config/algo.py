@@ -22,7 +22,8 @@ class AlgoConfig(Section):
     baseline_decay: float = Field(0.9, ge=0, lt=1)
     """reinforce: running baseline b <- decay * b + (1 - decay) * batch mean reward."""
     loss: str = "decoupled_ppo"
-    """Policy loss: ppo_clip, decoupled_ppo, tis, mis, aipo, gspo, decoupled_gspo, or `pkg.m:fn`."""
+    """Policy loss: ppo_clip, decoupled_ppo, tis, mis, aipo, gspo, decoupled_gspo, m2po, dppo,
+    seq_mask, cispo, vcpo, mu_band, or `pkg.m:fn` (docs/algorithms.md has each formula)."""
     eps_clip_low: float = Field(0.2, ge=0)
     """Lower PPO clip: ratio >= 1 - eps_clip_low."""
     eps_clip_high: float = Field(0.2, ge=0)
@@ -47,6 +48,26 @@ class AlgoConfig(Section):
     """Upper bound of the importance weight, also AIPO's rho (None: none)."""
     is_veto: float | None = Field(None, gt=0, lt=1)
     """Drop a whole sequence if any token's weight is below this (catastrophic tokens; None: off)."""
+    m2po_tau: float = Field(0.04, gt=0)
+    """m2po: the micro-batch's second moment of log(pi_theta / mu) over its kept tokens is held at
+    or below this by masking the tokens of largest (log ratio)^2 (M2PO's tau_M2 = 0.04)."""
+    dppo_mask_low: float = Field(0.2, gt=0, le=1)
+    """dppo: a token with a negative advantage is masked once pi_theta(y) - mu(y) < -this (a
+    probability difference, the total-variation trust region of DPPO)."""
+    dppo_mask_high: float = Field(0.2, gt=0, le=1)
+    """dppo: a token with a positive advantage is masked once pi_theta(y) - mu(y) > this."""
+    dppo_kl_tau: float = Field(1e-3, ge=0)
+    """dppo: weight of the squared log-ratio penalty tau * (log pi_theta / mu)^2 on every token."""
+    seq_mask_delta: float = Field(0.05, gt=0)
+    """seq_mask: a sequence with a negative advantage whose mean log(mu / pi_theta) over its tokens
+    exceeds this is left out of the step (off-policy sequence masking)."""
+    cispo_eps_low: float | None = Field(None, ge=0, lt=1)
+    """cispo: lower bound 1 - this of the stop-gradient weight pi_theta / pi_prox (None: none, as
+    MiniMax-M1 ships it)."""
+    cispo_eps_high: float = Field(0.28, gt=0)
+    """cispo: upper bound 1 + this of the stop-gradient weight pi_theta / pi_prox."""
+    band_growth: float = Field(0.25, ge=0)
+    """mu_band: the clip range around mu at lag k is eps_clip_* x (1 + band_growth x k)."""
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
         "token_mean"
     )
@@ -80,6 +101,14 @@ class AlgoConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "AlgoConfig":
+        builtin = ":" not in self.loss  # a user's loss may read any field
+        for key, users in _LOSS_ONLY.items():
+            default = type(self).model_fields[key].default
+            if builtin and getattr(self, key) != default and self.loss not in users:
+                raise ValueError(
+                    f"algo.{key} is read only by loss {' / '.join(users)}, but algo.loss = "
+                    f"{self.loss!r}: it would do nothing"
+                )
         if self.is_high is not None and self.is_low > self.is_high:
             raise ValueError(f"is_low ({self.is_low}) must not exceed is_high ({self.is_high})")
         if self.overlong_max_len is not None and self.overlong_buffer_len > self.overlong_max_len:
@@ -88,3 +117,17 @@ class AlgoConfig(Section):
                 f"overlong_max_len ({self.overlong_max_len})"
             )
         return self
+
+
+_LOSS_ONLY = {
+    "m2po_tau": ("m2po",),
+    "dppo_mask_low": ("dppo",),
+    "dppo_mask_high": ("dppo",),
+    "dppo_kl_tau": ("dppo",),
+    "seq_mask_delta": ("seq_mask",),
+    "cispo_eps_low": ("cispo",),
+    "cispo_eps_high": ("cispo",),
+    "band_growth": ("mu_band",),
+}
+"""Settings of one built-in loss: away from their defaults with another built-in loss they are
+refused (a resolved config.json holds every field at its value, so "set" means "not default")."""

@@ -17,6 +17,15 @@ class EvalConfig(Section):
     """Evaluate on the first this many records of `data` (0: all of them)."""
     greedy: bool = True
     """Score one greedy answer (temperature 0) per record: `eval/accuracy_greedy`."""
+    seed: int | None = None
+    """Seeds every sampled evaluation answer: answer j of record i draws with its own sampler
+    (SGLang's `sampling_seed`) seeded from (seed, i, j), the same at every version and in every
+    run, so two runs that evaluate the same policy give the same answers and two policies are
+    compared on common random numbers (paired runs). None in a full config: run.seed; None in a
+    lone section: the engines' own random streams (unpaired)."""
+    answers: bool = True
+    """Write every answer's outcome to `<run_dir>/eval/answers_v<v>.jsonl` (record, kind, correct,
+    length, token ids): what a paired comparison of two runs reads, problem by problem."""
     samples: int = Field(4, ge=0)
     """Answers sampled per record at `temperature` (`eval/accuracy_sampled`, the mean over all of
     them, and `eval/pass_at_k`); 0: none."""

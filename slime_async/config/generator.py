@@ -16,6 +16,10 @@ class SamplingConfig(Section):
     """Most tokens generated per turn."""
     stop_token_ids: list[int] = []
     """Extra token ids that end generation (the tokenizer's EOS always does)."""
+    min_new_tokens: int = Field(0, ge=0)
+    """Fewest tokens of each model turn before a stop token may end it (SGLang's field): the
+    engine draws the first this many with EOS and stop_token_ids banned, and the learner scores
+    them with the same ids left out of its softmax, so pi_prox / mu compares like with like."""
 
 
 class GeneratorConfig(Section):

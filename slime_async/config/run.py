@@ -60,7 +60,8 @@ class RunConfig(Section):
     prepare: str | None = None
     """Function `package.module:fn(cfg)` that `slime-async run` calls first (build datasets, base model)."""
     seed: int = 0
-    """Seed of every role whose own `seed` is unset (engine sampler, dataset order, learner init)."""
+    """Seed of every role whose own `seed` is unset (engine sampler, dataset order, learner init,
+    evaluation samplers): runs of one seed share all of them (a sweep's paired design)."""
     trackers: list[Literal["wandb", "tensorboard"]] = ["wandb"]
     """Where every role's metrics go besides `metrics/<role>.jsonl`: one wandb run and/or one
     TensorBoard directory (`<run_dir>/tensorboard`, needs `pip install

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_async.config.moved import moved_key
+from slime_async.launch.paired_summary import paired_summary, paired_table
 from slime_async.metrics import names as M
 from slime_async.metrics import read_metrics
 
@@ -97,6 +98,12 @@ class Sweep:
     time_limit_s: float | None = None
     """Stop the sweep by this many seconds after it started (None: no limit): no point starts
     that the longest finished run says would end later, running points are stopped at it."""
+    reference: str | None = None
+    """The point every other is compared with, seed by seed (its name, or its `key=value`
+    pairs separated by spaces); None: no paired comparison."""
+    equivalence: float | None = None
+    """TOST margin in points of the metric (x 100): a point is equivalent to the reference when
+    its paired 90% interval lies within +-this (None: no equivalence test)."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out).absolute()
@@ -117,6 +124,26 @@ class Sweep:
                 raise ValueError(f"--exclude {unknown}: not a --grid key (nothing to leave out)")
         if self.time_limit_s is not None and self.time_limit_s <= 0:
             raise ValueError("--time-limit must be > 0 seconds")
+        if self.equivalence is not None and self.equivalence <= 0:
+            raise ValueError("--equivalence must be > 0 points")
+        if self.equivalence is not None and self.reference is None:
+            raise ValueError("--equivalence needs --reference (the point to be equivalent to)")
+        if self.reference is not None:
+            self.reference_point()  # a reference that names no point fails now, not at the end
+
+    def reference_point(self) -> Point:
+        """The grid point `reference` names (by name, or by all of its key=value pairs)."""
+        ref = self.reference or ""
+        points = self.points()
+        if "=" in ref:
+            rule = parse_exclude([ref])[0]
+            hits = [p for p in points if _matches(p, rule) and len(rule) == len(p.items)]
+        else:
+            hits = [p for p in points if p.name == ref]
+        if len(hits) != 1:
+            names = ", ".join(p.name for p in points)
+            raise ValueError(f"--reference {ref!r} names no single grid point (points: {names})")
+        return hits[0]
 
     def points(self) -> list[Point]:
         keys = [k for k, _ in self.grid]
@@ -340,6 +367,10 @@ class Sweep:
             "points": rows,
             "runs": runs,
         }
+        if self.reference is not None:
+            out["paired"] = paired_summary(
+                self.points(), runs, self.reference_point(), self.metric, self.equivalence
+            )
         self.out.mkdir(parents=True, exist_ok=True)  # --summary-only of a sweep not run yet
         (self.out / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
         (self.out / "summary.md").write_text(markdown_table(out) + "\n")
@@ -390,6 +421,10 @@ def run_summary(rd: str | Path, metric: str, target: float | None) -> dict[str, 
         "eval_first": evals[0][metric] if evals else None,
         "eval_final": evals[-1][metric] if evals else None,
         "eval_final_version": evals[-1]["step"] if evals else None,
+        # whole-answer diagnostics of the behaviour weights (the token ESS hides them)
+        "seq_ess": _mean(learner, M.SEQ_IW_ESS),
+        "log_ratio_m2": _mean(learner, M.LOG_RATIO_M2),
+        "seq_max_log_ratio": _mean(learner, M.SEQ_MAX_LOG_RATIO),
         "eval_curve": [[r["step"], r["time"] - t0, r[metric]] for r in evals],
     }
     out["time_to_target_s"] = out["tokens_to_target"] = None
@@ -442,6 +477,9 @@ def point_row(point: Point, runs: list[dict[str, Any]], seeds: int) -> dict[str,
         "iw_ess",
         "clip_frac",
         "ratio_outside",
+        "seq_ess",
+        "log_ratio_m2",
+        "seq_max_log_ratio",
         "wall_s",
     ):
         row[key], row[key + "_sd"] = _stats([r.get(key) for r in runs])
@@ -472,6 +510,9 @@ def markdown_table(summary: dict[str, Any]) -> str:
         "IW ESS",
         "clip frac",
         "outside trust region",
+        "answer ESS",
+        "M2",
+        "max log-ratio / answer",
         "trained lag",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -500,9 +541,14 @@ def markdown_table(summary: dict[str, Any]) -> str:
             _fmt(r["iw_ess"], ".3f"),
             _fmt(r["clip_frac"], ".2%"),
             _fmt(r.get("ratio_outside"), ".2%"),
+            _fmt(r.get("seq_ess"), ".3f"),
+            _fmt(r.get("log_ratio_m2"), ".2e"),
+            _fmt(r.get("seq_max_log_ratio"), ".3f"),
             lag,
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if summary.get("paired"):
+        lines += ["", paired_table(summary["paired"])]
     return "\n".join(lines)
 
 

@@ -270,6 +270,18 @@ RATIO_OUTSIDE = "ratio_outside"
 """Share of model tokens whose PPO ratio (pi_theta / mu for naive ppo_clip, pi_theta / pi_prox for
 the decoupled losses) lies outside [1 - eps_clip_low, 1 + eps_clip_high], whatever the advantage's
 sign (clip_frac counts only those whose gradient the clip cut); per lag as `ratio_outside/lag_k`."""
+SEQ_IW_ESS = "seq_is_weight_ess"
+"""Normalised ESS of the whole answers' behaviour weights W_i = prod_t pi_prox / mu,
+(sum W)^2 / (n sum W^2) in [1/n, 1]: what a reward on the whole answer sees (the token ESS does
+not); per lag as `seq_is_weight_ess/lag_k` (an answer's lag is its oldest token's)."""
+LOG_RATIO_M2 = "log_ratio_m2"
+"""Second moment of the behaviour log-ratio, mean over model tokens of (log pi_prox / mu)^2
+(M2PO's M2); per lag as `log_ratio_m2/lag_k`."""
+SEQ_MAX_LOG_RATIO = "seq_max_log_ratio"
+"""Mean over answers of each answer's largest |log pi_prox / mu| (`seq_max_log_ratio_max`: the
+largest of all); per lag as `seq_max_log_ratio/lag_k`."""
+LR_ESS_SCALE = "lr_ess_scale"
+"""vcpo: mean over the step's updates of the factor sqrt(ESS) applied to the learning rate."""
 
 # ----- supervisor records: metrics/supervisor.jsonl, one per role failure -----------------------
 SUP_FAILURES = "supervisor/failures"

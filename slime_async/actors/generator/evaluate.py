@@ -15,6 +15,12 @@ means the engines left v (the hold timed out, or several learners): the evaluati
 (`eval/discarded`, logged) and reported as such, never as an accuracy. So is an evaluation whose
 engine calls kept failing: the learner gets a result either way and never waits for nothing.
 
+Seeded (`eval.seed`): sampled answer j of record i carries SGLang's `sampling_seed`, derived from
+(eval.seed, i, j) and nothing else, so it is the same at every version, in every run and whatever
+order the requests are served in: two runs evaluating the same policy give the same answers, and
+two policies are compared on common random numbers. Every answer's outcome goes to
+`eval/answers_v<v>.jsonl` (record, kind, correct, length, token ids) for problem-level pairing.
+
 Answers are single-turn: the record's prompt (chat-templated like the generator's) and one
 generation, scored by `generator.reward` (accuracy: its `correct` part when it has one, else
 reward > 0, as the learner counts it). Requests share the engines with the training rollouts,
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -42,6 +50,18 @@ log = logging.getLogger("slime_async.generator.eval")
 
 POLL_S = 0.1
 """How often the run directory is checked for a new request."""
+
+
+def answer_seed(seed: int, record: int, sample: int) -> int:
+    """The `sampling_seed` of sampled answer `sample` of record `record` under `eval.seed`: a
+    31-bit hash of the three (SGLang takes any int; 31 bits suit every server)."""
+    digest = hashlib.blake2b(f"{seed}/{record}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def answers_path(run_dir: str | Path, version: int) -> Path:
+    """Where the outcome of every answer of the evaluation of `version` is written."""
+    return Path(run_dir) / "eval" / f"answers_v{version}.jsonl"
 
 
 class VersionLeft(RuntimeError):
@@ -143,11 +163,24 @@ class Evaluator:
                 jobs.append((i, "greedy", self.greedy))
             jobs += [(i, f"s{j}", self.sampled) for j in range(self.cfg.samples)]
 
-        async def one(i: int, kind: str, sampling: SamplingConfig) -> tuple[int, str, bool, int]:
+        async def one(
+            i: int, kind: str, sampling: SamplingConfig
+        ) -> tuple[int, str, bool, list[int]]:
             async with gate:
                 return await self._answer(version, i, kind, sampling)
 
-        results = await asyncio.gather(*(one(*j) for j in jobs))
+        answers = await asyncio.gather(*(one(*j) for j in jobs))
+        results = [(i, kind, ok, len(ids)) for i, kind, ok, ids in answers]
+        if self.cfg.answers:
+            lines = [
+                json.dumps(
+                    {"record": i, "kind": kind, "correct": ok, "length": len(ids), "ids": ids}
+                )
+                for i, kind, ok, ids in answers
+            ]
+            path = answers_path(self.run_dir, version)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(line + "\n" for line in lines))
         greedy = [ok for _, kind, ok, _ in results if kind == "greedy"]
         sampled: dict[int, list[bool]] = {}
         for i, kind, ok, _ in results:
@@ -169,11 +202,21 @@ class Evaluator:
         rec[M.EVAL_SECONDS] = time.perf_counter() - t0
         return rec
 
+    def _params(self, i: int, kind: str, sampling: SamplingConfig) -> SamplingConfig | dict:
+        """The answer's sampling parameters: with `eval.seed`, a sampled answer's own seed."""
+        if self.cfg.seed is None or kind == "greedy":
+            return sampling
+        return {
+            **sampling.model_dump(),
+            "sampling_seed": answer_seed(self.cfg.seed, i, int(kind[1:])),
+        }
+
     async def _answer(
         self, version: int, i: int, kind: str, sampling: SamplingConfig
-    ) -> tuple[int, str, bool, int]:
-        """One answer generated wholly at `version` and scored: (record, kind, correct, length)."""
+    ) -> tuple[int, str, bool, list[int]]:
+        """One answer generated wholly at `version` and scored: (record, kind, correct, ids)."""
         record = self.records[i]
+        params = self._params(i, kind, sampling)
         metadata = {k: v for k, v in record.items() if k != self.prompt_key}
         sample = Sample(record[self.prompt_key], metadata, f"eval/v{version}/{i}", i, 0)
         for attempt in range(self.cfg.max_reruns + 1):
@@ -184,7 +227,7 @@ class Evaluator:
                 apply_chat_template=self.apply_chat_template,
                 rid_prefix=f"eval/v{version}/{i}/{kind}/a{attempt}/",
             )
-            out = await ctx.generate(ctx.prompt_ids(sample))
+            out = await ctx.generate(ctx.prompt_ids(sample), params)
             newer = [v for v in out.versions if v > version]
             if newer:
                 raise VersionLeft(f"an answer holds tokens of version {max(newer)}")
@@ -210,4 +253,4 @@ class Evaluator:
             "state": None,
         }
         reward, parts = await self.reward(sample, text, info)
-        return i, kind, bool(parts.get("correct", reward > 0)), len(out.token_ids)
+        return i, kind, bool(parts.get("correct", reward > 0)), list(out.token_ids)

@@ -389,6 +389,15 @@ class RolloutContext:
     ) -> Generation:
         """Generate a continuation of `token_ids`; resumes across engine aborts (weight updates)."""
         params = sampling_params(sampling, self.sampling)
+        least = int(params.get("min_new_tokens") or 0)
+        if least != self.sampling.min_new_tokens:
+            raise PluginContractError(
+                f"sampling min_new_tokens = {least} differs from generator.sampling."
+                f"min_new_tokens = {self.sampling.min_new_tokens}: the learner scores the first "
+                "tokens of each turn by the configured value; set it there"
+            )
+        if not least:
+            params.pop("min_new_tokens", None)  # SGLang's default: the request stays as it was
         budget = int(params["max_new_tokens"])
         ids = [int(t) for t in token_ids]
         temperature = logprob_temperature(float(params.get("temperature", 1.0)))
@@ -398,6 +407,8 @@ class RolloutContext:
         routing = _Routing()
         while True:
             params["max_new_tokens"] = budget - len(out.token_ids)
+            if least:  # a resumed turn: its first tokens are already drawn under the ban
+                params["min_new_tokens"] = max(0, least - len(out.token_ids))
             sent = ids + out.token_ids
             part = await self._request(sent, params, f"{rid}.{out.resumes}", routing.have)
             n = len(part.token_ids)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from slime_async.actors.learner.stop_ban import StopBan
 from slime_async.queue.schema import Trajectory
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
@@ -238,10 +239,15 @@ def check_trajectory(t: Trajectory, vocab_size: int) -> None:
 
 
 def rows_from_groups(
-    groups: Sequence[TrainGroup], vocab_size: int, temperature: float = 1.0
+    groups: Sequence[TrainGroup],
+    vocab_size: int,
+    temperature: float = 1.0,
+    ban: StopBan | None = None,
 ) -> list[Row]:
     """One Row per trajectory (prompt + response tokens, response-aligned per-token arrays), at
-    the trajectory's own temperature (`temperature`, the run's, where it recorded none)."""
+    the trajectory's own temperature (`temperature`, the run's, where it recorded none). With
+    an active `ban` (min_new_tokens), `per_token["stop_banned"]` marks the tokens drawn with the
+    stop ids banned; a stop id there is refused (the engine could not have drawn it)."""
     rows = []
     for g in groups:
         for t in g:
@@ -252,6 +258,18 @@ def rows_from_groups(
                 "loss_mask": np.asarray(t.loss_mask, dtype=np.float32),
                 "versions": np.asarray(t.versions, dtype=np.int64),
             }
+            if ban is not None and ban.active:
+                banned = ban.banned(t.loss_mask)
+                hit = banned.astype(bool) & np.isin(t.response_ids, ban.stop_ids)
+                if hit.any():
+                    i = int(np.flatnonzero(hit)[0])
+                    raise ValueError(
+                        f"trajectory {t.id!r}: response token {i} is stop id "
+                        f"{int(t.response_ids[i])} within the first min_new_tokens = "
+                        f"{ban.min_new_tokens} of its turn, which the engine bans: "
+                        "generator.sampling.min_new_tokens does not match the engine's"
+                    )
+                per_token["stop_banned"] = banned.astype(np.float32)
             temp = temperature if t.temperature is None else float(t.temperature)
             routed = None
             if t.routed_experts is not None:

@@ -104,18 +104,53 @@ def _tp():
     return tp, group, start
 
 
+BANNED_LOGIT = -1e30
+"""The logit a banned token gets: exp(s - max) is exactly 0 and 0 * s stays finite (-inf would
+make the entropy's p * s a nan). Finite in bf16 and fp32 at every temperature >= 1e-5."""
+
+
+def _ban(z: torch.Tensor, banned: torch.Tensor | None, ids: torch.Tensor | None) -> torch.Tensor:
+    """`z: [c, V/tp]` logits of this rank's slice with `ids` (local column indices) set to
+    BANNED_LOGIT on the rows `banned: [c]` bool; `z` itself when nothing is banned."""
+    if banned is None or ids is None or ids.numel() == 0 or not bool(banned.any()):
+        return z
+    rows = banned.nonzero()[:, 0]
+    z[rows[:, None], ids[None, :]] = BANNED_LOGIT
+    return z
+
+
+def _local_ids(stop_ids: torch.Tensor | None, start: int, v_local: int) -> torch.Tensor | None:
+    if stop_ids is None:
+        return None
+    local = stop_ids - start
+    return local[(local >= 0) & (local < v_local)]
+
+
 class ChunkedLogprobs(torch.autograd.Function):
-    """(hidden [N, h], weight [V/tp, h], labels [N], temperature [N]) -> logp [N], entropy [N]."""
+    """(hidden [N, h], weight [V/tp, h], labels [N], temperature [N]) -> logp [N], entropy [N].
+
+    `banned: [N]` bool and `stop_ids: [S]` global ids: on the banned rows the stop ids are left
+    out of the softmax (the engine's min_new_tokens), in the forward and the backward pass."""
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, labels, temperature, with_entropy: bool, chunk: int, fused: bool
+        ctx,
+        hidden,
+        weight,
+        labels,
+        temperature,
+        with_entropy: bool,
+        chunk: int,
+        fused: bool,
+        banned=None,
+        stop_ids=None,
     ):
         ctx.set_materialize_grads(False)
         tp, group, tp_rank = _tp()
         n = hidden.shape[0]
         v_local = weight.shape[0]
         start = tp_rank * v_local
+        ban_ids = _local_ids(stop_ids, start, v_local)
         # One pass over the chunks, each with its own (this rank's) row max m; the TP ranks'
         # partial sums are rescaled to the global max afterwards.
         m = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -129,13 +164,13 @@ class ChunkedLogprobs(torch.autograd.Function):
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             if fused:  # one read of the chunk's logits (logprobs_triton.py)
-                st = logprobs_triton.row_stats(
-                    hidden[a:b] @ weight.t(), local_all[a:b], temperature[a:b], with_entropy
-                )
+                z = _ban(hidden[a:b] @ weight.t(), _rows(banned, a, b), ban_ids)
+                st = logprobs_triton.row_stats(z, local_all[a:b], temperature[a:b], with_entropy)
                 m[a:b] = st[0]
                 stats[:, a:b] = st[1:]
                 continue
-            s = (hidden[a:b] @ weight.t()).float() / temperature[a:b, None]
+            z = (hidden[a:b] @ weight.t()).float()
+            s = _ban(z, _rows(banned, a, b), ban_ids) / temperature[a:b, None]
             local = labels[a:b] - start
             inside = (local >= 0) & (local < v_local)
             tgt = s.gather(-1, local.clamp(0, v_local - 1)[:, None])[:, 0]
@@ -161,6 +196,8 @@ class ChunkedLogprobs(torch.autograd.Function):
         logp = stats[1] - lse
         entropy = log_z - stats[2] / stats[0] if with_entropy else torch.zeros_like(logp)
         ctx.save_for_backward(hidden, weight, labels, temperature, lse, entropy)
+        ctx.banned = banned
+        ctx.ban_ids = ban_ids
         ctx.with_entropy = with_entropy
         ctx.chunk = chunk
         ctx.fused = fused
@@ -188,7 +225,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             b = min(n, a + ctx.chunk)
             if ctx.fused:  # the chunk's logits, overwritten by their gradient in place
                 gz = logprobs_triton.grad_in_place(
-                    hidden[a:b] @ weight.t(),
+                    _ban(hidden[a:b] @ weight.t(), _rows(ctx.banned, a, b), ctx.ban_ids),
                     local_all[a:b],
                     temperature[a:b],
                     lse[a:b],
@@ -202,8 +239,8 @@ class ChunkedLogprobs(torch.autograd.Function):
                     _add_weight_grad(g_weight, gz, hidden[a:b])
                 continue
             t = temperature[a:b, None]
-            s = (hidden[a:b] @ weight.t()).float() / t
-            s -= lse[a:b, None]  # log p
+            s = _ban((hidden[a:b] @ weight.t()).float(), _rows(ctx.banned, a, b), ctx.ban_ids) / t
+            s -= lse[a:b, None]  # log p (0 probability on a banned token)
             p = s.exp()  # [c, V/tp] probabilities of this slice
             # grad of s: g_logp * (1[label] - p) - g_ent * p * (log p + H)
             if use_ent:
@@ -224,7 +261,11 @@ class ChunkedLogprobs(torch.autograd.Function):
             if want_w:
                 _add_weight_grad(g_weight, gz, hidden[a:b])
         g_w = g_weight.to(weight.dtype) if want_w else None
-        return g_hidden, g_w, None, None, None, None, None
+        return g_hidden, g_w, None, None, None, None, None, None, None
+
+
+def _rows(banned: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+    return None if banned is None else banned[a:b]
 
 
 _MIXED_ADDMM: list[bool] = []  # [works?] once tried: bf16 x bf16 -> fp32 addmm on CUDA
@@ -258,6 +299,8 @@ def chunked_logprobs(
     with_entropy: bool = False,
     chunk: int = 1024,
     fused: bool = False,
+    banned: torch.Tensor | None = None,
+    stop_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(hidden @ weight.T / T)[label] (and the entropy), fp32 `[N]`, with grad.
 
@@ -265,12 +308,24 @@ def chunked_logprobs(
     temperature: [N]. Over the full vocabulary, no top-k/top-p: what SGLang reports as a token's
     log-prob (`log_softmax(logits / T)` before filtering). `fused`: each chunk's softmax
     statistics and gradient in one Triton kernel (`logprobs_triton.py`; a CUDA device).
+    `banned: [N]` bool, `stop_ids: [S]` global ids: the rows where the engine drew with those
+    ids banned (min_new_tokens, `stop_ban.py`) get the softmax over the other ids.
     """
     if hidden.shape[0] == 0:
         z = hidden.sum() * 0.0 + weight.sum() * 0.0  # keeps the graph connected
         empty = z.float().expand(0)
         return empty, (empty if with_entropy else None)
+    if banned is not None and not bool(banned.any()):
+        banned = None
     logp, ent = ChunkedLogprobs.apply(
-        hidden, weight, labels, temperature.float(), with_entropy, max(1, int(chunk)), fused
+        hidden,
+        weight,
+        labels,
+        temperature.float(),
+        with_entropy,
+        max(1, int(chunk)),
+        fused,
+        banned,
+        None if banned is None else stop_ids,
     )
     return logp, (ent if with_entropy else None)

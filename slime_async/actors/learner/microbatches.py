@@ -67,10 +67,12 @@ class MicroBatches:
         logprob_chunk_tokens: int,
         routing_replay: bool,
         temperature: float,
+        stop_ids: tuple[int, ...] = (),
     ):
         """`pack_min_padding`: None never packs, else a mini-batch is packed from this share of
         padding on (0: always); `attention` and `logprob_kernel` as resolved in `options.py`;
-        `temperature`: for micro-batches that carry no per-row temperature."""
+        `temperature`: for micro-batches that carry no per-row temperature; `stop_ids`: the
+        ids left out of the softmax on tokens a row marks `stop_banned` (min_new_tokens)."""
         self.layout = layout
         self.arch = arch
         self.micro_batch_tokens = micro_batch_tokens
@@ -81,6 +83,7 @@ class MicroBatches:
         self.routing_replay = routing_replay
         self.temperature = temperature
         self._aux: dict[int, Any] = {}
+        self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=layout.device)
 
     @property
     def pack(self) -> bool:
@@ -160,6 +163,7 @@ class MicroBatches:
             temp_tok = torch.full_like(labels, self.temperature, dtype=torch.float32)
         else:  # each row at its own temperature
             temp_tok = mb.temperature[:, None].expand(valid.shape)[valid]
+        banned = mb.per_token.get("stop_banned")
         lp, ent = chunked_logprobs(
             h,
             output_weight(gpt),
@@ -168,6 +172,8 @@ class MicroBatches:
             with_entropy,
             self.logprob_chunk_tokens,
             fused=self.logprob_kernel == "triton",
+            banned=None if banned is None else banned[valid] > 0,
+            stop_ids=self.stop_ids,
         )
         zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
         logp = zeros.masked_scatter(valid, lp)

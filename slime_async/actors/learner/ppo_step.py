@@ -27,9 +27,11 @@ from slime_async.actors.learner.batch import (
 from slime_async.actors.learner.microbatches import MicroBatches
 from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.actors.learner.stale_tokens import StaleTokens
+from slime_async.actors.learner.stop_ban import StopBan
 from slime_async.actors.learner.token_record import TokenRecorder
 from slime_async.actors.learner.updates import Denominators, Updates
 from slime_async.algos import AdvantageInput, Algorithm, LossInput
+from slime_async.algos.importance import interpolated_prox
 from slime_async.models import routing
 from slime_async.models.arch import ModelArch
 from slime_async.models.moe_layer import losses_of
@@ -42,24 +44,13 @@ log = logging.getLogger("slime_async.learner")
 def interpolated_prox_logp(
     behavior_logp: torch.Tensor, logp: torch.Tensor, versions: torch.Tensor, current_version: int
 ) -> torch.Tensor:
-    """AReaL's log-linear pi_prox (`prox_logp_method = "loglinear"`), with AReaL's versions.
+    """AReaL's log-linear pi_prox (`algo.prox_source = "interpolate"`), all `[B, T]`:
+    `slime_async.algos.importance.interpolated_prox` at lag = current_version - versions.
 
-        log pi_prox ~ log mu + alpha * (log pi_theta - log mu),
-        alpha = clamp((v_prox - v_mu) / (v_theta - v_mu), 0, 1),  0 where v_theta <= v_mu,
-
-    with v_theta = `current_version` (AReaL passes the trained engine's version, which is the
-    version of the weights at the start of the batch: the ones that generate version-v tokens)
-    and v_prox = current_version - 1. So a token one version old gets pi_prox = mu, two versions
-    old alpha = 1/2, k old (k - 1)/k; tokens of the current version get mu as well. All `[B, T]`.
-    """
-    v_mu = versions.to(logp.dtype)
-    v_theta = float(current_version)
-    diff = v_theta - v_mu
-    alpha = torch.where(
-        diff > 0, (v_theta - 1.0 - v_mu) / diff.clamp(min=1.0), torch.zeros_like(v_mu)
-    )
-    alpha = alpha.clamp(0.0, 1.0)
-    return behavior_logp + alpha * (logp.detach() - behavior_logp)
+    `current_version` is the learner's version at the start of the batch (pi_prox, the weights
+    that generated that version's tokens), so a token k versions old gets alpha = k / (k + 1)
+    and only fresh tokens (sampled by pi_prox itself) get pi_prox = mu."""
+    return interpolated_prox(behavior_logp, logp, current_version - versions.long())
 
 
 class PPOStep:
@@ -83,6 +74,7 @@ class PPOStep:
         temperature: float,
         stale: StaleTokens,
         token_record_interval: int = 0,
+        stop_ban: StopBan | None = None,
     ):
         """`algo`: its loss gets pi_prox as `prox_logp` (this step resolves it); `ref_model`: the
         frozen KL reference, or None; `interpolate`: pi_prox by AReaL's log-linear interpolation,
@@ -90,7 +82,8 @@ class PPOStep:
         the forward pass; `temperature`: for trajectories that record none; `stale`: the
         buffer's bound on model tokens and what to do with those beyond it;
         `token_record_interval`: record every token of every N-th step (0: never; see
-        `token_record.py`), for `take_record()`."""
+        `token_record.py`), for `take_record()`; `stop_ban`: the engines' min_new_tokens rule
+        (None: off)."""
         self.layout = layout
         self.microbatches = microbatches
         self.updates = updates
@@ -105,6 +98,7 @@ class PPOStep:
         self.routing_replay = routing_replay
         self.temperature = temperature
         self.stale = stale
+        self.stop_ban = stop_ban
         self.batches = 0
         """RL batches seen, for the interval of the pi_prox comparison."""
         self.token_record_interval = token_record_interval
@@ -120,7 +114,7 @@ class PPOStep:
         and count in no denominator.
         """
         kept, advantages = self.advantages(groups)
-        rows = rows_from_groups(kept, self.arch.vocab_size, self.temperature)
+        rows = rows_from_groups(kept, self.arch.vocab_size, self.temperature, self.stop_ban)
         for row, adv in zip(rows, advantages, strict=True):
             row.per_token["advantages"] = adv
         extra = {M.GROUPS_KEPT: float(len(kept)), M.GROUPS_GIVEN: float(len(groups))}

@@ -45,6 +45,7 @@ from slime_async.actors.engine.weight_push import WeightPusher
 from slime_async.actors.learner import token_record
 from slime_async.actors.learner.batch import TrainGroup
 from slime_async.actors.learner.checkpoint import is_checkpoint
+from slime_async.actors.learner.stop_ban import stop_ban
 from slime_async.actors.learner.trainer import Learner
 from slime_async.config import PushConfig, SlimeConfig
 from slime_async.metrics import MetricsLogger, int_histogram
@@ -204,6 +205,11 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
         temperature=temperature,
         max_staleness=cfg.buffer.max_staleness,
         stale_policy=cfg.buffer.stale_policy,
+        stop_ban=stop_ban(
+            cfg.generator.sampling.min_new_tokens,
+            cfg.generator.sampling.stop_token_ids,
+            cfg.engine.model_path or lc.model_path,
+        ),
     )
     backend = push_backend(cfg.push.backend, torch.cuda.is_available())
     push = cfg.push.model_copy(update={"backend": backend})

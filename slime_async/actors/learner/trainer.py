@@ -48,6 +48,7 @@ from slime_async.actors.learner.options import resolve_logprob_kernel, resolve_s
 from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.actors.learner.ppo_step import PPOStep, interpolated_prox_logp
 from slime_async.actors.learner.stale_tokens import StaleTokens
+from slime_async.actors.learner.stop_ban import StopBan
 from slime_async.actors.learner.updates import Updates, nll_loss, sft_rows
 from slime_async.algos import build_algorithm
 from slime_async.config.algo import AlgoConfig
@@ -74,10 +75,13 @@ class Learner:
         *,
         max_staleness: int | None = None,
         stale_policy: str = "keep",
+        stop_ban: StopBan | None = None,
     ):
         """`temperature`: the run's sampling temperature, for trajectories that record none.
         `max_staleness` / `stale_policy`: the buffer's bound and what to do with tokens beyond it
-        ("mask" zeroes their loss mask; "drop" and "keep" train on them; None: not checked)."""
+        ("mask" zeroes their loss mask; "drop" and "keep" train on them; None: not checked).
+        `stop_ban`: the engines' min_new_tokens rule, so the learner scores the first tokens of
+        each turn with the stop ids left out, as they were sampled (`stop_ban.py`)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (got {temperature})")
         if stale_policy not in ("drop", "mask", "keep"):
@@ -85,6 +89,7 @@ class Learner:
         self.cfg = learner_cfg
         self.algo_cfg = algo_cfg
         self.temperature = float(temperature)
+        self.stop_ban = stop_ban if stop_ban is not None and stop_ban.active else None
         # Plug-ins first: a wrong name or a broken function fails before any process group.
         # The learner resolves pi_prox itself (forward pass or interpolation, it knows the
         # weights' versions) and hands it to the loss as prox_logp, which the loss then uses as is.
@@ -146,6 +151,7 @@ class Learner:
             logprob_chunk_tokens=cfg.logprob_chunk_tokens,
             routing_replay=cfg.routing_replay,
             temperature=self.temperature,
+            stop_ids=self.stop_ban.stop_ids if self.stop_ban else (),
         )
         # The resolved speed options, as callers outside read them.
         self.attention, self.pack, self.pack_min_padding = (
@@ -183,6 +189,7 @@ class Learner:
             optimizer_kind=optimizer_kind,
             lr_at=lambda step: lr_at(step, cfg),
             with_entropy=self.algo.needs_entropy,
+            ess_scaled_lr=self.algo.ess_scaled_lr,
         )
         if self.is_rank0:
             log.info(
@@ -225,6 +232,7 @@ class Learner:
             temperature=self.temperature,
             stale=StaleTokens(p, max_staleness, stale_policy),
             token_record_interval=cfg.token_record_interval,
+            stop_ban=self.stop_ban,
         )
         self.model.train()
 

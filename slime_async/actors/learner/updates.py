@@ -26,6 +26,7 @@ from slime_async.actors.learner.batch import MicroBatch, Row, check_ids
 from slime_async.actors.learner.microbatches import MicroBatches
 from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.actors.learner.token_record import TokenRecorder
+from slime_async.algos.build import ESS_KEYS, lr_scale_from
 from slime_async.algos.metrics import finalize_metrics, merge_metrics
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
@@ -59,11 +60,14 @@ class Updates:
         optimizer_kind: str,
         lr_at: Callable[[int], float],
         with_entropy: bool,
+        ess_scaled_lr: bool = False,
     ):
         """`optimizer`: a `MasterAdamW` or `MegatronOptim` ("master_adamw" or "megatron", the
         `optimizer_kind`); `train_model`: what training micro-batches run through (megatron's
         DDP wrapper, whose gradient hooks reduce, or the model itself); `lr_at(step)`: the LR
-        schedule; `with_entropy`: the forward passes compute the entropy (the loss reads it)."""
+        schedule; `with_entropy`: the forward passes compute the entropy (the loss reads it);
+        `ess_scaled_lr`: each update's LR is multiplied by sqrt of the ESS of its answers'
+        behaviour weights, from the loss's raw metrics over all DP ranks (VCPO's step size)."""
         self.layout = layout
         self.microbatches = microbatches
         self.optimizer = optimizer
@@ -71,6 +75,7 @@ class Updates:
         self.optimizer_kind = optimizer_kind
         self.lr_at = lr_at
         self.with_entropy = with_entropy
+        self.ess_scaled_lr = ess_scaled_lr
         self.step = 0
         """Optimizer steps taken (batches trained on, applied or not)."""
         self.version = 0
@@ -166,9 +171,20 @@ class Updates:
         elif norm == 0.0:
             out["skipped"] = "zero_gradient"
         else:
+            if self.ess_scaled_lr:
+                out["lr_scale"] = self.ess_lr_scale(out["raws"])
+                lr = lr * out["lr_scale"]
             self.optimizer.step(lr, p.tp_group, norm=norm)
         self.optimizer.zero_grad()
         return out
+
+    def ess_lr_scale(self, raws: list[dict]) -> float:
+        """sqrt(ESS) of the update's answers' behaviour weights over all DP ranks (TP ranks of
+        one group hold the same answers, so the sums are reduced over DP only)."""
+        sums = [sum(float(r.get(k, 0.0)) for r in raws) for k in ESS_KEYS]
+        t = torch.tensor(sums, dtype=torch.float64, device=self.layout.device)
+        dist.all_reduce(t, group=self.layout.dp_group)
+        return lr_scale_from(t.tolist())
 
     def run(
         self,
@@ -194,6 +210,7 @@ class Updates:
         raws: list[dict] = []
         losses: list[float] = []
         norms: list[float] = []
+        scales: list[float] = []
         padded = packed = 0
         skipped: dict[str, int] = {}
         for _ in range(epochs):
@@ -202,6 +219,8 @@ class Updates:
                 raws.extend(res["raws"])
                 padded += res["padded"]
                 packed += res["packed"]
+                if "lr_scale" in res:
+                    scales.append(res["lr_scale"])
                 if res["skipped"] != "empty":
                     losses.append(res["loss"])
                     norms.append(res["grad_norm"])
@@ -235,6 +254,7 @@ class Updates:
             M.LOSS: float(loss_t) / max(len(losses), 1),
             M.GRAD_NORM: float(np.mean(finite_norms)) if finite_norms else 0.0,
             M.LR: lr,
+            **({M.LR_ESS_SCALE: float(np.mean(scales))} if scales else {}),
             M.TOKENS: token_den,
             M.SEQUENCES: seq_den,
             M.TOKENS_TOTAL: total_tokens,

@@ -71,6 +71,12 @@ def test_every_builtin_resolves_and_documents_its_formula():
         "aipo",
         "gspo",
         "decoupled_gspo",
+        "m2po",
+        "dppo",
+        "seq_mask",
+        "cispo",
+        "vcpo",
+        "mu_band",
     }
     assert set(ADVANTAGES.names()) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce"}
     for registry in (LOSSES, ADVANTAGES):

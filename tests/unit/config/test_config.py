@@ -235,3 +235,14 @@ def test_a_removed_key_says_what_to_set_instead(tmp_path):
         ConfigError, match=r"'buffer.curve.client_public_key' was removed: .*client_secret_key"
     ):
         load_config([path])
+
+
+def test_a_setting_of_another_builtin_loss_is_refused_naming_it():
+    from slime_async.config import AlgoConfig
+
+    with pytest.raises(ValueError, match=r"algo\.m2po_tau is read only by loss m2po"):
+        AlgoConfig(loss="tis", m2po_tau=0.02)
+    with pytest.raises(ValueError, match=r"algo\.band_growth .* 'ppo_clip'"):
+        AlgoConfig(loss="ppo_clip", band_growth=0.5)
+    assert AlgoConfig(loss="m2po", m2po_tau=0.02).m2po_tau == 0.02
+    assert AlgoConfig(loss="my_pkg.losses:fn", dppo_kl_tau=0.1).dppo_kl_tau == 0.1  # a user's

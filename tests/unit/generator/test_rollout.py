@@ -310,3 +310,23 @@ def test_generate_counts_a_segment_without_fitting_routing(tok, second):
     assert out.token_ids == [10, 11, 12, 1]
     assert out.routed_experts is None
     assert ctx.stats.routing_missing == 1
+
+
+def test_a_resumed_turn_keeps_min_new_tokens_counted_from_its_start(tok):
+    """After an abort at 3 tokens the engine must ban stop tokens for only 5 - 3 more draws,
+    not 5 again (it counts from the resumed request's start)."""
+    eng = ScriptedEngine(
+        [
+            Out([10, 11, 12], [-0.1] * 3, [4, 4, 4], {"type": "abort", "message": "weight update"}),
+            Out([13, 14, 15, 1], [-0.3] * 4, [5] * 4, "stop"),
+        ]
+    )
+    ctx = RolloutContext(eng, tok, SamplingConfig(max_new_tokens=10, min_new_tokens=5))
+    asyncio.run(ctx.generate([3, 4]))
+    assert [r[1]["min_new_tokens"] for r in eng.requests] == [5, 2]
+
+
+def test_a_per_call_min_new_tokens_other_than_the_config_is_refused(tok):
+    ctx = RolloutContext(ScriptedEngine([]), tok, SamplingConfig(max_new_tokens=10))
+    with pytest.raises(PluginContractError, match=r"generator\.sampling\.min_new_tokens"):
+        asyncio.run(ctx.generate([3, 4], {"min_new_tokens": 4}))

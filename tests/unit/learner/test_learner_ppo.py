@@ -120,13 +120,32 @@ def test_mini_batches_make_the_clip_active(model_dir, learner_factory):
     assert all(f > 0 for f in fracs[4]), fracs
 
 
-def test_interpolated_prox_follows_areal_version_convention():
+def test_interpolated_prox_gives_mu_only_to_fresh_tokens():
+    """The learner's version v is pi_prox (the weights that sampled version-v tokens); a token k
+    versions old is k / (k + 1) of the way from mu to pi_theta (version v + 1)."""
     mu = torch.full((1, 5), -2.0)
     theta = torch.full((1, 5), -1.0)
     versions = torch.tensor([[10, 9, 8, 7, 11]])  # lags 0, 1, 2, 3 and one from a newer version
     got = interpolated_prox_logp(mu, theta, versions, current_version=10)
-    alpha = torch.tensor([[0.0, 0.0, 0.5, 2 / 3, 0.0]])
+    alpha = torch.tensor([[0.0, 0.5, 2 / 3, 3 / 4, 0.0]])
     assert torch.allclose(got, mu + alpha * (theta - mu))
+
+
+def test_interpolated_prox_of_lag_one_tokens_is_nearer_the_exact_prox_than_mu(
+    model_dir, learner_factory
+):
+    """Tokens one version old: the interpolation must not fall back to mu (naive PPO)."""
+    algo = AlgoConfig(
+        advantage="grpo", loss="decoupled_ppo", prox_source="interpolate", mini_batches=2
+    )
+    learner = learner_factory(learner_cfg(str(model_dir), prox_compare_interval=1), algo)
+    learner.version = 3
+    groups = make_groups(5, 3, group_size=2)
+    for g in groups:
+        for t in g:
+            t.versions = np.full(len(t.response_ids), 2, dtype=np.int32)  # 1 version old
+    m = learner.train_step(groups)
+    assert m["prox/interp_abs_err"] < 0.9 * m["prox/behavior_abs_err"], m
 
 
 def test_interpolate_option_trains_and_reports_its_error_against_the_forward(
@@ -220,3 +239,24 @@ def test_resume_without_model_path_refuses_a_trained_checkpoint_as_kl_reference(
         algo_cfg(loss="tests.support.learner_worker:ref_probe_loss", kl_coef=0.1),
     )
     assert resumed.train_step(make_groups(2, 2))["ref_gap_max"] > 0
+
+
+def test_vcpo_scales_each_update_by_the_sqrt_of_its_answers_ess(model_dir, learner_factory):
+    """Same batch, same start: vcpo's step is tis's with the learning rate times sqrt(ESS) of the
+    answers' weights pi_prox / mu, which are far from 1 here (mu = the engine's log-probs of
+    make_groups, unrelated to the model)."""
+    moved = {}
+    for loss in ("tis", "vcpo"):
+        algo = AlgoConfig(advantage="grpo", loss=loss, mini_batches=1)
+        learner = learner_factory(learner_cfg(str(model_dir), lr=1e-3), algo)
+        before = {k: v.detach().clone() for k, v in learner.model.named_parameters()}
+        m = learner.train_step(make_groups(3, 3, group_size=2))
+        after = dict(learner.model.named_parameters())
+        moved[loss] = sum(float((after[k].detach() - before[k]).abs().sum()) for k in before)
+        moved[loss + "_m"] = m
+        learner.close()
+    scale = moved["vcpo_m"]["lr_ess_scale"]
+    assert 0 < scale < 0.9 and "lr_ess_scale" not in moved["tis_m"]
+    assert scale == pytest.approx(moved["vcpo_m"]["seq_is_weight_ess"] ** 0.5, rel=1e-6)
+    # AdamW's first step moves each weight by about lr: the scaled run moves by about scale x
+    assert moved["vcpo"] == pytest.approx(scale * moved["tis"], rel=0.05)
