@@ -54,10 +54,10 @@ def test_bootstrap_is_reproducible_and_seeds_needed_grows_with_the_spread():
 
 def _run(rd, final, seq_ess=0.05):
     rd.mkdir(parents=True)
-    with MetricsLogger(rd, "learner", wandb_mode="disabled") as log:
+    with MetricsLogger(rd, "learner") as log:
         for step in (1, 2):
             log.log(step, {M.TOKENS: 10.0, M.SEQ_IW_ESS: seq_ess, M.LOG_RATIO_M2: 0.01})
-    with MetricsLogger(rd, "eval", wandb_mode="disabled") as log:
+    with MetricsLogger(rd, "eval") as log:
         log.log(0, {M.EVAL_ACC_SAMPLED: 0.4})
         log.log(2, {M.EVAL_ACC_SAMPLED: final})
     (rd / DONE).write_text("{}\n")
