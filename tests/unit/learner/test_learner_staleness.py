@@ -68,10 +68,11 @@ def _buffer(**kw):
         buf.stop()
 
 
-def test_restarted_learner_takes_the_buffers_newer_version(tmp_path):
-    """save_interval = 0: a restarted learner starts over from the model at version 0 while the
-    buffer holds tokens of version 5 (the engines had those weights). It used to fail on
-    "a token's version is ahead of the learner's" at every restart; now it continues at 5."""
+def test_restarted_learner_continues_under_a_fresh_version(tmp_path):
+    """save_interval = 0: a restarted learner starts over from the model (version 0's weights)
+    while the buffer holds tokens of version 5 (a dead learner's weights). It neither fails on
+    tokens "ahead" of it nor names the model's weights 5: it continues as version 6, and versions
+    1..5 are superseded on the run's line (the buffer keeps the line)."""
 
     from slime_async.models.toy import make_tiny_model
 
@@ -109,5 +110,6 @@ def test_restarted_learner_takes_the_buffers_newer_version(tmp_path):
         assert run_learner(cfg, None) == 0
         with ConsumerClient(bcfg, "learner2") as c:
             stats = c.stats()
-    assert stats["version"] == 6  # continued from 5, one batch trained
+    assert stats["lineage"] == [[0, 6]]  # version 6 names version 0's weights
+    assert stats["version"] == 7  # one batch trained after the fresh version
     assert stats["counts"]["committed_groups"] == 2
