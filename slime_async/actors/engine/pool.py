@@ -6,7 +6,13 @@ client's: doubling from `backoff_s`, jittered); a 4xx is the request's own fault
 A down engine is probed with GET /health every `probe_interval_s` and used again as soon as it
 answers. With one URL (e.g. a sglang-router) the pool is a retrying client. Ties between equally
 busy engines are broken by the pool's own `random.Random(seed)` (the generator's seed).
-Memory: one client and one counter per engine, plus one probe task per down engine.
+
+Engines behind the learner: with `min_version` set (the learner's version as of the last grant),
+an answer whose first token comes from an older weight version (an engine that restarted from
+the base model, or one still holding a dead learner's weights) is thrown away, counted
+(`behind`), logged, and the call sent again like a failed one; the engine is left out until its
+`weight_version` (GET /model_info, every `probe_interval_s`) reaches the version again.
+Memory: one client and one counter per engine, plus one probe task per down or behind engine.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Callable
 from typing import Any
 
 from slime_async.actors.engine.client import (
@@ -56,6 +63,10 @@ class EnginePool:
         """Per engine: requests that failed there (each failed over or retried, and logged)."""
         self.backoffs = 0
         """Waits because no engine was up (each logged)."""
+        self.behind = dict.fromkeys(self.urls, 0)
+        """Per engine: answers thrown away as made by weights behind `min_version`."""
+        self.min_version: Callable[[], int] | None = None
+        """The oldest weight version an answer may start with (None: any); read per call."""
         self._probes: dict[str, asyncio.Task] = {}
 
     @classmethod
@@ -103,11 +114,21 @@ class EnginePool:
         while True:
             url = self._pick()
             if url is not None:
+                floor = self.min_version() if self.min_version is not None else None
                 self.in_flight[url] += 1
                 try:
-                    return await self.clients[url].generate(
+                    out = await self.clients[url].generate(
                         input_ids, sampling_params, rid, return_logprob, max_retries=0
                     )
+                    if floor is None or not out.versions or out.versions[0] >= floor:
+                        return out
+                    last_error = EngineError(
+                        url,
+                        "POST /generate",
+                        f"answered with weights of version {out.versions[0]}, behind the "
+                        f"learner's {floor} (thrown away)",
+                    )
+                    self._mark_behind(url, out.versions[0], floor)
                 except EngineRequestError:
                     raise
                 except EngineError as e:
@@ -138,6 +159,36 @@ class EnginePool:
         if url not in self._probes or self._probes[url].done():
             self._probes[url] = asyncio.get_running_loop().create_task(self._probe(url))
 
+    def _mark_behind(self, url: str, served: int, floor: int) -> None:
+        self.behind[url] += 1
+        if url not in self.down:
+            log.warning(
+                "engine %s serves weights of version %d, behind the learner's %d (restarted, or "
+                "not yet updated): its answer is thrown away and it is left out until it serves "
+                "version %d",
+                url,
+                served,
+                floor,
+                floor,
+            )
+        self.down.add(url)
+        if url not in self._probes or self._probes[url].done():
+            self._probes[url] = asyncio.get_running_loop().create_task(self._catch_up(url))
+
+    async def _catch_up(self, url: str) -> None:
+        """Wait until `url` serves `min_version` or later (GET /model_info), then use it again."""
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            floor = self.min_version() if self.min_version is not None else 0
+            try:
+                served = await self.clients[url].get_weight_version()
+            except EngineError:
+                continue  # down as well: asked again at the next probe
+            if served >= floor:
+                self.down.discard(url)
+                log.info("engine %s serves version %d: used again", url, served)
+                return
+
     async def _probe(self, url: str) -> None:
         while True:
             await asyncio.sleep(self.probe_interval_s)
@@ -161,5 +212,6 @@ class EnginePool:
             "down": sorted(self.down),
             "in_flight": dict(self.in_flight),
             "failures": dict(self.failures),
+            "behind": dict(self.behind),
             "backoffs": self.backoffs,
         }
