@@ -124,6 +124,9 @@ BUF_DISCONNECTS = "disconnects"
 """Stats `counts`: client connections that closed while holding an id (the id is free again)."""
 BUF_VERSION_REWINDS = "version_rewinds"
 """Stats `counts`: version announcements that went back (a restarted learner's new session)."""
+BUF_ADMISSION_AWAITING_LEARNER = "admission_awaiting_learner"
+"""Stats `counts`: admission requests answered with no grant because the buffer restarted from
+its log and the learner has not announced its version since (logged once per restart)."""
 BUF_SUPERSEDED = "superseded"
 """Drop reason (`buffer.stale_policy = "drop"`): a group with a model token of a version the run
 left behind (made by a learner that died after its last checkpoint; `slime_async/queue/lineage.py`)."""

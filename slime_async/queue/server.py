@@ -424,6 +424,9 @@ class Buffer:
                         msg.version,
                     )
                 self._version_session = msg.session
+                # A new learner session: its predecessor's uncommitted batches come back to it
+                # first, and count against admission's budget from now on.
+                self.state.touch_session(msg.consumer, msg.session)
                 lineage = [list(b) for b in msg.lineage] if msg.lineage is not None else None
                 self.state.set_version(msg.version, msg.groups_per_step, lineage)
                 return [Ok(rid=msg.rid).encode()]

@@ -93,6 +93,10 @@ class BufferState:
         """The highest version the run has used: announced, reserved by a line, or on a token."""
         self.superseded: set[str] = set()
         """Held groups with a model token of a superseded version (`lineage.Line`)."""
+        self.awaiting_learner = False
+        """Restarted from a log that holds a learner's version: no grants until a learner
+        announces in this buffer's life (the engines may have restarted from the base model, and
+        a restarted learner may train uncommitted batches again first)."""
 
     @property
     def line(self) -> Line:
@@ -120,6 +124,13 @@ class BufferState:
             self._replaying = False
         wal.open()
         wal.compact()
+        self.awaiting_learner = self.announced
+        if self.awaiting_learner:
+            log.warning(
+                "restarted at version %d: admission grants nothing until the learner announces "
+                "its version again",
+                self.version,
+            )
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -202,7 +213,17 @@ class BufferState:
     def admit(self, pid: str, want: int) -> int:
         """New groups `pid` may start now, within the staleness budget (see `Admission`)."""
         self._ledger(pid)
+        if self.awaiting_learner:
+            self.counts[m.BUF_ADMISSION_AWAITING_LEARNER] += 1
+            return 0
         held = len(self.pending) + len(self.ready) + sum(self.in_training.values())
+        # A restarted learner trains its predecessor's uncommitted batches again first.
+        held += sum(
+            len(self.delivered[b].groups)
+            for queue in self.redeliver.values()
+            for b in queue
+            if b in self.delivered
+        )
         return self.admission.grant(pid, want, held)
 
     def expire_grants(self) -> None:
@@ -309,6 +330,7 @@ class BufferState:
         self, version: int, groups_per_step: int, lineage: list[list[int]] | None = None
     ) -> None:
         """The learner's announcement; `lineage`: its line of weights (None: unchanged)."""
+        self.awaiting_learner = False
         self._apply_version(version, groups_per_step, lineage)
         rec: dict[str, Any] = {"version": version, "groups_per_step": groups_per_step}
         if lineage is not None:
@@ -531,9 +553,11 @@ class BufferState:
         self.last_get[consumer] = (rid, batch_id)
         if self._replaying:
             self.sessions[consumer] = session
-        if batch_id in self.delivered:  # a redelivery to a new session
-            self.delivered[batch_id].session = session
-            return self.delivered[batch_id]
+        if batch_id in self.delivered:  # a redelivery to a new session: in training again
+            b = self.delivered[batch_id]
+            b.session = session
+            self.in_training[batch_id] = len(b.groups)
+            return b
         groups = [g for gid in gids if (g := self.ready.pop(gid)) is not None]
         if not groups:
             return None
