@@ -10,6 +10,7 @@ import json
 
 from slime_async.queue import wal as W
 from slime_async.queue import wal_index
+from slime_async.queue.groups import unscoped
 from slime_async.queue.schema import decode_trajectory
 from slime_async.testing.wal_runs import SyntheticRun, write_run_wal
 
@@ -25,7 +26,8 @@ def full_read(wal_dir):
                 t = decode_trajectory(b)
                 groups.setdefault(t.group_id, []).append(t)
         elif rtype == W.DELIVER and meta.get("g"):
-            steps.setdefault(meta["batch"], (list(meta["g"]), version))
+            # the log holds group keys scoped to their producer; the index holds group ids
+            steps.setdefault(meta["batch"], ([unscoped(k)[1] for k in meta["g"]], version))
     return groups, steps
 
 
