@@ -146,8 +146,13 @@ def summarize_eval(records: list[dict]) -> str:
             parts.append(f"{label} {a:.1f} -> {b:.1f} ({b - a:+.1f} points)")
     if not parts:
         return ""
+    steps = ""
+    if first.get(m.EVAL_POSITION) is not None and last.get(m.EVAL_POSITION) is not None:
+        a, b = first[m.EVAL_POSITION], last[m.EVAL_POSITION]
+        if (a, b) != (first[m.EVAL_VERSION], last[m.EVAL_VERSION]):  # a restart left versions
+            steps = f" ({b - a} updates apart)"
     return (
-        f"eval accuracy, version {first[m.EVAL_VERSION]} -> {last[m.EVAL_VERSION]}: "
+        f"eval accuracy, version {first[m.EVAL_VERSION]} -> {last[m.EVAL_VERSION]}{steps}: "
         + ", ".join(parts)
     )
 

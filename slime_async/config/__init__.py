@@ -152,6 +152,7 @@ def _check_across_sections(cfg: SlimeConfig) -> None:
         )
     _check_staleness_research(cfg)
     _check_buffer_bind(cfg)
+    _check_initial_weight_version(cfg)
     trajectories = cfg.learner.groups_per_step * cfg.generator.group_size
     if cfg.algo.mini_batches > trajectories:
         raise ValueError(
@@ -167,6 +168,22 @@ def _check_buffer_bind(cfg: SlimeConfig) -> None:
     problem = bind_refusal(cfg.buffer)
     if problem:
         raise ValueError(problem)
+
+
+def _check_initial_weight_version(cfg: SlimeConfig) -> None:
+    """An embedded engine that loads the learner's base model serves version 0's weights: a
+    positive label would name them with a version the learner uses for trained weights (an engine
+    restarted mid-run would then pass for up to date, and never get the weights again)."""
+    label = cfg.engine.embedded.initial_weight_version
+    if cfg.engine.kind != "embedded" or not label.isdigit() or int(label) == 0:
+        return
+    if cfg.engine.model_path not in (None, cfg.learner.model_path):
+        return  # an engine of other weights may name them as it likes
+    raise ValueError(
+        f"engine.embedded.initial_weight_version = {label!r}: the engine starts from the learner's "
+        "base model, whose weights are version 0; a positive version would name them like "
+        "trained weights. Use 'default' (or '0')"
+    )
 
 
 def _check_staleness_research(cfg: SlimeConfig) -> None:

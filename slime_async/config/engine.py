@@ -28,7 +28,9 @@ class EmbeddedEngineConfig(Section):
     """Fail where SGLang 0.5.23 fails (flush refused while requests run, an update whose flush
     fails stops the engine, /health 503 while paused); tests of the push use it."""
     initial_weight_version: str = "default"
-    """The weight_version served before the first update (SGLang's "default")."""
+    """The weight_version served before the first update (SGLang's "default", read as 0). It must
+    name the weights loaded: an engine of the learner's base model serves version 0, so a positive
+    version is refused there (a restarted engine would pass for one serving trained weights)."""
     mem_fraction: float = Field(0.8, gt=0, le=1)
     """On a GPU: the share of the GPU's memory the weights, activations and paged KV cache may
     take together; the cache gets what is left (and no more than is free)."""

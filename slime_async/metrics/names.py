@@ -85,6 +85,10 @@ GEN_ENGINES_BACK = "gen/engines_back"
 """Times a down or hung engine answered 200 again and was used again (logged)."""
 GEN_HUNG_CANCELLED = "gen/requests_given_up_hung"
 """Requests in flight on an engine when it was reported hung, given up and sent again elsewhere."""
+GEN_ENGINE_BEHIND = "gen/engine_behind"
+"""Engine answers thrown away because their tokens came from weights older than the version the
+learner had announced when the call was sent (an engine that restarted from the base model, or
+still holds a dead learner's weights); the call went to another engine or waited (logged)."""
 GEN_GROUPS_STARTED = "gen/groups_started"
 GEN_GROUPS_PUSHED = "gen/groups_pushed"
 GEN_TRAJECTORIES_PUSHED = "gen/trajectories_pushed"
@@ -164,6 +168,15 @@ BUF_IDS_RELEASED = "ids_released"
 """Stats `counts`: ids forgotten when their connection closed (they had stored nothing)."""
 BUF_IDS_EVICTED = "ids_evicted"
 """Stats `counts`: disconnected ids forgotten early to make room in a full id table."""
+BUF_ADMISSION_AWAITING_LEARNER = "admission_awaiting_learner"
+"""Stats `counts`: admission requests answered with no grant because the buffer restarted from
+its log and the learner has not announced its version since (logged once per restart)."""
+BUF_SUPERSEDED = "superseded"
+"""Drop reason (`buffer.stale_policy = "drop"`): a group with a model token of a version the run
+left behind (made by a learner that died after its last checkpoint; `slime_async/queue/lineage.py`)."""
+BUF_SUPERSEDED_DELIVERED = "superseded_delivered"
+"""Stats `counts`: groups with superseded tokens delivered under "keep" or "mask" (the learner
+counts their tokens in `stale/superseded_tokens`)."""
 
 # ----- learner records: mini-batch updates, skips, stale tokens, pi_prox -----------------------
 UPDATES = "learner/updates"
@@ -174,11 +187,20 @@ by reason: empty (no trajectory on any rank), zero_gradient (Adam would still mo
 by its momentum), non_finite (a NaN/inf gradient norm)."""
 BATCH_SKIPPED = "learner/batch_skipped"
 """1 when no update of the batch was applied: the weights and the policy version did not change."""
-VERSION_CLAIMED = "learner/version_from_buffer"
-"""At start-up: the version the learner took from the buffer because the buffer had announced a
-newer one than its checkpoint (a restart without a checkpoint of its last steps)."""
+VERSION_FRESH = "learner/fresh_version"
+"""At start-up: the fresh version under which a restarted learner continues its checkpoint's
+weights, because the run had used versions past the checkpoint's (the dead learner's later steps,
+now superseded); absent when none was needed."""
+VERSION_RESUMED_FROM = "learner/resumed_from_version"
+"""At start-up, with `learner/fresh_version`: the checkpoint's version those weights had."""
+LINE_POSITION = "learner/line_position"
+"""Updates from version 0 to this step's version along the run's line of weights: the version
+less the versions restarts left behind (equals the version in a run without restarts)."""
 STALE_OVER_BOUND_TOKENS = "stale/over_bound_tokens"
 """Model tokens older than buffer.max_staleness in this step's batch (trained on under "keep")."""
+STALE_SUPERSEDED_TOKENS = "stale/superseded_tokens"
+"""Model tokens of a superseded version in this step's batch (weights the run left behind: no
+staleness on the current line); counted within stale/over_bound_tokens, and masked with it."""
 STALE_MASKED_TOKENS = "stale/masked_tokens"
 """Model tokens whose loss mask the learner zeroed (buffer.stale_policy = "mask")."""
 STALE_MASKED_GROUPS = "stale/masked_groups"
@@ -263,6 +285,9 @@ EVAL_SECONDS = "eval/seconds"
 """Wall time of the evaluation."""
 EVAL_LEARNER_STEP = "eval/learner_step"
 """The learner step whose weights were evaluated (version v = after step v without skips)."""
+EVAL_POSITION = "eval/line_position"
+"""The evaluated version's updates from version 0 along the run's line of weights (the version
+itself in a run without learner restarts; see `learner/line_position`)."""
 IS_DROPPED_FRAC = "is_dropped_frac"
 """Share of model tokens whose behaviour weight was set to 0 (is_mode "mask", the `mis` loss: the
 weight left [is_low, is_high]; and aipo's drops)."""

@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from slime_async.config.buffer import BufferConfig
+from slime_async.queue.lineage import Line
 
 NO_VERSION = 1 << 62
 """A group's oldest version while it has no model token: it does not bound the staleness."""
@@ -44,6 +45,18 @@ class Admission:
         self._grants: dict[str, _Grants] = {}
         self.fixed = FixedLag(cfg.fixed_lag) if cfg.fixed_lag is not None else None
         """`buffer.fixed_lag`: grants per version, delivery of one version (None: off)."""
+        self._line = Line()
+
+    @property
+    def line(self) -> Line:
+        """The run's line of weights: staleness counts updates along it (`lineage.py`)."""
+        return self._line
+
+    @line.setter
+    def line(self, line: Line) -> None:
+        self._line = line
+        if self.fixed is not None:
+            self.fixed.line = line
 
     # ---------------------------------------------------------------- staleness
     def set_version(self, version: int, groups_per_step: int) -> bool:
@@ -55,8 +68,9 @@ class Admission:
         return new
 
     def staleness(self, oldest: int) -> int:
-        """Versions between the learner's and a group's oldest model token (0 without any)."""
-        return self.version - oldest if oldest != NO_VERSION else 0
+        """Updates between a group's oldest model token and the learner's version, along the
+        run's line of weights (0 without a model token)."""
+        return self.line.distance(oldest, self.version) if oldest != NO_VERSION else 0
 
     def is_stale(self, oldest: int) -> bool:
         return self.staleness(oldest) > self.max_staleness
@@ -170,14 +184,29 @@ class FixedLag:
         """Complete groups that arrived per version (dropped ones not counted)."""
         self._span: dict[str, tuple[int, int]] = {}  # group id -> (oldest, newest) model token
         self._spanning: list[str] = []  # complete groups spanning versions, to be dropped
+        self.line = Line()
+        """The run's line of weights: the lag counts updates along it (a restart's break)."""
 
     def on_version(self, version: int) -> None:
         if self.first is None:
             self.first = version
 
+    def _target_position(self, version: int) -> int:
+        first = self.first if self.first is not None else 0
+        base = 0 if self.line.superseded(first) else self.line.position(first)
+        return max(self.line.position(version) - self.k, base)
+
     def target(self, version: int) -> int:
-        """The version whose groups are trained at `version`."""
-        return max(version - self.k, self.first if self.first is not None else 0)
+        """The version whose groups are trained at `version` (k updates back along the line)."""
+        return self.line.version_at(self._target_position(version))
+
+    def on_target(self, oldest: int, version: int) -> bool:
+        """A group whose tokens come from `oldest` is trained at `version` (a version and the
+        fresh one that names its weights after a restart both are)."""
+        line = self.line
+        return not line.superseded(oldest) and line.position(oldest) == self._target_position(
+            version
+        )
 
     def quota(self, version: int, groups_per_step: int) -> int:
         """Groups to generate at `version`: one batch, k + 1 at the first version."""
@@ -212,7 +241,8 @@ class FixedLag:
         return out
 
     def is_late(self, oldest: int, version: int) -> bool:
-        return oldest < self.target(version)
+        line = self.line
+        return line.superseded(oldest) or line.position(oldest) < self._target_position(version)
 
     def stats(self, version: int, groups_per_step: int) -> dict[str, int]:
         return {

@@ -93,6 +93,9 @@ Number = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ERROR)]
 Version = Annotated[int, msgspec.Meta(ge=SCHEMA_VERSION, le=SCHEMA_VERSION)]
+MAX_BREAKS = 4096
+"""Most breaks of a line of weights (one per learner restart that left versions behind)."""
+Lineage = Annotated[list[tuple[Count, Count]], msgspec.Meta(max_length=MAX_BREAKS)]
 
 
 def _sent(value: Any) -> Any:
@@ -271,6 +274,9 @@ class Granted(Message, tag=Op.GRANTED.value, kw_only=True):
     rid: Name | None = None
     n: Int
     """New groups the producer may start; a grant is used up when its group arrives."""
+    version: Count | None = None
+    """The learner's announced version: a group granted now must start on engines serving it
+    or a later version (an engine behind it holds weights the run no longer trains from)."""
 
 
 class Heartbeat(Message, tag=Op.HEARTBEAT.value, kw_only=True):
@@ -347,6 +353,9 @@ class SetVersion(Message, tag=Op.VERSION.value, kw_only=True):
     """Below 2**31, monotone per session, at most `buffer.max_version_jump` ahead."""
     groups_per_step: PositiveInt
     """At most `buffer.capacity_trajectories` (each group holds at least one trajectory)."""
+    lineage: Lineage | None = None
+    """The run's line of weights as [cut, fresh] breaks (`slime_async.queue.lineage`); absent:
+    unchanged. It may change only with a new learner session."""
 
 
 class Ok(Message, tag=Op.OK.value, kw_only=True):

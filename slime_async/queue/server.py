@@ -483,14 +483,14 @@ class Buffer:
                 ]
             case Admit():
                 n = self.state.admit(msg.producer, msg.want)
-                return [Granted(rid=msg.rid, n=n).encode()]
+                return [Granted(rid=msg.rid, n=n, version=self.state.version).encode()]
             case Hello():
                 next_seq = self.state.producer_restarted(msg.producer)
                 return [HelloReply(rid=msg.rid, next_seq=next_seq).encode()]
             case SetVersion():
                 before = self._version_session  # rewinds only once its session is gone
                 live = any(h.session == before and h.connection for h in self.consumer_owners)
-                self.state.check_version(msg.version, msg.groups_per_step, not live)
+                self.state.check_version(msg.version, msg.groups_per_step, not live, msg.lineage)
                 if msg.version < self.state.version:
                     self.state.counts[m.BUF_VERSION_REWINDS] += 1
                     log.warning(
@@ -499,7 +499,11 @@ class Buffer:
                         msg.version,
                     )
                 self._version_session = msg.session
-                self.state.set_version(msg.version, msg.groups_per_step)
+                # A new learner session: its predecessor's uncommitted batches come back to it
+                # first, and count against admission's budget from now on.
+                self.state.touch_session(msg.consumer, msg.session)
+                lineage = [list(b) for b in msg.lineage] if msg.lineage is not None else None
+                self.state.set_version(msg.version, msg.groups_per_step, lineage)
                 return [Ok(rid=msg.rid).encode()]
             case Ping() | StatsRequest():
                 return [StatsReply(rid=msg.rid, stats=self.stats()).encode()]

@@ -35,6 +35,7 @@ from slime_async.queue.groups import (
     scoped,
     shown,
 )
+from slime_async.queue.lineage import Line, LineError
 from slime_async.queue.messages import AckStatus
 from slime_async.queue.schema import (
     SchemaError,
@@ -95,6 +96,19 @@ class BufferState:
         """Regions of the log that could not be read (accepted with wal_on_damage = "continue")."""
         self.lost_groups: list[str] = []
         """Groups that later records name but whose data was in lost records."""
+        self.versions_used = 0
+        """The highest version the run has used: announced, reserved by a line, or on a token."""
+        self.superseded: set[str] = set()
+        """Held groups with a model token of a superseded version (`lineage.Line`)."""
+        self.awaiting_learner = False
+        """Restarted from a log that holds a learner's version: no grants until a learner
+        announces in this buffer's life (the engines may have restarted from the base model, and
+        a restarted learner may train uncommitted batches again first)."""
+
+    @property
+    def line(self) -> Line:
+        """The run's line of weights, as the learner announced it last."""
+        return self.admission.line
 
     @property
     def version(self) -> int:
@@ -145,6 +159,13 @@ class BufferState:
         if wal.torn_bytes:
             self.counts[m.BUF_WAL_TORN_BYTES] += wal.torn_bytes
         wal.compact()
+        self.awaiting_learner = self.announced
+        if self.awaiting_learner:
+            log.warning(
+                "restarted at version %d: admission grants nothing until the learner announces "
+                "its version again",
+                self.version,
+            )
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -153,6 +174,8 @@ class BufferState:
             "version": self.version,
             "groups_per_step": self.groups_per_step,
             "announced": self.announced,
+            "lineage": self.line.to_list(),
+            "versions_used": self.versions_used,
         }
 
     def _replay(self, rtype: int, rec: dict[str, Any], blobs: list[bytes]) -> None:
@@ -165,6 +188,9 @@ class BufferState:
             self.next_batch = max(self.next_batch, rec["next_batch"])
             self.admission.set_version(rec["version"], rec["groups_per_step"])
             self.announced = self.announced or rec.get("announced", rec["version"] > 0)
+            if "lineage" in rec:
+                self._apply_line(Line.parse(rec["lineage"]))
+            self.versions_used = max(self.versions_used, rec.get("versions_used", 0))
         elif rtype == W.PUT:
             trajs = scoped(rec["p"], [validate_trajectory(b) for b in blobs])
             self._apply_put(rec["p"], rec["s"], blobs, trajs)
@@ -175,7 +201,7 @@ class BufferState:
         elif rtype == W.DROP:
             self._apply_drop(rec["g"], rec["why"])
         elif rtype == W.VERSION:
-            self._apply_version(rec["version"], rec["groups_per_step"])
+            self._apply_version(rec["version"], rec["groups_per_step"], rec.get("lineage"))
         elif rtype == W.DAMAGE:
             held = {g.group_id for g in self.ready} | set(self.pending)
             held |= {g.group_id for b in self.delivered.values() for g in b.groups}
@@ -245,6 +271,9 @@ class BufferState:
         producer that opened it alone, so that one client's partial groups cannot shut the
         others out."""
         self._ledger(pid)
+        if self.awaiting_learner:
+            self.counts[m.BUF_ADMISSION_AWAITING_LEARNER] += 1
+            return 0
         horizon = time.monotonic() - self.cfg.grant_timeout_s
         shared = mine = 0
         for g in self.pending.values():
@@ -253,6 +282,13 @@ class BufferState:
             elif g.producer == pid:
                 mine += 1
         held = shared + mine + len(self.ready) + sum(self.in_training.values())
+        # A restarted learner trains its predecessor's uncommitted batches again first.
+        held += sum(
+            len(self.delivered[b].groups)
+            for queue in self.redeliver.values()
+            for b in queue
+            if b in self.delivered
+        )
         return self.admission.grant(pid, want, held)
 
     def expire_grants(self) -> None:
@@ -319,7 +355,10 @@ class BufferState:
         now = time.monotonic()
         fixed = self.admission.fixed
         self.counts["trajectories_in"] += len(trajs)
+        line = self.line
         for blob, t in zip(blobs, trajs, strict=True):
+            if self.announced:  # checked against the announced version (`put`)
+                self.versions_used = max(self.versions_used, t.newest)
             if t.group_id in self._recent_drops:
                 self.dropped["late_member_of_dropped_group"] += 1
                 self.dropped_trajectories["late_member_of_dropped_group"] += 1
@@ -334,6 +373,8 @@ class BufferState:
             g.traj_ids.add(t.id)
             g.nbytes += size
             g.ntokens += t.num_tokens
+            if line.may_hold_superseded(t.oldest, t.newest_model) and _holds_superseded(line, blob):
+                self.superseded.add(t.group_id)
             oldest = t.oldest
             if oldest is not None and oldest < g.oldest:
                 g.oldest = oldest
@@ -355,16 +396,43 @@ class BufferState:
                     self.admission.fixed.completed(g.group_id, g.oldest)
 
     # ---------------------------------------------------------------- staleness
-    def set_version(self, version: int, groups_per_step: int) -> None:
-        self._apply_version(version, groups_per_step)
-        self._log(W.VERSION, {"version": version, "groups_per_step": groups_per_step})
+    def set_version(
+        self, version: int, groups_per_step: int, lineage: list[list[int]] | None = None
+    ) -> None:
+        """The learner's announcement; `lineage`: its line of weights (None: unchanged)."""
+        self.awaiting_learner = False
+        self._apply_version(version, groups_per_step, lineage)
+        rec: dict[str, Any] = {"version": version, "groups_per_step": groups_per_step}
+        if lineage is not None:
+            rec["lineage"] = [list(b) for b in lineage]
+        self._log(W.VERSION, rec)
         self.drop_stale()
         self.drop_fixed_lag()
 
-    def check_version(self, version: int, groups_per_step: int, rewind_ok: bool) -> None:
+    def check_version(
+        self,
+        version: int,
+        groups_per_step: int,
+        rewind_ok: bool,
+        lineage: list[tuple[int, int]] | None = None,
+    ) -> None:
         """SchemaError naming the field of an announcement that cannot be right. `rewind_ok`: the
         session that announced before is gone (a restarted learner may go back to its checkpoint,
-        or start from anywhere after a buffer restart without a log)."""
+        or start from anywhere after a buffer restart without a log); only then may the line of
+        weights change."""
+        if lineage is not None:
+            try:
+                line = Line.parse(lineage)
+            except LineError as e:
+                raise SchemaError("lineage", str(e)) from None
+            if line != self.line and not rewind_ok:
+                raise SchemaError(
+                    "lineage", "changes while the learner session that announced the line is live"
+                )
+            if line.superseded(version) or version < line.start:
+                raise SchemaError(
+                    "version", f"{version} is not on the announced line (it starts at {line.start})"
+                )
         jump, cap, v = self.cfg.max_version_jump, self.cfg.capacity_trajectories, self.version
         problem = (
             f"{version} exceeds {MAX_VERSION} (versions are int32)"
@@ -380,10 +448,39 @@ class BufferState:
         if groups_per_step > cap:
             raise SchemaError("groups_per_step", f"{groups_per_step} > capacity_trajectories={cap}")
 
-    def _apply_version(self, version: int, groups_per_step: int) -> None:
+    def _apply_version(
+        self, version: int, groups_per_step: int, lineage: list[list[int]] | None = None
+    ) -> None:
         self.announced = True
+        if lineage is not None:
+            self._apply_line(Line.parse(lineage))
+        self.versions_used = max(self.versions_used, version)
         if self.admission.set_version(version, groups_per_step):
             self.in_training.clear()  # the batches trained at the old version are done
+
+    def _apply_line(self, line: Line) -> None:
+        """A new line of weights: versions in its gaps are superseded; find the held groups
+        with tokens of them (each trajectory looked at once, only at a learner restart)."""
+        if line == self.line:
+            return
+        self.admission.line = line
+        self.versions_used = max(self.versions_used, line.start)
+        self.superseded = {
+            g.group_id
+            for g in [*self.ready, *self.pending.values()]
+            if any(_holds_superseded(line, b) for b in g.blobs)
+        }
+        if line.breaks:
+            cut, fresh = line.breaks[-1]
+            log.warning(
+                "the learner continues from version %d as version %d: versions %d..%d are "
+                "superseded; %d held group(s) hold tokens of them",
+                cut,
+                fresh,
+                cut + 1,
+                fresh - 1,
+                len(self.superseded),
+            )
 
     def staleness(self, g: Group) -> int:
         return self.admission.staleness(g.oldest)
@@ -398,11 +495,17 @@ class BufferState:
         else:
             found = (self.ready.get(gid) or self.pending.get(gid) for gid in set(group_ids))
             candidates = [g for g in found if g is not None]
-        stale = [g.group_id for g in candidates if self.admission.is_stale(g.oldest)]
-        if stale:
-            self._log(W.DROP, {"g": stale, "why": "stale"})
-            self._apply_drop(stale, "stale")
-        return stale
+        gone = [g.group_id for g in candidates if g.group_id in self.superseded]
+        stale = [
+            g.group_id
+            for g in candidates
+            if g.group_id not in self.superseded and self.admission.is_stale(g.oldest)
+        ]
+        for why, gids in ((m.BUF_SUPERSEDED, gone), ("stale", stale)):
+            if gids:
+                self._log(W.DROP, {"g": gids, "why": why})
+                self._apply_drop(gids, why)
+        return gone + stale
 
     def drop_fixed_lag(self) -> list[str]:
         """With buffer.fixed_lag: drop held groups that span versions or are older than the
@@ -451,6 +554,7 @@ class BufferState:
             self._recent_drops.add(gid)
 
     def _forget(self, g: Group) -> None:
+        self.superseded.discard(g.group_id)
         self.held_trajectories -= len(g.blobs)
         self.held_bytes -= g.nbytes
         if self.wal is not None:
@@ -490,8 +594,11 @@ class BufferState:
         if num_groups is None and num_tokens is None:
             num_groups = self.groups_per_step
         if self.admission.fixed is not None:  # only the groups of version - fixed_lag
-            target = self.admission.fixed.target(self.version)
-            mine = sorted((g for g in self.ready if g.oldest == target), key=lambda g: g.arrival)
+            fixed, version = self.admission.fixed, self.version
+            mine = sorted(
+                (g for g in self.ready if fixed.on_target(g.oldest, version)),
+                key=lambda g: g.arrival,
+            )
             want = num_groups or self.groups_per_step
             chosen = mine[:want] if len(mine) >= want else []
         else:
@@ -516,14 +623,20 @@ class BufferState:
         self.last_get[consumer] = (rid, batch_id)
         if self._replaying:
             self.sessions[consumer] = session
-        if batch_id in self.delivered:  # a redelivery to a new session
-            self.delivered[batch_id].session = session
-            return self.delivered[batch_id]
+        if batch_id in self.delivered:  # a redelivery to a new session: in training again
+            b = self.delivered[batch_id]
+            b.session = session
+            self.in_training[batch_id] = len(b.groups)
+            return b
         groups = [g for gid in gids if (g := self.ready.pop(gid)) is not None]
         if self._replaying and self.losses:
             self._placed(batch_id, gids, groups)
         if not groups:
             return None
+        for g in groups:
+            if g.group_id in self.superseded:  # kept by the stale policy: the learner counts it
+                self.superseded.discard(g.group_id)
+                self.counts[m.BUF_SUPERSEDED_DELIVERED] += 1
         self.in_training[batch_id] = len(groups)
         for g in groups:
             self._recent_done.add(g.group_id)
@@ -667,4 +780,13 @@ class BufferState:
                 {"where": loss.where(), "batches": loss.batches()} for loss in self.losses
             ],
             "wal_groups_lost": len(self.lost_groups),
+            "lineage": self.line.to_list(),
+            "versions_used": self.versions_used,
+            "groups_superseded_held": len(self.superseded),
         }
+
+
+def _holds_superseded(line: Line, blob: bytes | memoryview) -> bool:
+    """Whether the encoded trajectory has a model token of a version `line` left behind."""
+    t = decode_trajectory(blob, copy=False)
+    return line.any_superseded(t.versions[t.loss_mask.astype(bool)])

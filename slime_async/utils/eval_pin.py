@@ -48,6 +48,15 @@ def pending_requests(run_dir: str | Path) -> list[int]:
     return sorted(out)
 
 
+def read_request(run_dir: str | Path, version: int) -> dict[str, Any]:
+    """The learner's request for `version` ({"version", "step", "position"}), or {} if unreadable."""
+    try:
+        out = json.loads(request_path(run_dir, version).read_text())
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
 def read_result(run_dir: str | Path, version: int) -> dict[str, Any] | None:
     p = result_path(run_dir, version)
     return json.loads(p.read_text()) if p.exists() else None

@@ -176,8 +176,8 @@ def test_sigkill_of_a_real_run_then_resume_finishes_with_nothing_lost_or_trained
         metrics
     )  # a step trained again after the checkpoint keeps its last record
     assert [r["step"] for r in learner] == list(range(1, total + 1))
-    # The resumed learner continues from the buffer's version when that is newer than its
-    # checkpoint's: versions only go forward (they may skip ahead), never repeat.
+    # The resumed learner continues under a fresh version, one past every version the run used:
+    # versions only go forward (they may skip ahead), never repeat.
     versions = [r["version"] for r in learner]
     assert all(a < b for a, b in itertools.pairwise(versions)) and versions[-1] >= total, versions
     final = json.loads((run_dir.path / "buffer_final.json").read_text())

@@ -1,6 +1,10 @@
-"""Whole `slime-async run`s as child processes, for the tests that disturb their roles: start one,
-find a role's pid, wait for a condition while the run lives, finish it, and check that nothing the
-buffer acknowledged was lost or trained twice."""
+"""Whole `slime-async run`s as child processes, for the tests that disturb their roles and resume:
+start one, find a role's PID in the supervisor's log, wait on the run's files, finish or kill it,
+and check that nothing the buffer acknowledged was lost or trained twice.
+
+Every wait has a timeout and names what it waited for; processes are stopped by their process
+group (each run is started in a session of its own), never by name.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from slime_async.metrics import read_metrics
 from tests.support.repo import REPO
@@ -29,10 +35,10 @@ def tiny_inputs(root: Path) -> tuple[Path, Path, Path]:
     )
 
 
-def start_run(cfg: Path) -> subprocess.Popen:
-    """`slime-async run CFG` in its own session, output captured."""
+def start_run(*args: str | Path) -> subprocess.Popen:
+    """`python -m slime_async run ARGS` in a session of its own, output captured as text."""
     return subprocess.Popen(
-        [sys.executable, "-m", "slime_async", "run", str(cfg)],
+        [sys.executable, "-m", "slime_async", "run", *map(str, args)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -42,7 +48,7 @@ def start_run(cfg: Path) -> subprocess.Popen:
 
 
 def pid_of(run_dir: Path, role: str) -> int:
-    """The role's PID as the supervisor logged it ("started <role> (pid N)")."""
+    """The role's PID as the supervisor logged it last ("started <role> (pid N)")."""
     found = re.findall(
         rf"started {role} \(pid (\d+)", (run_dir / "logs" / "supervisor.log").read_text()
     )
@@ -50,21 +56,38 @@ def pid_of(run_dir: Path, role: str) -> int:
     return int(found[-1])
 
 
-def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen) -> None:
+def engine_url(run_dir: Path, role: str = "engine0") -> str:
+    """The engine's URL as the supervisor's readiness line names it."""
+    log = (run_dir / "logs" / "supervisor.log").read_text()
+    found = re.findall(rf"{role} is ready \(GET (http://[\d.:]+)/health", log)
+    assert found, f"no ready line of {role} in supervisor.log"
+    return found[-1]
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str, proc: subprocess.Popen) -> None:
+    """Poll `pred` (the run's files or a role's HTTP answer) until true, while `proc` runs."""
     deadline = time.monotonic() + timeout
     while not pred():
         assert proc.poll() is None, f"the run ended while waiting for {what}"
         assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.1)
+        time.sleep(0.02)
 
 
 def steps_done(run_dir: Path) -> int:
+    """Learner records written so far (every life's, a step redone after a restart counts again)."""
     path = run_dir / "metrics" / "learner.jsonl"
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
+def raw_records(path: Path) -> list[dict[str, Any]]:
+    """Every record of a metrics file in the order written (no de-duplication of steps)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def finish(proc: subprocess.Popen, timeout: float = 420) -> str:
-    """Wait for the run to end (SIGKILL of its group past `timeout`); it must exit 0."""
+    """Wait for the run to exit 0 and return its output; kill its group on a timeout."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -75,13 +98,27 @@ def finish(proc: subprocess.Popen, timeout: float = 420) -> str:
     return out
 
 
+def kill_role(run_dir: Path, role: str) -> int:
+    """SIGKILL the role's own process group (the supervisor made one per role)."""
+    pid = pid_of(run_dir, role)
+    os.killpg(pid, signal.SIGKILL)
+    return pid
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of a run started by `start_run` (its session's group)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
 def assert_nothing_lost_nothing_twice(
     run_dir: Path, steps: int, groups_per_step: int, group_size: int
 ) -> None:
     learner = read_metrics(run_dir / "metrics" / "learner.jsonl")
     assert learner[-1]["step"] == steps
-    # A restarted learner continues from the buffer's version when that is newer than its
-    # checkpoint's (actors/learner/process.py), so versions never go back but may skip ahead.
+    # A restarted learner continues under a fresh version, one past every version the run used
+    # (actors/learner/process.py), so versions never go back but may skip ahead.
     versions = [r["version"] for r in learner if r["step"] == max(x["step"] for x in learner)]
     assert versions[-1] >= steps
     final = json.loads((run_dir / "buffer_final.json").read_text())

@@ -10,7 +10,16 @@ flight there are given up and sent to another engine (counted in `hung_cancelled
 (e.g. a sglang-router) the pool is a retrying client; `watch_urls` (the engines behind that
 router) are then probed and reported too, without changing where requests go. Ties between
 equally busy engines are broken by the pool's own `random.Random(seed)` (the generator's seed).
-Memory: one client, one counter and one probe per engine.
+
+Engines behind the learner: with `min_version` set (the learner's version as of the last grant),
+an answer whose first token comes from an older weight version (an engine that restarted from
+the base model, or one still holding a dead learner's weights) is thrown away, counted
+(`behind`), logged, and the call sent again like a failed one; the engine is left out until its
+`weight_version` (GET /model_info, every `probe_interval_s`) reaches the version again; a router
+is used again once every engine behind it (`watch_urls`) that is up serves it. That check is apart
+from the liveness watch: an engine behind is alive, just not usable yet.
+Memory: one client, one counter and one probe per engine, plus one version check per engine
+behind.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Callable
 from typing import Any
 
 from slime_async.actors.engine.client import (
@@ -78,6 +88,14 @@ class EnginePool:
         self.watch = EngineWatch(watched, liveness, owner, on_change=self._on_change)
         self._hung: dict[str, asyncio.Event] = {}
         """Per engine reported hung: set, so that requests in flight there give up."""
+        self.probe_interval_s = liveness.probe_interval_s
+        self.behind = dict.fromkeys(self.urls, 0)
+        """Per engine: answers thrown away as made by weights behind `min_version`."""
+        self.min_version: Callable[[], int] | None = None
+        """The oldest weight version an answer may start with (None: any); read per call."""
+        self._left_behind: set[str] = set()
+        """Engines left out until they serve `min_version` (alive: the watch keeps them up)."""
+        self._catch_ups: dict[str, asyncio.Task] = {}
 
     @classmethod
     def from_config(
@@ -103,8 +121,8 @@ class EnginePool:
 
     @property
     def down(self) -> set[str]:
-        """The engines requests avoid now (down or hung)."""
-        return {u for u in self.urls if self.watch.state(u) != "up"}
+        """The engines requests avoid now (down, hung, or behind `min_version`)."""
+        return {u for u in self.urls if self.watch.state(u) != "up" or u in self._left_behind}
 
     async def __aenter__(self) -> EnginePool:
         self.watch.start()
@@ -115,6 +133,12 @@ class EnginePool:
 
     async def close(self) -> None:
         await self.watch.stop()
+        for task in self._catch_ups.values():
+            task.cancel()
+        for task in self._catch_ups.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._catch_ups.clear()
         await asyncio.gather(*(c.close() for c in self.watch_clients()))
 
     def watch_clients(self) -> list[EngineClient]:
@@ -146,9 +170,10 @@ class EnginePool:
             self.watch.start()  # a pool used without `async with`
             url = self._pick()
             if url is not None:
+                floor = self.min_version() if self.min_version is not None else None
                 self.in_flight[url] += 1
                 try:
-                    return await self._until_hung(
+                    out = await self._until_hung(
                         url,
                         self.clients[url].generate(
                             input_ids,
@@ -159,6 +184,15 @@ class EnginePool:
                             routed_start=routed_start,
                         ),
                     )
+                    if floor is None or not out.versions or out.versions[0] >= floor:
+                        return out
+                    last_error = EngineError(
+                        url,
+                        "POST /generate",
+                        f"answered with weights of version {out.versions[0]}, behind the "
+                        f"learner's {floor} (thrown away)",
+                    )
+                    self._mark_behind(url, out.versions[0], floor)
                 except EngineRequestError:
                     raise
                 except EngineError as e:
@@ -219,6 +253,59 @@ class EnginePool:
         elif new == "up":
             self._hung[url] = asyncio.Event()  # requests sent from now on may wait there again
 
+    def _mark_behind(self, url: str, served: int, floor: int) -> None:
+        self.behind[url] += 1
+        if url not in self.down:
+            log.warning(
+                "engine %s serves weights of version %d, behind the learner's %d (restarted, or "
+                "not yet updated): its answer is thrown away and it is left out until it serves "
+                "version %d",
+                url,
+                served,
+                floor,
+                floor,
+            )
+        self._left_behind.add(url)
+        task = self._catch_ups.get(url)
+        if task is None or task.done():
+            self._catch_ups[url] = asyncio.get_running_loop().create_task(self._catch_up(url))
+
+    async def _catch_up(self, url: str) -> None:
+        """Wait until `url` serves `min_version` or later (GET /model_info), then use it again.
+        A router has no /model_info of its own: the engines behind it (`watch_urls`) that are up
+        are asked instead. Where no version can be read at all, the engine is used again at once
+        (logged): each answer is still checked, so nothing behind is used either way."""
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            floor = self.min_version() if self.min_version is not None else 0
+            try:
+                served = await self._served_version(url)
+            except EngineRequestError as e:
+                self._left_behind.discard(url)
+                log.warning(
+                    "engine %s reports no weight version (%s): used again, its answers are "
+                    "still checked one by one",
+                    url,
+                    e,
+                )
+                return
+            except EngineError:
+                continue  # down as well (the watch reports that): asked again at the next probe
+            if served is not None and served >= floor:
+                self._left_behind.discard(url)
+                log.info("engine %s serves version %d: used again", url, served)
+                return
+
+    async def _served_version(self, url: str) -> int | None:
+        """The version `url` serves; behind a router, the oldest its up engines serve (None
+        while none is up)."""
+        if not self._watch_only:
+            return await self.clients[url].get_weight_version()
+        up = [u for u in self._watch_only if self.watch.state(u) == "up"]
+        clients = [self.watch.engines[u].probe.client for u in up]
+        served = await asyncio.gather(*(c.get_weight_version() for c in clients))
+        return min(served, default=None)
+
     async def for_all(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Call `EngineClient.<method>` on every engine concurrently; url -> result or exception."""
         urls = self.urls
@@ -234,6 +321,7 @@ class EnginePool:
             "down": sorted(self.down),
             "in_flight": dict(self.in_flight),
             "failures": dict(self.failures),
+            "behind": dict(self.behind),
             "backoffs": self.backoffs,
             "hung_cancelled": self.hung_cancelled,
             "liveness": dict(self.watch.counts),

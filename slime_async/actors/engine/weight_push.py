@@ -54,7 +54,12 @@ from typing import Any
 
 import torch
 
-from slime_async.actors.engine.client import EngineClient, EngineError, EngineRequestError
+from slime_async.actors.engine.client import (
+    EngineClient,
+    EngineError,
+    EngineRequestError,
+    parse_weight_version,
+)
 from slime_async.actors.engine.push_watch import PushLiveness, RestartRequester, StallWatch
 from slime_async.actors.engine.weight_sync import (
     WeightGroup,
@@ -249,6 +254,12 @@ class WeightPusher:
 
         futs = {u: self._submit(one(c)) for u, c in self.clients.items()}
         return {u: f.result(timeout=self.probe_timeout_s + 5) for u, f in futs.items()}
+
+    def served_versions(self) -> dict[str, int | None]:
+        """url -> the weight version it serves now ("default" is 0), None when it does not answer."""
+        return {
+            u: parse_weight_version(v) if v is not None else None for u, v in self._probe().items()
+        }
 
     # ---- the group ---------------------------------------------------------------------------
 

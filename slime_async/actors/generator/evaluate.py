@@ -44,7 +44,12 @@ from slime_async.actors.generator.rollout import EngineLike, RolloutContext, Sam
 from slime_async.config.eval import EvalConfig
 from slime_async.config.generator import SamplingConfig
 from slime_async.metrics import names as M
-from slime_async.utils.eval_pin import pending_requests, result_path, write_json_atomic
+from slime_async.utils.eval_pin import (
+    pending_requests,
+    read_request,
+    result_path,
+    write_json_atomic,
+)
 
 log = logging.getLogger("slime_async.generator.eval")
 
@@ -186,8 +191,16 @@ class Evaluator:
         for i, kind, ok, _ in results:
             if kind != "greedy":
                 sampled.setdefault(i, []).append(ok)
+        asked = read_request(self.run_dir, version)
         rec: dict[str, Any] = {
             M.EVAL_VERSION: version,
+            # Where the weights sit in training (a version after a learner restart is past the
+            # versions it left behind: the position counts updates).
+            **{
+                name: asked[key]
+                for key, name in (("step", M.EVAL_LEARNER_STEP), ("position", M.EVAL_POSITION))
+                if isinstance(asked.get(key), int)
+            },
             M.EVAL_EXAMPLES: len(self.records),
             M.EVAL_RESPONSE_LEN: sum(n for *_, n in results) / max(len(results), 1),
             M.EVAL_RERUNS: self.reruns,

@@ -72,6 +72,7 @@ from slime_async.metrics import (
     GEN_BUFFER_BUSY,
     GEN_BUFFER_RESENDS,
     GEN_BUFFER_SEND_WAITS,
+    GEN_ENGINE_BEHIND,
     GEN_ENGINE_ERRORS,
     GEN_ENGINE_FAILOVERS,
     GEN_ENGINES_BACK,
@@ -597,6 +598,11 @@ class Generator:
             GEN_HUNG_CANCELLED: s["hung_cancelled"],
         }
 
+    def _engine_behind(self) -> int:
+        """Answers the pool threw away as made by weights behind the learner's version."""
+        stats = getattr(self.engine, "stats", None)
+        return sum(stats().get("behind", {}).values()) if callable(stats) else 0
+
     def _take_window(self) -> dict[str, float]:
         now = time.perf_counter()
         dt = max(now - self._window_t0, 1e-9)
@@ -616,6 +622,7 @@ class Generator:
             GEN_ENGINE_ERRORS: self.rollout_stats.engine_errors,
             GEN_ENGINE_FAILOVERS: self._engine_failovers(),
             **self._engine_liveness(),
+            GEN_ENGINE_BEHIND: self._engine_behind(),
             GEN_PLUGIN_ERROR_RATE: _mean([float(x) for x in self._attempts]),
             # the producer client's own retries (a sink without them, e.g. in tests, has none)
             GEN_BUFFER_RESENDS: getattr(self.sink, "resends", 0),

@@ -87,6 +87,9 @@ async def _run(cfg: SlimeConfig, gen_cfg, urls: list[str], tok_path: str) -> int
             # The hello is sent on entry: a producer id held by a live session (IdInUse) or a
             # buffer that never answers ends the generator here with one line, not a traceback.
             async with ProducerClient(cfg.buffer, gen_cfg.producer_id) as producer:
+                # Answers must come from the weights the learner announced at the grant, or
+                # later ones: an engine behind them (restarted) is not used until it catches up.
+                pool.min_version = lambda: producer.version
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, gen.stop)

@@ -21,9 +21,15 @@ push.interval P the engines lag the learner by up to P - 1 versions, which the c
 max_staleness to cover). A rollout admitted at version v starts on engines that already hold v,
 which is what makes `run.mode = "sync"` (max_staleness 0) generate-train-push in lock step.
 
-The version never goes back: a learner restarted from an older checkpoint (or from scratch, with
-save_interval = 0) takes the buffer's announced version if it is newer, pushes its weights under it,
-and so never meets tokens "ahead" of its own version.
+Every version names one set of weights, and versions never go back. A learner restarted from a
+checkpoint at version c (or from the base model, version 0) while the run has used later versions
+(the dead learner's steps after its last checkpoint: announced, on tokens, served by engines)
+continues under a fresh version F, one past the highest the run has used, and records the break
+(c, F) in the run's line of weights (`slime_async/queue/lineage.py`): versions c+1 .. F-1 are
+superseded, F names c's weights, and staleness counts updates along the line. The line goes into
+every checkpoint, and to the buffer with the version, before the push: from then on the buffer
+drops (or, when the stale policy keeps stale groups, counts) groups with superseded tokens, and
+generators use no engine still serving an older version.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from slime_async.actors.learner.trainer import Learner
 from slime_async.config import PushConfig, SlimeConfig
 from slime_async.metrics import MetricsLogger, int_histogram
 from slime_async.queue.client import Batch, ConsumerClient
+from slime_async.queue.lineage import SUPERSEDED_POSITION, Line, plan_restart
 from slime_async.queue.schema import decode_trajectory, encode_trajectory
 from slime_async.utils.eval_pin import read_result, request_path, write_json_atomic
 from slime_async.utils.readiness import announce_ready
@@ -80,6 +87,27 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
 def train_groups(batch: Batch) -> list[TrainGroup]:
     """The buffer's batch as the learner's typed groups, each with its staleness."""
     return [TrainGroup(tuple(g), s) for g, s in zip(batch.groups, batch.staleness, strict=True)]
+
+
+def _learner_lags(line: Line, version: int, groups: Sequence[TrainGroup]) -> dict[str, int]:
+    """The batch's oldest and newest model token on the learner's own clock: updates from each to
+    `version` along `line`; tokens of superseded versions are left out (counted in the stale
+    metrics)."""
+    now = line.position(version)
+    lags = [
+        now - p
+        for g in groups
+        for t in g
+        if t.loss_mask.any()
+        for p in _extremes(line.positions(t.versions[t.loss_mask.astype(bool)]))
+    ]
+    return {M.STALENESS_LEARNER_MAX: max(lags), M.STALENESS_LEARNER_MIN: min(lags)} if lags else {}
+
+
+def _extremes(positions: np.ndarray) -> list[int]:
+    """The lowest and highest position that is not superseded (none when all are)."""
+    on_line = positions[positions != SUPERSEDED_POSITION]
+    return [int(on_line.min()), int(on_line.max())] if on_line.size else []
 
 
 def batch_metrics(groups: Sequence[TrainGroup]) -> dict[str, Any]:
@@ -215,7 +243,7 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
     push = cfg.push.model_copy(update={"backend": backend})
     rank0 = _Rank0(cfg, run_dir, push) if learner.is_rank0 else None
     try:
-        buffer_version = 0
+        plan = None
         if rank0 is not None:
             cursor = int(learner.loaded_extra.get("buffer_cursor", 0))
             if cursor:
@@ -226,23 +254,18 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
                     cursor,
                     retired,
                 )
-            buffer_version = int(rank0.consumer.stats().get("version", 0))
-            if rank0.pusher is not None:
-                rank0.pusher.connect()
-        buffer_version = int(_broadcast_object(buffer_version))
-        claimed = 0
-        if buffer_version > learner.version:
-            # The buffer (and its tokens) went further than this learner's checkpoint: continue
-            # the version count from there, or every newer token would be "ahead" of it.
-            log.warning(
-                "the buffer announced version %d, this learner (step %d) holds %d: continuing "
-                "from version %d with its weights",
-                buffer_version,
-                learner.step,
-                learner.version,
-                buffer_version,
-            )
-            learner.version = claimed = buffer_version
+            plan = _plan_versions(learner, rank0)
+        version, breaks = _broadcast_object(plan)
+        learner.line = Line.parse(breaks)
+        if version != learner.version:
+            if rank0 is not None:  # reported with the first step's record
+                rank0.first_record[M.VERSION_FRESH] = float(version)
+                rank0.first_record[M.VERSION_RESUMED_FROM] = float(learner.version)
+            learner.version = version
+        if rank0 is not None:
+            # The version and line before any push: groups with superseded tokens are dropped
+            # (or counted) from now on, and generators wait for engines serving this version.
+            rank0.consumer.set_version(learner.version, lc.groups_per_step, breaks)
         has_pusher = _broadcast_flag(rank0 is not None and rank0.pusher is not None)
         if has_pusher:
             # Every engine gets this learner's weights before training: engines start from the
@@ -251,9 +274,7 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
             _push(learner, rank0, cfg.push.bucket_bytes)
             _resync(learner, rank0, cfg.push.bucket_bytes)
         if rank0 is not None:
-            rank0.consumer.set_version(learner.version, lc.groups_per_step)
-            if claimed:  # reported with the first step's record
-                rank0.first_record[M.VERSION_CLAIMED] = float(claimed)
+            rank0.consumer.set_version(learner.version, lc.groups_per_step, breaks)
             _request_eval(cfg, rank0, learner, has_pusher, last=False)
         if dist.is_initialized():
             dist.barrier()
@@ -269,6 +290,41 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
         if rank0 is not None:
             rank0.close()
         learner.close()
+
+
+def _plan_versions(learner: Learner, rank0: _Rank0) -> tuple[int, list[list[int]]]:
+    """The version and line of weights this learner starts with (rank 0; see the module
+    docstring), and the weight group built with the engines that answer."""
+    stats = rank0.consumer.stats()
+    served: dict[str, int | None] = {}
+    if rank0.pusher is not None:
+        served = rank0.pusher.served_versions()  # before the group: a dead learner's push shows
+        rank0.pusher.connect()
+    used = max(
+        int(stats.get("version", 0)),
+        int(stats.get("versions_used", 0)),
+        *(v for v in served.values() if v is not None),
+    )
+    held = learner.version
+    version, line = plan_restart(
+        held,
+        Line.parse(learner.loaded_extra.get("lineage")),
+        Line.parse(stats.get("lineage")),
+        used,
+    )
+    if version != held:
+        log.warning(
+            "the run has used versions up to %d; this learner holds the weights of version %d "
+            "(step %d): they continue as version %d, and versions %d..%d (weights the run left "
+            "behind) are superseded",
+            used,
+            held,
+            learner.step,
+            version,
+            held + 1,
+            version - 1,
+        )
+    return version, line.to_list()
 
 
 def _push(learner: Learner, rank0: _Rank0 | None, bucket_bytes: int) -> float:
@@ -345,17 +401,8 @@ def _train(
             info = batch_metrics(given)
         groups = _scatter_groups(learner, given)
         if given:
-            oldest = [o for g in given for t in g if (o := t.oldest_version()) is not None]
-            if oldest:
-                info[M.STALENESS_LEARNER_MAX] = learner.version - min(oldest)
-                # The newest token too: fixed lag k means learner_min == learner_max == k.
-                newest = [
-                    int(t.versions[t.loss_mask.astype(bool)].max())
-                    for g in given
-                    for t in g
-                    if t.loss_mask.any()
-                ]
-                info[M.STALENESS_LEARNER_MIN] = learner.version - max(newest)
+            # Fixed lag k means learner_min == learner_max == k.
+            info.update(_learner_lags(learner.line, learner.version, given))
         t_train = time.perf_counter()
         m = learner.train_step(groups)
         train_s = time.perf_counter() - t_train
@@ -381,8 +428,11 @@ def _train(
         if rank0 is not None:
             # Announce the version the engines hold as soon as they hold it: admission opens
             # again. Without engines to lag behind, the learner's own version.
+            # The line too, every time: a buffer restarted without its log learns it again.
             rank0.consumer.set_version(
-                pushed if has_pusher else learner.version, lc.groups_per_step
+                pushed if has_pusher else learner.version,
+                lc.groups_per_step,
+                learner.line.to_list(),
             )
             if pushed == learner.version:
                 _request_eval(cfg, rank0, learner, has_pusher, last)
@@ -398,6 +448,7 @@ def _train(
                 **holds,
                 **{k: v for k, v in m.items() if isinstance(v, int | float)},
                 M.VERSION: learner.version,
+                M.LINE_POSITION: learner.line.position(learner.version),
                 M.LEARNER_WAIT_S: waited,
                 M.LEARNER_WAIT_PCT: 100.0 * waited / max(step_s, 1e-9),
                 M.TRAIN_SECONDS: train_s,
@@ -431,7 +482,7 @@ def _train(
             n_hf = lc.save_hf_interval
             learner.save_checkpoint(
                 save_dir / f"step_{learner.step}",
-                extra={"buffer_cursor": cursor},
+                extra={"buffer_cursor": cursor, "lineage": learner.line.to_list()},
                 hf=bool(n_hf) and (last or learner.step % n_hf == 0),
             )
         if rank0 is not None and (checkpoint or not lc.save_interval):
@@ -449,7 +500,8 @@ def _request_eval(
     """Ask generator 0 to evaluate the version the engines now hold, when it is due
     (eval.interval, and the last version): see slime_async/utils/eval_pin.py."""
     n, v = cfg.eval.interval, learner.version
-    if not n or not (v % n == 0 or last) or rank0.eval_pending == v:
+    position = learner.line.position(v)  # due by updates made, whatever restarts skipped
+    if not n or not (position % n == 0 or last) or rank0.eval_pending == v:
         return
     if rank0.run_dir is None or not has_pusher:
         log.warning(
@@ -457,7 +509,8 @@ def _request_eval(
             n,
         )
         return
-    write_json_atomic(request_path(rank0.run_dir, v), {"version": v, "step": learner.step})
+    request = {"version": v, "step": learner.step, "position": position}
+    write_json_atomic(request_path(rank0.run_dir, v), request)
     rank0.eval_pending = v
     log.info("pinned evaluation of version %d requested (step %d)", v, learner.step)
 

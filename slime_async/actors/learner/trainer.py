@@ -56,6 +56,7 @@ from slime_async.config.learner import LearnerConfig
 from slime_async.models import convert
 from slime_async.models.arch import ModelArch
 from slime_async.models.megatron import build_gpt_model
+from slime_async.queue.lineage import Line
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
@@ -259,6 +260,15 @@ class Learner:
     @version.setter
     def version(self, value: int) -> None:
         self.updates.version = value
+
+    @property
+    def line(self) -> Line:
+        """The run's line of weights, which staleness is counted along (`queue/lineage.py`)."""
+        return self.ppo.stale.line
+
+    @line.setter
+    def line(self, value: Line) -> None:
+        self.ppo.stale.line = value
 
     @property
     def optimizer(self) -> Any:

@@ -246,3 +246,18 @@ def test_a_setting_of_another_builtin_loss_is_refused_naming_it():
         AlgoConfig(loss="ppo_clip", band_growth=0.5)
     assert AlgoConfig(loss="m2po", m2po_tau=0.02).m2po_tau == 0.02
     assert AlgoConfig(loss="my_pkg.losses:fn", dppo_kl_tau=0.1).dppo_kl_tau == 0.1  # a user's
+
+
+def test_a_positive_initial_weight_version_of_the_base_model_is_refused():
+    """The embedded engine loads the learner's base model (version 0's weights): a label of 5
+    would let an engine restarted mid-run pass for one serving the trained version 5."""
+    with pytest.raises(ConfigError, match=r"initial_weight_version = '5'.*version 0"):
+        load_config([], ["engine.embedded.initial_weight_version='5'"])
+    for ok in ("default", "0", "v0"):
+        cfg = load_config([], [f"engine.embedded.initial_weight_version='{ok}'"])
+        assert cfg.engine.embedded.initial_weight_version == ok
+    # An engine of other weights may name them as it likes.
+    other = load_config(
+        [], ["engine.model_path='/m/step_5'", "engine.embedded.initial_weight_version='5'"]
+    )
+    assert other.engine.embedded.initial_weight_version == "5"

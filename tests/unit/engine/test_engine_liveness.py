@@ -39,10 +39,14 @@ GENERATED = {
 class FakeSGLang:
     """An HTTP server with SGLang's probe routes; `mode` switches how it behaves."""
 
-    def __init__(self, ready_route: bool, health_s: float = 0.0):
+    def __init__(self, ready_route: bool, health_s: float = 0.0, info_route: bool = True):
         self.ready_route = ready_route
+        self.info_route = info_route
+        """Whether it answers GET /model_info (sglang-router does not: 404)."""
         self.health_s = health_s
         self.mode = "ok"  # ok | fail (5xx on /generate) | paused (/ready 503) | hung (no answers)
+        self.version = 0
+        """The weight version it serves (/generate and /model_info)."""
         self.hits: list[str] = []
         self.url = ""
         self._resume = asyncio.Event()
@@ -75,7 +79,15 @@ class FakeSGLang:
         await self._hang_if_hung()
         if self.mode == "fail":
             return web.json_response({"error": {"message": "boom"}}, status=500)
-        return web.json_response(GENERATED)
+        meta = {**GENERATED["meta_info"], "weight_version": str(self.version)}
+        return web.json_response({**GENERATED, "meta_info": meta})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        self.hits.append("/model_info")
+        await self._hang_if_hung()
+        if not self.info_route:
+            return web.Response(status=404)
+        return web.json_response({"weight_version": str(self.version)})
 
     @contextlib.asynccontextmanager
     async def serve(self):
@@ -83,6 +95,7 @@ class FakeSGLang:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/health", self.health)
         app.router.add_post("/generate", self.generate)
+        app.router.add_get("/model_info", self.model_info)
         runner = web.AppRunner(app, shutdown_timeout=0.1)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -167,6 +180,40 @@ async def test_a_hung_engine_is_reported_its_requests_go_elsewhere_and_it_comes_
             assert pool.stats()["liveness"]["back"] == 1
 
 
+async def test_an_engine_behind_the_learner_stays_out_while_its_probes_say_up(caplog):
+    """An engine behind the learner's version answers its liveness probes (the watch keeps it up),
+    yet the pool leaves it out until /model_info reports the version; when it also fails and
+    comes back meanwhile, the watch's "back" does not put it back in use early."""
+    caplog.set_level("INFO", logger="slime_async.actors.engine")
+    async with (
+        FakeSGLang(ready_route=True).serve() as a,
+        FakeSGLang(ready_route=True).serve() as b,
+    ):
+        a.version = 3
+        pool = EnginePool([a.url, b.url], max_retries=3, backoff_s=0.01, liveness=FAST, seed=0)
+        pool.min_version = lambda: 3
+        async with pool:
+            pool.in_flight[a.url] += 100  # the first request goes to b, the one behind
+            out = await asyncio.wait_for(pool.generate([1], {"max_new_tokens": 1}), 10)
+            pool.in_flight[a.url] -= 100
+            assert out.engine_url == a.url and out.versions == [3]
+            assert pool.stats()["behind"] == {a.url: 0, b.url: 1}
+            assert "serves weights of version 0, behind the learner's 3" in caplog.text
+            # It fails, and its probes find it ready again: up for the watch, still behind.
+            b.mode = "fail"
+            pool.watch.mark_down(b.url, "HTTP 500")
+            b.mode = "ok"
+            await _until(lambda: pool.watch.state(b.url) == "up", 10, "the watch to see it up")
+            await _until(lambda: b.hits.count("/model_info") >= 3, 10, "version checks")
+            assert pool.down == {b.url}
+            outs = [await pool.generate([1], {"max_new_tokens": 1}) for _ in range(4)]
+            assert {o.engine_url for o in outs} == {a.url}
+            b.version = 3
+            await _until(lambda: b.url not in pool.down, 10, "the engine to serve version 3")
+            assert f"engine {b.url} serves version 3: used again" in caplog.text
+            assert pool.stats()["down"] == []
+
+
 async def test_engines_behind_a_router_are_watched_and_reported():
     async with (
         FakeSGLang(ready_route=False).serve() as router,
@@ -178,6 +225,32 @@ async def test_engines_behind_a_router_are_watched_and_reported():
             await _until(lambda: pool.stats()["watched"][engine.url] == "hung", 10, "hung")
             assert pool.down == set()  # requests still go to the router
             assert pool.stats()["liveness"]["hung"] == 1
+
+
+async def test_a_router_behind_the_learner_is_used_again_once_its_engines_catch_up(caplog):
+    """sglang-router answers no /model_info: the engines behind it are asked for their versions,
+    and the router is used again once every one that is up serves the learner's version."""
+    caplog.set_level("INFO", logger="slime_async.actors.engine")
+    async with (
+        FakeSGLang(ready_route=False, info_route=False).serve() as router,
+        FakeSGLang(ready_route=True).serve() as a,
+        FakeSGLang(ready_route=True).serve() as b,
+    ):
+        pool = EnginePool(
+            [router.url], max_retries=0, liveness=FAST, watch_urls=[a.url, b.url], seed=0
+        )
+        pool.min_version = lambda: 3
+        async with pool:
+            with pytest.raises(Exception, match="version 0, behind the learner's 3"):
+                await pool.generate([1], {"max_new_tokens": 1})
+            assert pool.down == {router.url} and pool.stats()["behind"] == {router.url: 1}
+            a.version = router.version = 3  # b still serves 0: the router may send there
+            await _until(lambda: b.hits.count("/model_info") >= 3, 10, "version checks")
+            assert pool.down == {router.url}
+            b.version = 3
+            await _until(lambda: not pool.down, 10, "the router to be used again")
+            assert (await pool.generate([1], {"max_new_tokens": 1})).versions == [3]
+            assert f"engine {router.url} serves version 3: used again" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,8 @@ def test_the_watch_answers_requests_written_by_the_learner(tmp_path):
     async def go():
         stop = asyncio.Event()
         task = asyncio.create_task(ev.watch(stop))
-        write_json_atomic(request_path(tmp_path, 5), {"version": 5, "step": 5})
+        # Version 5 after a restart that left two versions behind: the weights of 3 updates.
+        write_json_atomic(request_path(tmp_path, 5), {"version": 5, "step": 4, "position": 3})
         for _ in range(200):
             if read_result(tmp_path, 5):
                 break
@@ -114,7 +115,10 @@ def test_the_watch_answers_requests_written_by_the_learner(tmp_path):
         await task
 
     asyncio.run(go())
-    assert read_result(tmp_path, 5)["status"] == "done"
+    result = read_result(tmp_path, 5)
+    assert result["status"] == "done"
+    rec = result["metrics"]  # where the evaluated weights sit in training
+    assert (rec[M.EVAL_VERSION], rec[M.EVAL_LEARNER_STEP], rec[M.EVAL_POSITION]) == (5, 4, 3)
 
 
 def test_eval_interval_without_data_is_refused():
@@ -137,3 +141,20 @@ def test_the_run_summary_reports_evaluation_accuracy_first_to_last_version():
         "sampled 41.0 -> 80.0 (+39.0 points)"
     )
     assert summarize_eval(rows[:1]) == ""  # one evaluation: nothing to compare
+
+
+def test_after_a_learner_restart_the_summary_says_how_many_updates_apart():
+    """A restarted learner left versions 11..17 behind (its checkpoint's weights are version 18):
+    the last evaluated version, 38, is 30 updates after version 0, and the summary says so."""
+    from slime_async.commands.run import summarize_eval
+    from slime_async.metrics import names as m
+
+    rows = [
+        {m.EVAL_VERSION: 0, m.EVAL_POSITION: 0, m.EVAL_ACC_GREEDY: 0.5},
+        {m.EVAL_VERSION: 38, m.EVAL_POSITION: 30, m.EVAL_ACC_GREEDY: 0.7},
+    ]
+    assert summarize_eval(rows) == (
+        "eval accuracy, version 0 -> 38 (30 updates apart): greedy 50.0 -> 70.0 (+20.0 points)"
+    )
+    same = [{**r, m.EVAL_POSITION: r[m.EVAL_VERSION]} for r in rows]  # no restart: no remark
+    assert summarize_eval(same).startswith("eval accuracy, version 0 -> 38: ")

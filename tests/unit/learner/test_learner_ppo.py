@@ -215,6 +215,32 @@ def test_stale_policy_masks_only_tokens_older_than_the_bound(model_dir, learner_
         assert any(not torch.equal(g, grads[1][n]) for n, g in grads[0].items())
 
 
+def test_staleness_counts_updates_along_the_line_and_superseded_tokens_are_over(
+    model_dir, learner_factory
+):
+    """After a restart that continued version 2's weights as 6, at version 8: a token of version
+    2 is 2 updates old (within the bound, kept though 6 versions back), one of the dead learner's
+    version 4 is superseded (beyond any bound: masked, and counted as such)."""
+    from slime_async.queue.lineage import Line
+
+    groups = make_groups(21, 2)
+    mixed, fresh = groups
+    for t in mixed:
+        r = len(t.response_ids)
+        t.versions = np.where(np.arange(r) < r // 2, 2, 4).astype(np.int32)
+    for t in fresh:
+        t.versions = np.full(len(t.response_ids), 7, dtype=np.int32)
+    train = [TrainGroup(mixed.trajectories, staleness=2), TrainGroup(fresh.trajectories, 1)]
+    gone = sum(int(((t.versions == 4) & (t.loss_mask > 0)).sum()) for t in mixed)
+    learner = learner_factory(learner_cfg(str(model_dir)), max_staleness=2, stale_policy="mask")
+    learner.line = Line(((2, 6),))
+    learner.version = 8
+    m = learner.train_step(train)
+    learner.close()
+    assert m["stale/superseded_tokens"] == m["stale/over_bound_tokens"] == gone > 0
+    assert m["stale/masked_tokens"] == gone and m["stale/masked_groups"] == 1
+
+
 # ---------------------------------------------------------------- KL reference
 
 

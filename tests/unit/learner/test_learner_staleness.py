@@ -8,8 +8,10 @@ import contextlib
 
 import pytest
 
+from slime_async.actors.learner.checkpoint import read_common
 from slime_async.actors.learner.process import run_learner
 from slime_async.config import BufferConfig, load_config
+from slime_async.metrics import read_metrics
 from slime_async.queue.client import ConsumerClient, ProducerClient
 from slime_async.queue.messages import AckStatus
 from slime_async.queue.schema import encode_trajectory
@@ -68,10 +70,11 @@ def _buffer(**kw):
         buf.stop()
 
 
-def test_restarted_learner_takes_the_buffers_newer_version(tmp_path):
-    """save_interval = 0: a restarted learner starts over from the model at version 0 while the
-    buffer holds tokens of version 5 (the engines had those weights). It used to fail on
-    "a token's version is ahead of the learner's" at every restart; now it continues at 5."""
+def test_restarted_learner_continues_under_a_fresh_version(tmp_path):
+    """save_interval = 0: a restarted learner starts over from the model (version 0's weights)
+    while the buffer holds tokens of version 5 (a dead learner's weights). It neither fails on
+    tokens "ahead" of it nor names the model's weights 5: it continues as version 6, and versions
+    1..5 are superseded on the run's line (the buffer keeps the line)."""
 
     from slime_async.models.toy import make_tiny_model
 
@@ -106,8 +109,20 @@ def test_restarted_learner_takes_the_buffers_newer_version(tmp_path):
             ],
         )
         cfg = cfg.model_copy(update={"buffer": bcfg})
-        assert run_learner(cfg, None) == 0
+        assert run_learner(cfg, tmp_path / "run") == 0
         with ConsumerClient(bcfg, "learner2") as c:
             stats = c.stats()
-    assert stats["version"] == 6  # continued from 5, one batch trained
+    assert stats["lineage"] == [[0, 6]]  # version 6 names version 0's weights
+    assert stats["version"] == 7  # one batch trained after the fresh version
+    (rec,) = read_metrics(tmp_path / "run" / "metrics" / "learner.jsonl")
+    assert rec["learner/fresh_version"] == 6 and rec["learner/resumed_from_version"] == 0
+    assert rec["learner/line_position"] == 1  # one update from the model's weights
+    # Every model token came from the dead learner's version 5: trained (stale_policy "keep"),
+    # and counted as superseded, never as if it were 1 or 2 updates old.
+    model_tokens = sum(int(t.loss_mask.sum()) for g in groups for t in g)
+    assert rec["stale/superseded_tokens"] == rec["stale/over_bound_tokens"] == model_tokens
+    assert "staleness/learner_max" not in rec  # no token on the line to measure
+    # The checkpoint holds the line: a later restart from it knows what was left behind.
+    common = read_common(tmp_path / "run" / "checkpoints" / "step_1")
+    assert common["version"] == 7 and common["extra"]["lineage"] == [[0, 6]]
     assert stats["counts"]["committed_groups"] == 2
