@@ -25,6 +25,7 @@ from slime_async.metrics import read_metrics
 from tests.support.cpu_only import fake_gpu_ids
 from tests.support.repo import REPO
 from tests.support.run_config import tiny_run_config
+from tests.support.runs import finish
 
 NAMESPACE = "slime_async_test"
 ENGINE_IP, LEARNER_IP = "127.0.0.2", "127.0.0.3"
@@ -128,16 +129,6 @@ def _start(cfg: Path, *overrides: str) -> subprocess.Popen:
     )
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 300) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"run did not finish in {timeout}s:\n{out[-4000:]}") from None
-    return out
-
-
 def _wait_for(pred, timeout: float, what: str, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -197,7 +188,7 @@ def _accounting(run_dir: Path, steps: int) -> list[dict]:
 def test_job_on_three_nodes_places_trains_and_loses_nothing(cluster):
     steps = 3
     run_dir = cluster["root"] / "three-nodes"
-    out = _finish(_start(_config(cluster, "three-nodes", steps), "run.learner_procs=2"))
+    out = finish(_start(_config(cluster, "three-nodes", steps), "run.learner_procs=2"), 300, None)
     assert "run completed (exit 0)" in out, out[-4000:]
 
     # Each process on the node its rule names; the addresses are those nodes' own.
@@ -239,7 +230,7 @@ def test_engine_actor_killed_mid_run_is_replaced_and_nothing_is_lost(cluster):
         _wait_for(lambda: _steps_done(run_dir) >= 1, 240, "step 1", proc)
         actor = ray.get_actor("kill-engine/engine0", namespace=NAMESPACE)
         ray.kill(actor, no_restart=True)
-        out = _finish(proc)
+        out = finish(proc, 300, expect=None)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -268,7 +259,7 @@ def test_sigint_to_the_driver_leaves_nothing_on_any_node(cluster):
     try:
         _wait_for(all_started, 240, "the learner to be started", proc)
         os.kill(proc.pid, signal.SIGINT)
-        out = _finish(proc, timeout=120)
+        out = finish(proc, 120, expect=None)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -282,7 +273,7 @@ def test_unsatisfiable_placement_fails_at_once(cluster):
     cfg = _config(cluster, "too-big", 2)
     t0 = time.monotonic()
     proc = _start(cfg, "engine.num_engines=3", 'run.ray.learner_nodes="gpu80"')
-    out = _finish(proc, timeout=120)
+    out = finish(proc, 120, expect=None)
     assert proc.returncode == 2, out[-3000:]
     assert "engine roles (engine0, engine1, engine2) need GPU 3 on nodes with resource " in out
     assert "'engine', which have GPU 2 in all: missing GPU 1" in out

@@ -86,15 +86,16 @@ def raw_records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def finish(proc: subprocess.Popen, timeout: float = 420) -> str:
-    """Wait for the run to exit 0 and return its output; kill its group on a timeout."""
+def finish(proc: subprocess.Popen, timeout: float = 420, expect: int | None = 0) -> str:
+    """Wait for the run to exit (with `expect`, unless None) and return its output; kill its
+    group on a timeout."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"run did not finish in {timeout}s:\n{out[-4000:]}") from None
-    assert proc.returncode == 0, out[-4000:]
+    assert expect is None or proc.returncode == expect, out[-4000:]
     return out
 
 
