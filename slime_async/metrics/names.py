@@ -138,6 +138,24 @@ PUSH_RESTART_REQUESTS = "push/restart_requests"
 PUSH_STALLS = "push/stalls"
 """Push steps reported as stalled: unfinished after push.report_after_s (each logged with the step
 and the engines waited for)."""
+PUSH_SESSIONS_OPENED = "push/sessions_opened"
+"""Weight-update sessions opened (POST /begin_weight_update), one per engine and push."""
+PUSH_SESSIONS_ENDED = "push/sessions_ended"
+"""Weight-update sessions ended (POST /end_weight_update), also after a push that failed."""
+PUSH_SESSION_END_FAILURES = "push/session_end_failures"
+"""Sessions whose end failed or could not be sent (a hung engine; each logged with the engine)."""
+PUSH_SESSIONS_SKIPPED = "push/sessions_skipped"
+"""Pushes to an engine without the session routes (404: a server older than the feature;
+logged once per engine), made without a session."""
+PUSH_SESSIONS_RECLAIMED = "push/sessions_reclaimed"
+"""Sessions found open at begin (left by a failed push or a dead learner), ended and begun again
+(each logged)."""
+PUSH_STOPPED_BROADCASTS = "push/stopped_broadcasts"
+"""Broadcasts stopped because a member's update call failed (it never joined) or it hung: the
+group is closed at once instead of waiting out its timeout (each logged)."""
+PUSH_ENGINES_REFUSED = "push/engines_refused_layout"
+"""Engines refused at connect for a layout SGLang's weight-update group does not cover
+(pp_size or dp_size > 1; logged with the layout)."""
 
 # ----- buffer stats (`slime-async buffer`, `ConsumerClient.stats()`, buffer_final.json) ---------
 BUF_INCOMPLETE_TIMEOUT = "incomplete_timeout"

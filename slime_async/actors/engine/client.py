@@ -10,6 +10,11 @@ list of spans `{version, start, end}` over the output tokens (end exclusive); ea
 version of its span. A server without spans (older SGLang) gives every token `weight_version`.
 Versions are strings on the wire; the project's are integers ("default", SGLang's version before
 any update, is 0).
+
+Keys (SGLang 0.5.23, srt/utils/auth.py:decide_request_auth): a route marked ADMIN_OPTIONAL takes
+only `--admin-api-key` when the server has one, else `--api-key`; every other route takes
+`--api-key` (and /health*, /ready, /metrics none). The client sends the admin key (when given) on
+the routes of `ADMIN_ROUTES` and the api key on all others.
 """
 
 from __future__ import annotations
@@ -38,6 +43,62 @@ def engine_retry_policy(
 ) -> RetryPolicy:
     """The back-off shape of every retried engine call: doubling from `first_s`, capped, jittered."""
     return RetryPolicy(first_s=first_s, max_s=max_s, jitter=RETRY_JITTER, max_attempts=max_attempts)
+
+
+ADMIN_ROUTES = frozenset(
+    {
+        # Every route srt/entrypoints/http_server.py (SGLang 0.5.23) marks
+        # @auth_level(AuthLevel.ADMIN_OPTIONAL), in file order:
+        "/set_internal_state",
+        "/flush_cache",
+        "/add_external_corpus",
+        "/remove_external_corpus",
+        "/list_external_corpora",
+        "/hicache/storage-backend/clear",
+        "/hicache/storage-backend",
+        "/start_profile",
+        "/stop_profile",
+        "/set_trace_level",
+        "/freeze_gc",
+        "/start_expert_distribution_record",
+        "/stop_expert_distribution_record",
+        "/dump_expert_distribution_record",
+        "/update_weights_from_disk",
+        "/init_weights_send_group_for_remote_instance",
+        "/send_weights_to_remote_instance",
+        "/get_remote_instance_transfer_engine_info",
+        "/remote_instance_transfer_engine_info",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/update_weights_from_tensor",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weights_from_distributed",
+        "/update_weights_from_ipc",
+        "/update_weight_version",
+        "/get_weights_by_name",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/weights_checker",
+        "/slow_down",
+        "/pd_role_switch",
+        "/load_lora_adapter",
+        "/load_lora_adapter_from_tensors",
+        "/unload_lora_adapter",
+        "/configure_logging",
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+    }
+)
+"""Routes that take the admin key when the server has one (`EngineClient.key_for`); also the
+prefix /dumper/ (http_server.py's /dumper/{method})."""
+
+
+def is_admin_route(path: str) -> bool:
+    """True for a route SGLang 0.5.23 marks ADMIN_OPTIONAL (`ADMIN_ROUTES`)."""
+    path = path.split("?", 1)[0]
+    return path in ADMIN_ROUTES or path.startswith("/dumper/")
 
 
 class EngineError(RuntimeError):
@@ -155,9 +216,13 @@ class EngineClient:
         max_retries: int = 5,
         backoff_s: float = 0.2,
         connect_timeout_s: float = 10.0,
+        admin_api_key: str | None = None,
     ):
+        """`api_key`: sent on every route but the admin ones; `admin_api_key`: sent on the admin
+        routes (`ADMIN_ROUTES`) when set, else `api_key` is."""
         self.url = url.rstrip("/")
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -181,11 +246,17 @@ class EngineClient:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             # No per-host connection cap: concurrency is the caller's (admission, pool).
             connector = aiohttp.TCPConnector(limit=0)
-            self._session = aiohttp.ClientSession(headers=headers, connector=connector)
+            self._session = aiohttp.ClientSession(connector=connector)
         return self._session
+
+    def key_for(self, path: str) -> str | None:
+        """The key a call to `path` sends: the admin key on an admin route when this client has
+        one, else the api key (SGLang's decide_request_auth)."""
+        if self.admin_api_key and is_admin_route(path):
+            return self.admin_api_key
+        return self.api_key
 
     async def call(
         self,
@@ -217,9 +288,11 @@ class EngineClient:
     async def _call_once(
         self, method: str, path: str, name: str, body: Any, timeout: aiohttp.ClientTimeout
     ) -> Any:
+        key = self.key_for(path)
+        headers = {"Authorization": f"Bearer {key}"} if key else None
         try:
             async with self._get_session().request(
-                method, self.url + path, json=body, timeout=timeout
+                method, self.url + path, json=body, timeout=timeout, headers=headers
             ) as resp:
                 raw = await resp.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
@@ -372,6 +445,17 @@ class EngineClient:
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         return await self._weights_call("/update_weights_from_distributed", body)
+
+    async def begin_weight_update(self) -> dict[str, Any]:
+        """POST /begin_weight_update {}: open the weight-update session every update from
+        distributed or from tensor must run in (SGLang 0.5.23, srt/managers/
+        scheduler_components/weight_updater.py: update_weights_from_distributed answers
+        success false outside one; begin answers 400 while one is open)."""
+        return await self._weights_call("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        """POST /end_weight_update {}: close the session (400 when none is open)."""
+        return await self._weights_call("/end_weight_update", {})
 
     async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
         return await self._weights_call("/destroy_weights_update_group", {"group_name": group_name})

@@ -59,8 +59,10 @@ class EnginePool:
         liveness: LivenessConfig | None = None,
         watch_urls: list[str] | None = None,
         owner: str = "engine pool",
+        admin_api_key: str | None = None,
     ):
-        """`liveness`: the probes (default `LivenessConfig()`; `probe_interval_s` overrides its
+        """`api_key`, `admin_api_key`: engine.api_key and engine.admin_api_key (the admin key
+        goes with the admin routes, e.g. /abort_request: `client.ADMIN_ROUTES`); `liveness`: the probes (default `LivenessConfig()`; `probe_interval_s` overrides its
         interval); `watch_urls`: engines probed and reported but not sent requests (behind a
         router); `owner` names the role in liveness messages."""
         if not urls:
@@ -68,7 +70,10 @@ class EnginePool:
         self.urls = [u.rstrip("/") for u in urls]
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"duplicate engine URLs: {urls}")
-        self.clients = {u: EngineClient(u, api_key, timeout_s, max_retries=0) for u in self.urls}
+        self.clients = {
+            u: EngineClient(u, api_key, timeout_s, max_retries=0, admin_api_key=admin_api_key)
+            for u in self.urls
+        }
         self.retry = engine_retry_policy(backoff_s, max_attempts=max_retries + 1)
         self._rng = random.Random(seed)
         liveness = liveness or LivenessConfig()
@@ -111,6 +116,7 @@ class EnginePool:
         return cls(
             urls,
             api_key=cfg.api_key,
+            admin_api_key=cfg.admin_api_key,
             timeout_s=cfg.request_timeout_s,
             max_retries=cfg.max_retries,
             seed=seed,

@@ -9,9 +9,11 @@
         last pushed one) or came back, or one that is gone -> rebuild the group with the live ones
         POST /pause_generation {mode}                       abort (default) | retract | in_place
         abort, retract: poll POST /flush_cache until 200    (bounded: push.flush_timeout_s)
+        POST /begin_weight_update {}                        (404: an older server, no session)
         per bucket: POST /update_weights_from_distributed {names, dtypes, shapes, group_name,
                     flush_cache: false, weight_version (last bucket only)} to all members, and
                     while those calls are in flight broadcast(src=0) each tensor in `names` order
+        POST /end_weight_update {}                          (always, also after a failure)
         POST /continue_generation
 
 Why this order (SGLang 0.5.23): a flush fails while requests run, and an update asked to flush
@@ -21,9 +23,14 @@ generator resumes them; retract: they are re-queued and recomputed after the pus
 lost but the recompute), and /flush_cache is polled until it succeeds. in_place keeps running
 requests and their KV cache (no flush at all; their later tokens come from the new weights and
 the response's `weight_versions` spans say which). The version is sent with the last bucket only,
-so an engine never reports a version it holds only part of.
+so an engine never reports a version it holds only part of. SGLang 0.5.23 refuses an update
+outside a weight-update session, and the layout it puts in the group is `tp_size` ranks per engine
+(no pipeline stages, no data-parallel replicas): `push_session.py`.
 
-A failed call or a timeout names the engine and the step. A push that fails midway leaves the
+A failed call or a timeout names the engine and the step. An update call that fails while its
+bucket is being broadcast (that member never joined the broadcast) stops the push at once: the
+learner's end of the group is shut down (`WeightGroup.abort`), so every other member's receive fails
+too, the group is destroyed, and the push fails naming the engine and the bucket. A push that fails midway leaves the
 engines paused (their weights are mixed) and marks the group for a rebuild: `resync_needed()` is
 then true and the learner pushes again, which rebuilds the group with the live engines and
 continues them. The rebuild closes the learner's end of the old group FIRST (dropping every
@@ -31,10 +38,11 @@ reference, so the backend closes its connections): a member still waiting in tha
 broadcast then fails at once and serves the destroy and init calls, which SGLang runs on the same
 scheduler thread; the other order leaves it blocked until its own weight-sync timeout (300 s)
 while the learner waits for it. A handshake that does not complete names each engine that did
-not join and what it says of itself (GET /server_info). Only SGLang's fields are used, so the same code pushes to real SGLang servers
-(give it the engines' own URLs, not a router's). Each engine's ranks come from /server_info:
-tp_size * pp_size * (dp_size unless enable_dp_attention). Memory: one bucket at a time (the
-caller's iterator produces them); HTTP calls run on a private event-loop thread.
+not join and what it says of itself (GET /server_info). Only SGLang's fields are used, so the
+same code pushes to real SGLang servers (give it the engines' own URLs, not a router's). Each
+engine's ranks come from /server_info (`push_session.engine_ranks`). Control calls carry the admin
+key when one is set (`client.ADMIN_ROUTES`). Memory: one bucket at a time (the caller's iterator
+produces them); HTTP calls run on a private event-loop thread.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import uuid
 from collections.abc import Coroutine, Iterable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -59,6 +68,12 @@ from slime_async.actors.engine.client import (
     EngineError,
     EngineRequestError,
     parse_weight_version,
+)
+from slime_async.actors.engine.push_session import (
+    EngineLayoutError,
+    PushError,
+    UpdateSessions,
+    engine_ranks,
 )
 from slime_async.actors.engine.push_watch import PushLiveness, RestartRequester, StallWatch
 from slime_async.actors.engine.weight_sync import (
@@ -75,12 +90,7 @@ from slime_async.utils.procs import free_port
 log = logging.getLogger(__name__)
 
 
-class PushError(RuntimeError):
-    """A push step failed on an engine; the message names the engine URL and the step."""
-
-    def __init__(self, url: str, step: str, message: str):
-        super().__init__(f"weight push, step {step}, engine {url}: {message}")
-        self.url, self.step = url, step
+__all__ = ["EngineLayoutError", "PushError", "WeightPusher", "routable_address"]
 
 
 def routable_address() -> str:
@@ -105,14 +115,6 @@ def routable_address() -> str:
     return "127.0.0.1"
 
 
-def engine_ranks(info: dict[str, Any]) -> int:
-    """Ranks an engine adds to the weight group, from its /server_info (SGLang's server args)."""
-    tp = int(info.get("tp_size") or 1)
-    pp = int(info.get("pp_size") or 1)
-    dp = int(info.get("dp_size") or 1)
-    return tp * pp * (1 if info.get("enable_dp_attention") else dp)
-
-
 class WeightPusher:
     """Synchronous API for the learner: connect(), push(buckets, version), close()."""
 
@@ -124,16 +126,18 @@ class WeightPusher:
         group_prefix: str = "slime_async_weights",
         api_key: str | None = None,
         device: str | torch.device | None = None,
-        tp_sizes: list[int] | None = None,
         probe_timeout_s: float = 5.0,
         state_path: str | Path | None = None,
         liveness: LivenessConfig | None = None,
         request_restart: RestartRequester | None = None,
+        admin_api_key: str | None = None,
     ):
         """Push to the engines at `urls` as `push` says (its backend, pause mode, group address
         and timeouts); `push.interval` and `push.bucket_bytes` are the caller's. `liveness`:
         how the engines are probed while the learner runs (`push_watch.py`); `request_restart`:
-        asks the launcher to restart an engine stuck in its update call."""
+        asks the launcher to restart an engine stuck in its update call. `api_key`,
+        `admin_api_key`: engine.api_key and engine.admin_api_key (control calls carry the admin
+        key when it is set)."""
         if not urls:
             raise ValueError("WeightPusher needs at least one engine URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -144,7 +148,8 @@ class WeightPusher:
         self.master_port = master_port
         self.group_prefix = group_prefix
         self.device = torch.device(device or ("cuda" if push.backend == "nccl" else "cpu"))
-        self.tp_sizes = dict(zip(self.urls, tp_sizes, strict=True)) if tp_sizes else {}
+        self.ranks: dict[str, int] = {}
+        """Each engine's ranks in the group (`engine_ranks`), read once from /server_info."""
         self.infos: dict[str, dict[str, Any]] = {}
         """Each engine's /server_info as of its last (re)join (its ranks and device)."""
         self.pause_mode = push.pause_mode
@@ -154,7 +159,10 @@ class WeightPusher:
         self.resync_wait_s = push.resync_wait_s
         self.state_path = Path(state_path) if state_path else None
         self.clients = {
-            u: EngineClient(u, api_key, timeout_s=push.timeout_s, max_retries=0) for u in self.urls
+            u: EngineClient(
+                u, api_key, timeout_s=push.timeout_s, max_retries=0, admin_api_key=admin_api_key
+            )
+            for u in self.urls
         }
         self.group: WeightGroup | None = None
         self.group_name: str | None = None
@@ -164,10 +172,19 @@ class WeightPusher:
         self._broken = False
         self._left_holding: dict[str, str] = {}
         """Engines left out while hung or stuck, and the group name they may still hold."""
-        self.counters = {"resyncs": 0, "failed_pushes": 0, "flush_polls": 0, "engines_left_out": 0}
+        self.counters = {
+            "resyncs": 0,
+            "failed_pushes": 0,
+            "flush_polls": 0,
+            "engines_left_out": 0,
+            "stopped_broadcasts": 0,
+            "engines_refused": 0,
+        }
         """resyncs: group rebuilds after a restart or a failure; failed_pushes: pushes that
         failed midway (each logged); flush_polls: /flush_cache answers that were 400;
-        engines_left_out: pushes that left a down engine out (each logged)."""
+        engines_left_out: pushes that left a down engine out (each logged); stopped_broadcasts:
+        broadcasts stopped because a member's update call failed (each logged);
+        engines_refused: engines refused at connect for their layout (each logged)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="weight-push-http", daemon=True
@@ -177,6 +194,7 @@ class WeightPusher:
             self.urls, liveness or LivenessConfig(), api_key, self._loop, request_restart
         )
         self.stall = StallWatch(push, self._stalled)
+        self.sessions = UpdateSessions(self.clients, self._submit, push.timeout_s)
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -336,6 +354,7 @@ class WeightPusher:
         fails, the message names each engine whose init call had not returned and why, as far
         as the engine itself can tell (`_why_not_joined`)."""
         result: concurrent.futures.Future = concurrent.futures.Future()
+        http_ports = {urlsplit(u).port or 80 for u in self.urls}  # `WeightGroup.abort` spares them
 
         def host() -> None:
             try:
@@ -349,6 +368,7 @@ class WeightPusher:
                         self.backend,
                         self.device,
                         self.timeout_s,
+                        keep_ports=http_ports,
                     )
                 )
             except BaseException as e:  # handed to the waiting thread
@@ -437,11 +457,16 @@ class WeightPusher:
             return f"no answer to a status probe ({e or type(e).__name__})"
 
     def _ranks(self, urls: list[str]) -> list[int]:
-        missing = [u for u in urls if u not in self.tp_sizes]
+        missing = [u for u in urls if u not in self.ranks]
         if missing:
             for u, info in self._server_infos(missing).items():
-                self.tp_sizes[u] = engine_ranks(info)
-        return [self.tp_sizes[u] for u in urls]
+                try:
+                    self.ranks[u] = engine_ranks(u, info)
+                except EngineLayoutError as e:
+                    self.counters["engines_refused"] += 1
+                    log.error("%s", e)
+                    raise
+        return [self.ranks[u] for u in urls]
 
     def _server_infos(self, urls: list[str]) -> dict[str, dict[str, Any]]:
         infos = self._wait("server_info", self._each(urls, "get_server_info"))
@@ -534,6 +559,13 @@ class WeightPusher:
             M.PUSH_STUCK_ENGINES: float(self.liveness.counts["stuck"]),
             M.PUSH_RESTART_REQUESTS: float(self.liveness.counts["restart_requests"]),
             M.PUSH_STALLS: float(self.stall.stalls),
+            M.PUSH_SESSIONS_OPENED: float(self.sessions.counts["opened"]),
+            M.PUSH_SESSIONS_ENDED: float(self.sessions.counts["ended"]),
+            M.PUSH_SESSION_END_FAILURES: float(self.sessions.counts["end_failures"]),
+            M.PUSH_SESSIONS_SKIPPED: float(self.sessions.counts["skipped"]),
+            M.PUSH_SESSIONS_RECLAIMED: float(self.sessions.counts["reclaimed"]),
+            M.PUSH_STOPPED_BROADCASTS: float(self.counters["stopped_broadcasts"]),
+            M.PUSH_ENGINES_REFUSED: float(self.counters["engines_refused"]),
         }
 
     # ---- the push ----------------------------------------------------------------------------
@@ -568,6 +600,8 @@ class WeightPusher:
                 self.counters["resyncs"] += 1
             try:
                 self.connect(versions)
+            except EngineLayoutError:  # a configuration error: trying again would not help
+                raise
             except PushError as e:  # e.g. a member hung during the handshake: try again later
                 self._broken = True
                 self.counters["failed_pushes"] += 1
@@ -585,7 +619,17 @@ class WeightPusher:
             self._wait("pause_generation", self._each(members, "pause_generation", self.pause_mode))
             if self.pause_mode in ("abort", "retract"):
                 self._flush(members)
-            self._send(buckets, str(version), members, stats)
+            opened = self.sessions.begin(members)  # refused: nothing was broadcast
+            try:
+                self._send(buckets, str(version), members, stats)
+            except BaseException:
+                unavailable = {u: why for u in opened if (why := self.liveness.unavailable(u))}
+                self.sessions.end(opened, skip=unavailable)  # logged, counted; the error stands
+                raise
+            failed = self.sessions.end(opened)
+            if failed:  # the weights are in, but not finalized there: rebuilt and pushed again
+                url, why = next(iter(failed.items()))
+                raise PushError(url, "end_weight_update", why)
         except BaseException as e:
             self._broken = True
             self.counters["failed_pushes"] += 1
@@ -656,6 +700,7 @@ class WeightPusher:
         bucket = next(it, None)
         while bucket is not None:
             following = next(it, None)
+            number = int(stats["buckets"]) + 1
             tensors = [(n, t.detach().to(self.device).contiguous()) for n, t in bucket]
             futs = self._each(
                 members,
@@ -667,28 +712,63 @@ class WeightPusher:
                 weight_version=version if following is None else None,
                 flush_cache=False,
             )
-            self.stall.step(f"broadcast of bucket {int(stats['buckets']) + 1}", members)
+            self.stall.step(f"broadcast of bucket {number}", members)
             for _, t in tensors:
-                failed = {u: f for u, f in futs.items() if f.done() and f.exception() is not None}
-                if failed:  # an engine refused the bucket: it will not receive, stop here
-                    self._wait("update_weights_from_distributed", failed)
-                hung = {u: why for u in members if (why := self.liveness.hung(u))}
-                if hung:  # it will not receive either
-                    url, why = next(iter(hung.items()))
-                    raise PushError(url, "broadcast", f"the engine is hung ({why})")
-                failure = None
-                try:
-                    self.group.broadcast(t)
-                except Exception as e:
-                    failure = str(e)
-                if failure is not None:  # raised outside the handler: no chained traceback
-                    # holds the group, whose connections must close when it is destroyed
-                    raise PushError(",".join(members), "broadcast", failure)
+                self._broadcast(t, futs, number, members)
                 stats["bytes"] += t.numel() * t.element_size()
             self._wait("update_weights_from_distributed", futs)
             stats["tensors"] += len(tensors)
             stats["buckets"] += 1
             bucket = following
+
+    def _broadcast(
+        self, t: torch.Tensor, futs: dict[str, concurrent.futures.Future], bucket: int, members
+    ) -> None:
+        """Broadcast one tensor while watching the members' update calls: one that fails (that
+        member answered without joining) or a member reported hung stops it at once
+        (`_stop_broadcast`); waiting would block until the group's timeout."""
+        assert self.group is not None
+        work = self.group.broadcast_async(t)
+        delay = 0.0002
+        while not work.is_completed():
+            for url, f in futs.items():
+                if f.done() and f.exception() is not None:
+                    e = f.exception()
+                    said = e.message if isinstance(e, EngineError) else str(e)
+                    self._stop_broadcast(url, bucket, f"its update call failed: {said}")
+            hung = {u: why for u in members if (why := self.liveness.hung(u))}
+            if hung:
+                url, why = next(iter(hung.items()))
+                self._stop_broadcast(url, bucket, f"the engine is hung ({why})")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        failure = None
+        try:
+            work.wait()
+        except Exception as e:
+            failure = str(e)
+        if failure is not None:  # raised outside the handler: no chained traceback
+            # holds the group, whose connections must close when it is destroyed
+            raise PushError(",".join(members), f"broadcast of bucket {bucket}", failure)
+
+    def _stop_broadcast(self, url: str, bucket: int, why: str) -> None:
+        """Stop a broadcast that a member will never receive: shut the learner's end of the
+        group down (every other member's receive fails at once), destroy the group (the rebuild
+        path, `_destroy`), and raise PushError naming the engine and the bucket. The next push
+        rebuilds the group (`resync_needed()` is true)."""
+        assert self.group is not None
+        self.counters["stopped_broadcasts"] += 1
+        log.error(
+            "weight push: engine %s will not receive bucket %d (%s): stopping the broadcast "
+            "and closing group %s",
+            url,
+            bucket,
+            why,
+            self.group_name,
+        )
+        self.group.abort()
+        self._destroy()
+        raise PushError(url, f"update_weights_from_distributed of bucket {bucket}", why)
 
     def close(self) -> None:
         """Destroy the group on the engines and here; stop the probes and the HTTP thread."""

@@ -7,13 +7,22 @@ NCCL on GPU. No default process group is needed, so a learner that already runs 
 keeps its own world untouched. Engine ranks are `rank_offset + tp_rank`.
 
 The engine receives every tensor of an update by `broadcast(src=0)` in the order of `names`.
+
+Stopping a broadcast (`WeightGroup.abort`): a gloo send waits for its peer's receive, and neither
+the process group's `abort()` nor `shutdown()` ends a pending one (measured with torch 2.13); so
+the learner notes the TCP connections its gloo backend opened while the group formed and shuts
+them down, which fails its own pending collective and every peer's at once ("Connection closed by
+peer"). NCCL's `abort()` aborts its communicators.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -39,10 +48,52 @@ class WeightGroup:
     world_size: int
     backend: str
     device: torch.device
+    links: dict[int, str] = field(default_factory=dict)
+    """fd -> socket inode of the TCP connections the gloo backend opened (`abort`)."""
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Broadcast `tensor` from rank 0 in place (rank 0 sends, the others receive)."""
         dist.broadcast(tensor, src=0, group=self.pg)
+
+    def broadcast_async(self, tensor: torch.Tensor) -> dist.Work:
+        """Start the broadcast of `tensor` from rank 0; the caller polls `is_completed()`."""
+        work = dist.broadcast(tensor, src=0, group=self.pg, async_op=True)
+        assert work is not None
+        return work
+
+    def abort(self) -> int:
+        """Fail every pending collective of this group here and on its peers now: gloo's TCP
+        connections are shut down (those noted when the group formed and still open under the
+        same inode), NCCL's communicators aborted. Returns the connections shut down."""
+        if self.backend == "nccl":
+            try:
+                self.pg.abort()
+            except Exception as e:  # an NCCL build without abort: the group times out instead
+                log.warning("weight-update group %s: NCCL abort failed: %s", self.name, e)
+            return 0
+        shut = 0
+        for fd, inode in self.links.items():
+            if _socket_inode(fd) != inode:  # closed (and the fd maybe reused) meanwhile
+                continue
+            try:
+                s = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                shut += 1
+            except OSError:
+                pass
+            finally:
+                s.close()
+        log.warning(
+            "weight-update group %s: shut down %d of its %d connections here (pending "
+            "collectives fail now, here and on the peers)",
+            self.name,
+            shut,
+            len(self.links),
+        )
+        return shut
 
     def destroy(self) -> None:
         """Forget the group here. Its connections close only when the backend object is freed
@@ -61,8 +112,11 @@ def init_weight_group(
     backend: str = "gloo",
     device: str | torch.device = "cpu",
     timeout_s: float = 300.0,
+    keep_ports: Iterable[int] = (),
 ) -> WeightGroup:
-    """Join (rank > 0) or host (rank 0) the group; blocks until all `world_size` ranks are in."""
+    """Join (rank > 0) or host (rank 0) the group; blocks until all `world_size` ranks are in.
+    `keep_ports`: ports of connections this process opens meanwhile that are not the group's
+    (the engines' HTTP ports, on the learner), never shut down by `WeightGroup.abort`."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight-update backend must be gloo or nccl, got {backend!r}")
     if not 0 <= rank < world_size:
@@ -90,9 +144,12 @@ def init_weight_group(
         time.monotonic() - t0,
     )
     store = PrefixStore(group_name, store)
+    before = _sockets()
     pg, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
     )
+    keep = {int(master_port), *keep_ports}
+    links = _links(before, keep) if backend == "gloo" else {}
     log.info(
         "weight-update group %s: rank %d/%d joined after %.2fs",
         group_name,
@@ -102,7 +159,49 @@ def init_weight_group(
     )
     # Group-local ranks are the global ranks of this private group (used by broadcast's src).
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return WeightGroup(pg, group_name, rank, world_size, backend, torch.device(device))
+    return WeightGroup(pg, group_name, rank, world_size, backend, torch.device(device), links)
+
+
+def _socket_inode(fd: int) -> str | None:
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return target if target.startswith("socket:") else None
+
+
+def _sockets() -> dict[int, str]:
+    """fd -> "socket:[inode]" of this process's open sockets (Linux /proc; empty elsewhere)."""
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return {}
+    return {fd: inode for fd in fds if (inode := _socket_inode(fd)) is not None}
+
+
+def _links(before: dict[int, str], keep: set[int]) -> dict[int, str]:
+    """The connected TCP sockets opened since `before` but those with a local or peer port in
+    `keep` (the group store's, and the engines' HTTP ports: the caller's event loop may open a
+    connection to an engine meanwhile, and reuse it later)."""
+    out = {}
+    for fd, inode in _sockets().items():
+        if before.get(fd) == inode:
+            continue
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if s.type != socket.SOCK_STREAM:
+                continue
+            local, peer = s.getsockname()[1], s.getpeername()[1]
+        except OSError:  # not connected (a listener)
+            continue
+        finally:
+            s.close()
+        if local not in keep and peer not in keep:
+            out[fd] = inode
+    return out
 
 
 def receive_tensors(

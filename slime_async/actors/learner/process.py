@@ -159,6 +159,7 @@ class _Rank0:
                 cfg.engine.urls,
                 push,
                 api_key=cfg.engine.api_key,
+                admin_api_key=cfg.engine.admin_api_key,
                 # A restarted learner destroys its dead predecessor's group on the engines first.
                 state_path=run_dir / "weight_group.json" if run_dir is not None else None,
                 liveness=cfg.engine.liveness,
