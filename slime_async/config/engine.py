@@ -25,8 +25,9 @@ class EmbeddedEngineConfig(Section):
     torch_threads: int = Field(0, ge=0)
     """CPU threads of the engine's torch (0: torch's default)."""
     strict_sglang: bool = False
-    """Fail where SGLang 0.5.23 fails (flush refused while requests run, an update whose flush
-    fails stops the engine, /health 503 while paused); tests of the push use it."""
+    """Fail where SGLang 0.5.23 fails (updates from distributed only inside a
+    /begin_weight_update session, flush refused while requests run, /health as slow as SGLang's;
+    docs/engines.md lists the rules); tests of the push use it."""
     initial_weight_version: str = "default"
     """The weight_version served before the first update (SGLang's "default", read as 0). It must
     name the weights loaded: an engine of the learner's base model serves version 0, so a positive
@@ -51,6 +52,12 @@ class EmbeddedEngineConfig(Section):
     """GPU: fuse each layer's norms, rotary, SiLU and residual adds with torch.compile."""
     overlap_schedule: bool = True
     """Launch decode step t+1 before the host reads step t's tokens (host work overlaps the GPU)."""
+    health_delay_s: float | None = Field(None, ge=0)
+    """Least time GET /health and /health_generate take before answering (SGLang's answer no
+    sooner than the first 1 s sleep of their wait loop); None: 1 s in strict mode, 0 otherwise."""
+    health_timeout_s: float = Field(20.0, gt=0)
+    """Strict mode: how long GET /health waits for its one-token generation before answering
+    503 (SGLang's HEALTH_CHECK_TIMEOUT, 20 s; e.g. while generation is paused)."""
 
     @model_validator(mode="after")
     def _paged_cache(self) -> "EmbeddedEngineConfig":
@@ -150,7 +157,12 @@ class EngineConfig(Section):
     seed: int = 0
     """Seed of the first started engine's sampler, the next ones seed + i (unset: run.seed)."""
     api_key: str | None = None
-    """If set, every endpoint but /health and /health_generate needs `Authorization: Bearer <key>`."""
+    """If set, every endpoint but /health*, /ready and /metrics needs `Authorization: Bearer <key>`
+    (with `admin_api_key` also set, the admin routes take only the admin key)."""
+    admin_api_key: str | None = None
+    """SGLang's --admin-api-key: if set, the admin routes (weight updates, pause, flush, abort,
+    version) accept only this key, not `api_key`; /generate and the info routes still take
+    `api_key` (and need no key when `api_key` is unset); /health*, /ready, /metrics need none."""
     router_policy: Literal["round_robin", "cache_aware", "random", "power_of_two"] = "round_robin"
     """sglang-router load-balancing policy when several engines are used."""
     router_port: int = Field(30100, ge=0, le=65535)

@@ -262,7 +262,14 @@ async def test_pause_modes_and_continue(engine):
         ("/generate", None, b"[1, 2]", 400, "must be an object"),
         ("/pause_generation", None, b"", 400, "needs a JSON body"),
         ("/pause_generation", {"mode": "sideways"}, None, 400, "mode must be"),
-        ("/update_weights_from_distributed", {"names": []}, None, 400, "no weight-update group"),
+        ("/update_weights_from_distributed", {"names": []}, None, 400, "missing or bad field"),
+        (
+            "/update_weights_from_distributed",
+            {"names": [], "dtypes": [], "shapes": []},
+            None,
+            400,
+            "no weight-update group",
+        ),
         ("/update_weights_from_disk", {}, None, 400, "needs model_path"),
         (
             "/update_weights_from_disk",

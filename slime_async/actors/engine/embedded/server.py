@@ -2,17 +2,17 @@
 
 Binds `engine.host:engine.port` (127.0.0.1 by default; port 0 picks a free one) and serves
 /generate, /health, /health_generate, /ready, /get_model_info (/model_info), /get_server_info
-(/server_info), /get_weight_version, /update_weight_version, /pause_generation,
-/continue_generation, /abort_request, /flush_cache and the weight-sync calls
+(/server_info) here, the control routes of control.py (/get_weight_version,
+/update_weight_version, /pause_generation, /continue_generation, /abort_request, /flush_cache)
+and the weight-update routes of weights.py (/begin_weight_update, /end_weight_update,
 /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
-/update_weights_from_disk. Routes, field names, status codes and shapes follow SGLang 0.5.23: the
-routes of `python/sglang/srt/entrypoints/http_server.py`, the request fields of `GenerateReqInput`
-and of the weight-update requests in `python/sglang/srt/managers/io_struct.py`, the version spans
-of `utils/weight_versions.py`. docs/sglang.md lists every endpoint and field with what SGLang does
+/update_weights_from_disk). Routes, field names, defaults, status codes and shapes follow SGLang
+0.5.23: the routes of `srt/entrypoints/http_server.py`, the request fields of `GenerateReqInput`
+and of the control requests in `srt/managers/io_struct.py`, the version spans of
+`utils/weight_versions.py`. docs/sglang.md lists every endpoint and field with what SGLang does
 and what this engine does. Client errors are 400 `{"error": {"message": ...}}`; engine errors are
-5xx; the server keeps serving. With `engine.api_key` set, every endpoint but /health and
-/health_generate needs `Authorization: Bearer <key>` (SGLang exempts them: the router probes them
-without a key).
+5xx; the server keeps serving. Keys (`engine.api_key`, `engine.admin_api_key`) open routes as
+SGLang's auth levels do (auth.py); /health*, /ready and /metrics need none.
 
 Connects to: the learner's TCPStore (weight-update group) when asked to. Waits on: the scheduler
 thread, which owns the model (requests and weight updates are queued to it). Memory is bounded by
@@ -22,10 +22,11 @@ Per-token versions: each response's `meta_info` holds `weight_versions`, SGLang'
 `[{version, start, end}, ...]` over the output tokens (end exclusive, one span per version that
 produced tokens), and `weight_version`, the latest span's version.
 
-Strict mode (`engine.embedded.strict_sglang`) fails where SGLang 0.5.23 fails: /flush_cache answers 400
-while requests run, a weight update asked to flush (`flush_cache: true`, SGLang's default) while
-requests run stops the engine for good (SGLang's scheduler asserts and exits), and /health answers
-503 while generation is paused (SGLang's health probe is a generation that cannot run then).
+Strict mode (`engine.embedded.strict_sglang`) fails where SGLang 0.5.23 fails (docs/engines.md
+lists each rule with its place in the wheel): updates from distributed only inside a
+/begin_weight_update../end_weight_update session, /flush_cache refused while requests run (an
+update asked to flush then answers 400 with its weights loaded), and /health as slow as SGLang's
+one-token health generation (503 after `health_timeout_s` while paused).
 """
 
 from __future__ import annotations
@@ -42,16 +43,17 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from slime_async.actors.engine.embedded import auth
+from slime_async.actors.engine.embedded.control import ControlRoutes
+from slime_async.actors.engine.embedded.http import BadRequest, read_body
+from slime_async.actors.engine.embedded.http import error as _error
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
 from slime_async.actors.engine.embedded.sampling import GREEDY_TEMPERATURE, SamplingParams
 from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
-from slime_async.actors.engine.weight_sync import (
-    WeightGroup,
-    gpu_uuid,
-    init_weight_group,
-    receive_tensors,
-)
+from slime_async.actors.engine.embedded.weights import WeightRoutes
+from slime_async.actors.engine.weight_sync import gpu_uuid
 from slime_async.config import EngineConfig, PushConfig
+from slime_async.config.engine import SGLANG_HEALTH_MIN_S, EmbeddedEngineConfig
 from slime_async.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -92,15 +94,11 @@ SGLANG_VERSION = "0.5.23"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-_KEY_EXEMPT = frozenset({"/health", "/health_generate", "/ready"})
-
-
-class BadRequest(ValueError):
-    """A client error: answered with 400 and its message."""
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
+def _health_delay(emb: EmbeddedEngineConfig) -> float:
+    """`health_delay_s`, or SGLang's 1 s (SGLANG_HEALTH_MIN_S) in strict mode and 0 otherwise."""
+    if emb.health_delay_s is not None:
+        return emb.health_delay_s
+    return SGLANG_HEALTH_MIN_S if emb.strict_sglang else 0.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -175,7 +173,12 @@ class EmbeddedEngine:
             prefix_sharing=emb.prefix_sharing,
             overlap=emb.overlap_schedule,
         )
-        self.groups: dict[str, WeightGroup] = {}
+        self.weights = WeightRoutes(self)
+        """The weight-update routes (sessions, groups, updates)."""
+        self.control = ControlRoutes(self)
+        """The control routes (version, pause/continue, abort, flush)."""
+        self.health_delay_s = _health_delay(emb)
+        """Least time /health and /health_generate take (SGLang's wait loop sleeps 1 s first)."""
         self.ignored_fields = 0
         """/generate requests that carried top-level fields SGLang ignores (each one logged)."""
         self.routed_unavailable = 0
@@ -191,24 +194,14 @@ class EmbeddedEngine:
         r = app.router
         r.add_route("POST", "/generate", self.generate)
         r.add_route("PUT", "/generate", self.generate)
-        for path in ("/health", "/health_generate", "/get_weight_version", "/ready"):
+        for path in ("/health", "/health_generate", "/ready"):
             r.add_get(path, getattr(self, path[1:]))
-        r.add_post("/update_weight_version", self.update_weight_version)
         for path in ("/get_model_info", "/model_info"):
             r.add_get(path, self.model_info)
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.server_info)
-        r.add_route("*", "/flush_cache", self.flush_cache)
-        for name in (
-            "pause_generation",
-            "continue_generation",
-            "abort_request",
-            "init_weights_update_group",
-            "update_weights_from_distributed",
-            "destroy_weights_update_group",
-            "update_weights_from_disk",
-        ):
-            r.add_post(f"/{name}", getattr(self, name))
+        self.control.add_routes(r)
+        self.weights.add_routes(r)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -234,28 +227,25 @@ class EmbeddedEngine:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
-        key = self.cfg.api_key
-        if request.path in _KEY_EXEMPT:  # as SGLang: the router probes health without a key
-            return await handler(request)
-        if key and request.headers.get("Authorization", "") != f"Bearer {key}":
-            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
+        if not auth.allowed(
+            request.method,
+            request.path,
+            request.headers.get("Authorization"),
+            self.cfg.api_key,
+            self.cfg.admin_api_key,
+        ):
+            level = auth.ROUTE_LEVELS.get(request.path, auth.Level.NORMAL).value
+            return _error(
+                401,
+                f"Unauthorized: missing or wrong API key for {request.path} ({level} route; "
+                "Authorization: Bearer <key>)",
+            )
         return await handler(request)
 
     async def _body(self, request: web.Request, required: bool = True) -> dict[str, Any]:
-        raw = await request.read()
-        if not raw:
-            if required:
-                raise BadRequest(f"{request.path} needs a JSON body ({{}} at least)")
-            return {}
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise BadRequest(f"malformed JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the JSON body must be an object")
-        return body
+        return await read_body(request, required)
 
-    async def _on_scheduler(self, fn):
+    async def _on_scheduler(self, fn: Any) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn))
 
     # ---- /generate ---------------------------------------------------------------------------
@@ -525,12 +515,44 @@ class EmbeddedEngine:
     # ---- health and info ---------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        if not self.scheduler.alive():
-            return _error(503, self.scheduler.fatal or "scheduler stopped")
-        if self.cfg.embedded.strict_sglang and self.scheduler.paused:
-            # SGLang's probe is a one-token generation, which cannot run while paused.
-            return _error(503, "generation is paused")
+        """GET /health and /health_generate. Strict, as SGLang 0.5.23 (http_server.py:
+        health_generate serves both routes, since `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` is
+        on by default, environ.py): a one-token generation, answered no sooner than the first
+        sleep of its wait loop (`health_delay_s`, 1 s there); 503 once it has waited
+        `health_timeout_s` (HEALTH_CHECK_TIMEOUT, 20 s) with no token (e.g. while paused).
+        Otherwise /health answers whether the scheduler runs, /health_generate runs the
+        generation (no timeout while paused: paused answers 200 at once), both after
+        `health_delay_s` (0 by default)."""
+        t0 = time.monotonic()
+        status = await self._health_status(request.path == "/health_generate")
+        await asyncio.sleep(max(0.0, t0 + self.health_delay_s - time.monotonic()))
+        if status != 200:
+            return _error(status, self.scheduler.fatal or "health check failed")
         return web.Response(status=200)
+
+    health_generate = health
+
+    async def _health_status(self, generate: bool) -> int:
+        if not self.scheduler.alive():
+            return 503
+        strict = self.cfg.embedded.strict_sglang
+        if not strict and (not generate or self.scheduler.paused):
+            return 200
+        r = Request(
+            f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            [int(next(iter(self.runner.eos_token_ids), 0))],
+            SamplingParams(max_new_tokens=1, temperature=0.0),
+            on_done=lambda r: None,
+        )
+        timeout = self.cfg.embedded.health_timeout_s
+        try:
+            await asyncio.wait_for(self._run(r), timeout if strict else None)
+        except TimeoutError:
+            # http_server.py: health_generate gives up after HEALTH_CHECK_TIMEOUT with 503.
+            await self._on_scheduler(lambda: self.scheduler.abort(r.rid))
+            log.error("/health: no token from the scheduler in %.0f s", timeout)
+            return 503
+        return 503 if r.error else 200
 
     async def ready(self, request: web.Request) -> web.Response:
         """As SGLang 0.5.23's GET /ready: at once, 200 when new requests are taken, 503 while
@@ -538,20 +560,6 @@ class EmbeddedEngine:
         if not self.scheduler.alive():
             return web.Response(status=503)
         return web.Response(status=503 if self.scheduler.paused else 200)
-
-    async def health_generate(self, request: web.Request) -> web.Response:
-        early = await self.health(request)
-        if early.status != 200 or self.scheduler.paused:
-            return early
-        params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        r = Request(
-            "HEALTH_CHECK",
-            [int(next(iter(self.runner.eos_token_ids), 0))],
-            params,
-            on_done=lambda r: None,
-        )
-        await self._run(r)
-        return web.Response(status=200 if not r.error else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -575,9 +583,14 @@ class EmbeddedEngine:
                 "device": str(self.device),
                 "gpu_uuid": self.gpu_uuid,
                 "dtype": self.cfg.embedded.dtype,
+                # The layout as ServerArgs names it (arg_groups/fields/parallel.py; server_args.py
+                # still reports enable_dp_attention = attn_dp_size > 1): one device here.
                 "tp_size": 1,
-                "dp_size": 1,
                 "pp_size": 1,
+                "dp_size": 1,
+                "attn_dp_size": 1,
+                "attn_cp_size": 1,
+                "ep_size": 1,
                 "enable_dp_attention": False,
                 "api_key": None,
                 "max_running_requests": self.runner.max_slots,
@@ -585,7 +598,7 @@ class EmbeddedEngine:
                 "weight_version": self.scheduler.version,
                 "paused": self.scheduler.paused,
                 "strict_sglang": self.cfg.embedded.strict_sglang,
-                "weight_groups": sorted(self.groups),
+                **self.weights.info(),
                 "decode_steps": self.scheduler.steps,
                 **self.scheduler.stats(),
                 "decode_attention": self.runner.decode_attention,
@@ -596,163 +609,6 @@ class EmbeddedEngine:
                 **self.scheduler.load(),
             }
         )
-
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.scheduler.version})
-
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        b = await self._body(request)
-        if b.get("new_version") is None:
-            raise BadRequest("update_weight_version needs new_version")
-        new = str(b["new_version"])
-        if b.get("abort_all_requests", False):
-            await self._on_scheduler(lambda: self.scheduler.abort(abort_all=True))
-
-        def apply() -> None:
-            self.scheduler.version = new
-
-        await self._on_scheduler(apply)
-        return web.json_response(
-            {"success": True, "message": f"Weight version updated to {new}", "new_version": new}
-        )
-
-    # ---- generation control ------------------------------------------------------------------
-
-    async def pause_generation(self, request: web.Request) -> web.Response:
-        mode = (await self._body(request)).get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            raise BadRequest(
-                f"pause_generation mode must be abort, retract or in_place, got {mode!r}"
-            )
-        await self._on_scheduler(lambda: self.scheduler.pause(mode))
-        return web.json_response({"success": True, "message": f"paused ({mode})"})
-
-    async def continue_generation(self, request: web.Request) -> web.Response:
-        await self._body(request)
-        await self._on_scheduler(self.scheduler.resume)
-        return web.json_response({"success": True, "message": "continued"})
-
-    async def abort_request(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
-        if not abort_all and not rid:  # SGLang: nothing to abort, still 200
-            return web.json_response({"success": True, "message": "aborted 0 request(s)"})
-        n = await self._on_scheduler(lambda: self.scheduler.abort(rid, abort_all))
-        return web.json_response({"success": True, "message": f"aborted {n} request(s)"})
-
-    async def flush_cache(self, request: web.Request) -> web.Response:
-        # As SGLang: a text body, 200 when flushed, 400 when requests were running (strict).
-        ok = await self._on_scheduler(self.scheduler.flush)
-        if ok:
-            return web.Response(text="Cache flushed.\n", status=200)
-        return web.Response(
-            text="Cache not flushed: requests are running (strict_sglang, as SGLang).\n",
-            status=400,
-        )
-
-    # ---- weight sync -------------------------------------------------------------------------
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        b = await self._body(request)
-        try:
-            args = (
-                str(b["master_address"]),
-                int(b["master_port"]),
-                int(b.get("rank_offset", 1)),
-                int(b["world_size"]),
-                str(b.get("group_name", "weight_update_group")),
-                str(b.get("backend", "nccl" if self.device.type == "cuda" else "gloo")),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadRequest(f"init_weights_update_group: missing or bad field {e}") from None
-        addr, port, rank, world, name, backend = args
-        if name in self.groups:
-            return _fail(f"weight-update group {name!r} already exists")
-
-        def join() -> WeightGroup:
-            return init_weight_group(
-                addr, port, rank, world, name, backend, self.device, self.group_timeout_s
-            )
-
-        try:
-            self.groups[name] = await self._on_scheduler(join)
-        except Exception as e:
-            return _fail(f"init of {name!r} with {addr}:{port} failed: {e}")
-        return web.json_response(
-            {"success": True, "message": f"joined {name} as rank {rank}/{world}"}
-        )
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        b = await self._body(request)
-        name = str(b.get("group_name", "weight_update_group"))
-        group = self.groups.get(name)
-        if group is None:
-            return _fail(f"no weight-update group {name!r}: call init_weights_update_group first")
-        try:
-            names, dtypes, shapes = list(b["names"]), list(b["dtypes"]), list(b["shapes"])
-        except (KeyError, TypeError) as e:
-            raise BadRequest(f"update_weights_from_distributed: missing or bad field {e}") from None
-        version = _version(b.get("weight_version"))
-        abort_all = bool(b.get("abort_all_requests", False))
-        flush = bool(b.get("flush_cache", True))  # SGLang's default
-
-        def update() -> None:
-            tensors = receive_tensors(group, names, dtypes, shapes)
-            if abort_all:
-                self.scheduler.abort(abort_all=True, message="Abort by weight update")
-            self.runner.load_weights(tensors)
-            self._after_update(flush, "update_weights_from_distributed")
-
-        return await self._update(update, version, f"updated {len(names)} tensors")
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        name = str((await self._body(request)).get("group_name", "weight_update_group"))
-        group = self.groups.pop(name, None)
-        if group is None:
-            return _fail(f"no weight-update group {name!r}")
-        await self._on_scheduler(group.destroy)
-        return web.json_response({"success": True, "message": f"destroyed {name}"})
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        b = await self._body(request)
-        if not b.get("model_path"):
-            raise BadRequest("update_weights_from_disk needs model_path")
-        version = _version(b.get("weight_version"))
-        abort_all = bool(b.get("abort_all_requests", False))
-        flush = bool(b.get("flush_cache", True))
-
-        def update() -> None:
-            if abort_all:
-                self.scheduler.abort(abort_all=True, message="Abort by weight update")
-            self.runner.load_from_disk(b["model_path"])
-            self._after_update(flush, "update_weights_from_disk")
-
-        return await self._update(update, version, f"loaded {b['model_path']}")
-
-    def _after_update(self, flush: bool, call: str) -> None:
-        """On the scheduler thread after new weights are in: SGLang flushes the cache when asked
-        and asserts that the flush worked; in strict mode a failed flush stops the engine."""
-        if flush and not self.scheduler.flush():
-            self.scheduler.fail_fatally(
-                f"{call}: Cache flush failed after updating weights (requests were running; "
-                "pause in abort or retract mode and poll /flush_cache first)"
-            )
-
-    async def _update(self, fn, version: str | None, message: str) -> web.Response:
-        try:
-            await self._on_scheduler(fn)
-        except (ValueError, OSError, RuntimeError) as e:
-            return _fail(str(e))
-        if self.scheduler.fatal is not None:
-            return _error(500, f"engine stopped: {self.scheduler.fatal}")
-        if version is not None:  # applied only when the update succeeded, as SGLang
-
-            def apply() -> None:
-                self.scheduler.version = version
-
-            await self._on_scheduler(apply)
-            message += f" Weight version updated to {version}."
-        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
 
 @dataclass(frozen=True)
@@ -773,18 +629,6 @@ def _parallel_samples(sp: object) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise BadRequest(f"sampling_params.n must be an integer >= 1, got {n!r}")
     return n
-
-
-def _fail(message: str) -> web.Response:
-    """A refused weight call, as SGLang answers it: 400 with success false and the reason."""
-    return web.json_response(
-        {"success": False, "message": message, "num_paused_requests": 0}, status=400
-    )
-
-
-def _version(v: object) -> str | None:
-    """SGLang's weight_version: any string (numbers are taken as their text)."""
-    return None if v is None else str(v)
 
 
 def version_spans(versions: list[str], current: str) -> list[dict[str, Any]]:
