@@ -74,6 +74,16 @@ async def version_of(url: str, **kw) -> int:
         return await c.get_weight_version()
 
 
+async def server_info(url: str, **kw) -> dict:
+    async with EngineClient(url, **kw) as c:
+        return await c.get_server_info()
+
+
+async def call(url: str, method: str, **kw):
+    async with EngineClient(url, **kw) as c:
+        return await getattr(c, method)()
+
+
 def test_pushes_run_in_sessions_on_strict_engines(proxies, model):
     """Each push opens one session per engine before its first bucket and ends it after the
     last; a strict engine (like SGLang 0.5.23) refuses an update outside one."""
@@ -92,6 +102,24 @@ def test_pushes_run_in_sessions_on_strict_engines(proxies, model):
             per_push = ["/begin_weight_update"] + [UPDATE] * int(stats["buckets"])
             assert paths == [*per_push, "/end_weight_update"] * 3
             assert asyncio.run(version_of(p.url)) == 3
+            info = asyncio.run(server_info(p.url))
+            assert info["weight_update_session"] is False  # every session was ended
+    finally:
+        pusher.close()
+
+
+def test_a_session_left_open_is_ended_and_begun_again(proxies, model, caplog):
+    """A learner that died in a push leaves its session open (SGLang then refuses begin:
+    "already open"): the next push ends it, begins again and goes through."""
+    asyncio.run(call(proxies[0].url, "begin_weight_update"))
+    pusher = pusher_for([p.url for p in proxies])
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert pusher.push(buckets(model), 5)["failed"] == 0.0
+        assert f"engine {proxies[0].url} already holds an open weight-update session" in caplog.text
+        m = pusher.metrics()
+        assert m[M.PUSH_SESSIONS_RECLAIMED] == 1 and m[M.PUSH_SESSIONS_OPENED] == 2
+        assert asyncio.run(server_info(proxies[0].url))["weight_update_session"] is False
     finally:
         pusher.close()
 
@@ -211,14 +239,23 @@ def test_a_layout_the_group_does_not_cover_is_refused_at_connect(lenient, fields
         lenient.requests.clear()
 
 
-def test_attention_dp_adds_no_ranks(lenient, model):
-    """`--dp-size 2 --enable-dp-attention` (the deprecated spelling) is attention DP inside
-    the TP ranks: one replica, tp_size ranks; the push goes through."""
-    lenient.rewrite["/server_info"] = lambda body: {
-        **body,
-        "dp_size": 2,
-        "enable_dp_attention": True,
-    }
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"dp_size": 1, "attn_dp_size": 2, "enable_dp_attention": True},  # SGLang 0.5.23
+        {"dp_size": 2, "enable_dp_attention": True},  # the deprecated spelling (older servers)
+    ],
+)
+def test_attention_dp_adds_no_ranks(lenient, model, fields):
+    """Attention DP lives inside the TP ranks: one replica, tp_size ranks; the push goes
+    through. 0.5.23 reports its width as attn_dp_size; an older server as dp_size with
+    enable_dp_attention (no attn_dp_size field)."""
+
+    def rewrite(body):
+        body = {k: v for k, v in body.items() if k != "attn_dp_size"}
+        return {**body, **fields}
+
+    lenient.rewrite["/server_info"] = rewrite
     pusher = pusher_for([lenient.url])
     try:
         assert pusher.push(buckets(model), 42)["failed"] == 0.0
@@ -226,3 +263,51 @@ def test_attention_dp_adds_no_ranks(lenient, model):
     finally:
         pusher.close()
         lenient.rewrite.clear()
+
+
+def test_control_calls_carry_the_admin_key(model, logs):
+    """An engine with both keys (SGLang's --api-key and --admin-api-key) takes only the admin key
+    on the admin routes: the pusher sends it there and the api key elsewhere; /generate takes
+    the api key. A pusher without the admin key is refused."""
+    child, url = start_engine(model, logs, *STRICT, "engine.admin_api_key=adm1n", api_key="us3r")
+    try:
+        with EngineProxy(url) as proxy:
+            keyed = WeightPusher(
+                [proxy.url],
+                push_config(timeout_s=60),
+                api_key="us3r",
+                admin_api_key="adm1n",
+            )
+            try:
+                assert keyed.push(buckets(model), 51)["failed"] == 0.0
+            finally:
+                keyed.close()
+            sent = {path: auth for _, path, auth in proxy.requests}
+            for path in (
+                "/init_weights_update_group",
+                "/pause_generation",
+                "/flush_cache",
+                "/begin_weight_update",
+                UPDATE,
+                "/end_weight_update",
+                "/continue_generation",
+                "/destroy_weights_update_group",
+            ):
+                assert sent[path] == "Bearer adm1n", path
+            assert sent["/model_info"] == sent["/server_info"] == "Bearer us3r"
+            assert asyncio.run(version_of(url, api_key="us3r")) == 51
+
+            async def generate():
+                async with EngineClient(url, api_key="us3r", admin_api_key="adm1n") as c:
+                    return await c.generate([2, 5, 6], GREEDY)
+
+            assert len(asyncio.run(generate()).token_ids) == 4
+
+            plain = WeightPusher([proxy.url], push_config(timeout_s=60), api_key="us3r")
+            try:
+                assert plain.push(buckets(model), 52)["failed"] == 1.0  # 401 on the admin routes
+            finally:
+                plain.close()
+            assert asyncio.run(version_of(url, api_key="us3r")) == 51
+    finally:
+        child.stop()
