@@ -32,36 +32,33 @@ def model_dir(tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module")
-def strict(model_dir, tmp_path_factory):
+def _engine(model_dir, logs, *overrides, **kw):
     child, url = start_engine(
-        model_dir,
-        tmp_path_factory.mktemp("logs"),
-        "engine.embedded.max_context_len=1000",
-        "engine.embedded.strict_sglang=true",
-        # SGLang gives up after 20 s; 2 s keeps the paused /health test short (delay: default).
-        "engine.embedded.health_timeout_s=2",
+        model_dir, logs, "engine.embedded.max_context_len=1000", *overrides, **kw
     )
     try:
         yield url
     finally:
         child.stop()
+
+
+@pytest.fixture(scope="module")
+def strict(model_dir, tmp_path_factory):
+    yield from _engine(
+        model_dir,
+        tmp_path_factory.mktemp("logs"),
+        "engine.embedded.strict_sglang=true",
+        # SGLang gives up after 20 s; 2 s keeps the paused /health test short (delay: default).
+        "engine.embedded.health_timeout_s=2",
+    )
 
 
 @pytest.fixture(scope="module")
 def keyed(model_dir, tmp_path_factory):
     """Not strict, with both keys: auth is honoured in both modes."""
-    child, url = start_engine(
-        model_dir,
-        tmp_path_factory.mktemp("logs"),
-        "engine.embedded.max_context_len=1000",
-        f"engine.admin_api_key={ADMIN}",
-        api_key=KEY,
+    yield from _engine(
+        model_dir, tmp_path_factory.mktemp("logs"), f"engine.admin_api_key={ADMIN}", api_key=KEY
     )
-    try:
-        yield url
-    finally:
-        child.stop()
 
 
 def _auth(key: str | None) -> dict[str, str]:
