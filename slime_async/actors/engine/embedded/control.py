@@ -41,7 +41,7 @@ class ControlRoutes:
         return self.engine.scheduler
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self._sched.version})
+        return web.json_response({"weight_version": self.engine.reported_version})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         b = await read_body(request)
@@ -57,6 +57,7 @@ class ControlRoutes:
             self._sched.version = new
 
         await self.engine._on_scheduler(apply)
+        self.engine.reported_version = new
         return web.json_response(
             {"success": True, "message": f"Weight version updated to {new}", "new_version": new}
         )

@@ -23,8 +23,8 @@ a retraction) the step in flight is read first, so commands see every token, and
 under one weight version: the version recorded with its tokens.
 
 Strict mode (`engine.embedded.strict_sglang`) imitates SGLang 0.5.23's failures: `flush()` fails while any
-request holds KV (running; in_place pause keeps them), and `fail_fatally()` stops the loop for good
-(SGLang's scheduler exits when a weight update's flush fails). A failed step finishes its requests
+request runs (an in_place pause keeps them) or, unpaused, waits. `fail_fatally()` stops the loop
+for good (SGLang's scheduler process exiting). A failed step finishes its requests
 with an `error` mark, which the server answers with a 5xx (SGLang's answer to engine errors).
 
 Memory: the runner's KV cache bounds the tokens held; when a decode step finds no free block, the
@@ -249,9 +249,11 @@ class Scheduler:
         self._paused = False
 
     def flush(self) -> bool:
-        """SGLang's flush_cache: forget the prefix index. Strict (as SGLang): fails while any
-        request holds KV (is running)."""
-        if self.strict and self._running:
+        """SGLang's flush_cache: forget the prefix index. Strict, as SGLang 0.5.23
+        (managers/scheduler.py: Scheduler.flush_cache flushes only when is_fully_idle, which
+        ignores the waiting queue only while the engine is paused): fails while any request
+        runs (an in_place pause keeps them), or waits while generation is not paused."""
+        if self.strict and (self._running or (self._waiting and not self._paused)):
             return False
         self.runner.pool.clear_index()
         return True

@@ -177,6 +177,12 @@ class EmbeddedEngine:
         """The weight-update routes (sessions, groups, updates)."""
         self.control = ControlRoutes(self)
         """The control routes (version, pause/continue, abort, flush)."""
+        self.reported_version = emb.initial_weight_version
+        """The weight_version /model_info, /server_info and /get_weight_version report: SGLang's
+        tokenizer-side version, which an update sets only when the whole call succeeded
+        (managers/tokenizer_control_mixin.py: `_update_weight_version_if_provided` after
+        `success`), so an update whose flush was refused leaves it behind the version the
+        scheduler serves (`scheduler.version`, the spans of new tokens)."""
         self.health_delay_s = _health_delay(emb)
         """Least time /health and /health_generate take (SGLang's wait loop sleeps 1 s first)."""
         self.ignored_fields = 0
@@ -568,7 +574,7 @@ class EmbeddedEngine:
                 "tokenizer_path": self.model_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
-                "weight_version": self.scheduler.version,
+                "weight_version": self.reported_version,
                 "served_model_name": self.model_path,
             }
         )
@@ -595,7 +601,7 @@ class EmbeddedEngine:
                 "api_key": None,
                 "max_running_requests": self.runner.max_slots,
                 "context_length": self.runner.max_context_len,
-                "weight_version": self.scheduler.version,
+                "weight_version": self.reported_version,
                 "paused": self.scheduler.paused,
                 "strict_sglang": self.cfg.embedded.strict_sglang,
                 **self.weights.info(),

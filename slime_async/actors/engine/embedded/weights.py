@@ -79,8 +79,14 @@ class WeightRoutes:
             "update_flush_failed": self.flush_failed,
         }
 
-    async def _on_scheduler(self, fn):
+    async def _on_scheduler(self, fn: Any) -> Any:
         return await self.engine._on_scheduler(fn)
+
+    async def _abort_all(self) -> None:
+        sched = self.engine.scheduler
+        await self._on_scheduler(
+            lambda: sched.abort(abort_all=True, message="Abort by weight update")
+        )
 
     # ---- sessions ----------------------------------------------------------------------------
 
@@ -183,23 +189,23 @@ class WeightRoutes:
         except (KeyError, TypeError) as e:
             raise BadRequest(f"update_weights_from_distributed: missing or bad field {e}") from None
         _selector(b)
+        # io_struct.py: UpdateWeightsFromDistributedReqInput: flush_cache True,
+        # abort_all_requests False by default.
+        flush = bool(b.get("flush_cache", True))
+        eng = self.engine
+        if b.get("abort_all_requests", False):
+            # tokenizer_control_mixin.py: update_weights_from_distributed aborts every request
+            # first, before the scheduler looks at the session.
+            await self._abort_all()
         refused = self._outside_session("update_weights_from_distributed")
         if refused is not None:
             return refused
         group = self.groups.get(name)
         if group is None:
             return fail(f"no weight-update group {name!r}: call init_weights_update_group first")
-        # io_struct.py: UpdateWeightsFromDistributedReqInput: flush_cache True,
-        # abort_all_requests False by default.
-        abort_all = bool(b.get("abort_all_requests", False))
-        flush = bool(b.get("flush_cache", True))
-        eng = self.engine
 
         def update() -> None:
-            tensors = receive_tensors(group, names, dtypes, shapes)
-            if abort_all:
-                eng.scheduler.abort(abort_all=True, message="Abort by weight update")
-            eng.runner.load_weights(tensors)
+            eng.runner.load_weights(receive_tensors(group, names, dtypes, shapes))
 
         return await self._update(
             update, b, flush, "update_weights_from_distributed", f"updated {len(names)} tensors"
@@ -210,13 +216,12 @@ class WeightRoutes:
         if not b.get("model_path"):
             raise BadRequest("update_weights_from_disk needs model_path")
         # io_struct.py: UpdateWeightFromDiskReqInput: flush_cache True, abort_all_requests False.
-        abort_all = bool(b.get("abort_all_requests", False))
         flush = bool(b.get("flush_cache", True))
         eng = self.engine
+        if b.get("abort_all_requests", False):
+            await self._abort_all()  # tokenizer_manager.py: update_weights_from_disk, first
 
         def update() -> None:
-            if abort_all:
-                eng.scheduler.abort(abort_all=True, message="Abort by weight update")
             eng.runner.load_from_disk(b["model_path"])
 
         return await self._update(
@@ -250,9 +255,18 @@ class WeightRoutes:
             return error(500, f"engine stopped: {sched.fatal}")
         if not flushed:
             self.flush_failed += 1
-            log.error("%s: %s (%d so far)", call, FLUSH_FAILED, self.flush_failed)
+            log.error(
+                "%s: %s Serving version %s; /model_info still reports %s, as SGLang (%d so far)",
+                call,
+                FLUSH_FAILED,
+                sched.version,
+                self.engine.reported_version,
+                self.flush_failed,
+            )
             return fail(FLUSH_FAILED, num_paused_requests=0)
         if version is not None:
+            # tokenizer_control_mixin.py: the reported version follows only a successful call.
+            self.engine.reported_version = version
             message += f" Weight version updated to {version}."
         return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
