@@ -21,7 +21,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -75,17 +75,7 @@ class WeightGroup:
         for fd, inode in self.links.items():
             if _socket_inode(fd) != inode:  # closed (and the fd maybe reused) meanwhile
                 continue
-            try:
-                s = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                continue
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-                shut += 1
-            except OSError:
-                pass
-            finally:
-                s.close()
+            shut += _on_socket(fd, lambda s: s.shutdown(socket.SHUT_RDWR)) is not None
         log.warning(
             "weight-update group %s: shut down %d of its %d connections here (pending "
             "collectives fail now, here and on the peers)",
@@ -187,21 +177,33 @@ def _links(before: dict[int, str], keep: set[int]) -> dict[int, str]:
     for fd, inode in _sockets().items():
         if before.get(fd) == inode:
             continue
-        try:
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if s.type != socket.SOCK_STREAM:
-                continue
-            local, peer = s.getsockname()[1], s.getpeername()[1]
-        except OSError:  # not connected (a listener)
-            continue
-        finally:
-            s.close()
-        if local not in keep and peer not in keep:
+        ports = _on_socket(fd, _tcp_ports)
+        if ports and not keep.intersection(ports):
             out[fd] = inode
     return out
+
+
+def _tcp_ports(s: socket.socket) -> tuple[int, ...]:
+    """(local, peer) port of a connected TCP socket, () for any other (a listener: OSError)."""
+    if s.type != socket.SOCK_STREAM:
+        return ()
+    return s.getsockname()[1], s.getpeername()[1]
+
+
+def _on_socket(fd: int, fn: Callable[[socket.socket], Any]) -> Any:
+    """`fn` of a duplicate of the socket at `fd` (True when `fn` returns None); None when the fd
+    is not a socket any more or `fn` raises OSError."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        out = fn(s)
+        return True if out is None else out
+    except OSError:
+        return None
+    finally:
+        s.close()
 
 
 def receive_tensors(
