@@ -110,7 +110,8 @@ class WheelFiles:
 def download_command(dest: Path, version: str = VERSION) -> list[str]:
     return [
         sys.executable,
-        *("-m", "pip", "download", "--no-deps", "--quiet", f"sglang=={version}"),
+        *("-m", "pip", "download", "--no-deps", "--quiet", "--retries", "2", "--timeout", "30"),
+        f"sglang=={version}",
         *DOWNLOAD_TAGS,
         *("-d", str(dest)),
     ]
@@ -140,7 +141,7 @@ def locate(cache: Path = CACHE, version: str = VERSION, timeout_s: float = 300.0
             return found
         with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
             cmd = download_command(Path(tmp), version)
-            shown = " ".join(cmd[1:])
+            shown = " ".join(["python", *cmd[1:-1], str(cache)])  # the folder, not the temp one
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             except subprocess.TimeoutExpired:

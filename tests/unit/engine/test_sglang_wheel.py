@@ -244,6 +244,6 @@ def test_a_failed_download_skips_naming_the_command(tmp_path, monkeypatch):
             sw.sys.executable, "-c", "import sys; sys.exit('no index reachable')", str(dest)
         ]
     )  # fmt: skip
-    with pytest.raises(sw.WheelUnavailable, match=r"`-c import sys.* failed \(exit 1\)"):
+    with pytest.raises(sw.WheelUnavailable, match=r"`python -c import sys.* failed \(exit 1\)"):
         sw.locate(cache=tmp_path)
     assert not list(tmp_path.glob("*.whl"))
