@@ -37,7 +37,10 @@ def api() -> sw.SGLangAPI:
 
 
 def test_the_route_table_is_read(api):
-    assert api.version == sw.VERSION
+    assert api.version == sw.VERSION, (
+        f"{api.location} is SGLang {api.version}; tests/support/sglang_wheel.py VERSION is "
+        f"{sw.VERSION}: set VERSION to the release being checked"
+    )
     assert len(api.routes) > 40, sorted(api.routes)
     gen = api.routes["/generate"]
     assert (gen.methods, gen.struct, gen.auth) == (("POST", "PUT"), "GenerateReqInput", None)
