@@ -390,7 +390,9 @@ async def test_client_requests_use_sglang_fields():
         "sampling_params": {"max_new_tokens": 2, "temperature": 0.5},
         "return_logprob": True,
         "rid": "r1",
+        "extra_key": "weights-12",  # the version of the latest answer: `spanned`'s last span
     }
+    assert (spanned.prefix_version, out.prefix_version) == (0, 12)
     # Real SGLang lacks output_ids and per-token versions: ids come from the logprob triples and
     # every token is taken to be of the response's weight_version.
     assert (out.token_ids, out.logprobs, out.versions, out.weight_version) == (
