@@ -78,6 +78,10 @@ class GeneratorConfig(Section):
     """Wait between admission requests while the buffer grants nothing."""
     max_resumes: int = Field(64, ge=0)
     """Times one generate call is resumed after an engine abort (weight update) before failing."""
+    prefix_keys: bool = True
+    """Send each /generate SGLang's extra_key naming the engine's weight version, so that its
+    prefix cache never serves a request KV that another version's weights computed (a push that
+    keeps the cache: in_place). Off: requests share cached prefixes whatever their version."""
     log_interval_s: float = Field(10.0, gt=0)
     """Seconds between metric log lines."""
     import_dirs: list[str] = []

@@ -71,6 +71,15 @@ GEN_RESUMES = "gen/resumes"
 GEN_ROUTING_MISSING = "gen/routing_missing"
 """Routing replay: generations whose engine answers lacked routed experts for some tokens (or
 did not fit); their trajectories carry none and the learner routes them itself (logged)."""
+GEN_CACHED_PROMPT_TOKENS = "gen/cached_prompt_tokens"
+"""Prompt tokens the engines served from their prefix caches (meta_info.cached_tokens) instead of
+prefilling them; shared only among requests keyed by one weight version (extra_key)."""
+GEN_TOKENS_OVER_CACHED_PREFIX = "gen/tokens_over_cached_prefix"
+"""Output tokens of requests that took part of their prompt from an engine's prefix cache."""
+GEN_PREFIX_KEY_BEHIND = "gen/prefix_key_behind"
+"""Requests that took a cached prefix under the key of an older weight version than the one that
+answered them (the engine was updated after the latest answer; the reused KV may be of the older
+weights; each logged)."""
 GEN_ENGINE_ERRORS = "gen/engine_errors"
 """Engine calls of rollouts that failed after the pool's own fail-over (the rollout is retried)."""
 GEN_ENGINE_FAILOVERS = "gen/engine_failovers"

@@ -397,7 +397,9 @@ async def test_client_requests_use_sglang_fields():
         "sampling_params": {"max_new_tokens": 2, "temperature": 0.5},
         "return_logprob": True,
         "rid": "r1",
+        "extra_key": "weights-12",  # the version of the latest answer: `spanned`'s last span
     }
+    assert (spanned.prefix_version, out.prefix_version) == (0, 12)
     # Real SGLang lacks output_ids and per-token versions: ids come from the logprob triples and
     # every token is taken to be of the response's weight_version.
     assert (out.token_ids, out.logprobs, out.versions, out.weight_version) == (
@@ -499,3 +501,43 @@ async def test_pool_fails_over_then_backs_off_and_gives_up(caplog):
             with pytest.raises(EngineRequestError, match="HTTP 400"):
                 await pool.generate([2], {"max_new_tokens": 1})
             assert hits_a == ["/generate"] * 2 and not pool.down  # a 4xx is not the engine's fault
+
+
+async def test_extra_key_and_cache_salt_keep_cached_prefixes_apart(engine):
+    """SGLang's radix cache keys prefixes by (extra_key, cache_salt): the same prompt under
+    another key reports cached_tokens 0, under the same key the cached full blocks; a batch takes
+    one key per prompt; malformed keys are refused naming the field (GenerateReqInput's rules)."""
+    ids = [2] + [8 + (j * 5) % 53 for j in range(40)]  # 41 tokens: two full blocks of 16
+    sp = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+
+    async def cached(**fields):
+        status, body = await _post(
+            engine, "/generate", {"input_ids": ids, "sampling_params": sp, **fields}
+        )
+        assert status == 200, body
+        return [
+            b["meta_info"]["cached_tokens"] for b in (body if isinstance(body, list) else [body])
+        ]
+
+    assert await cached(extra_key="pk-a") == [0]
+    assert await cached(extra_key="pk-b") == [0]
+    assert await cached(extra_key="pk-a") == [32]
+    assert await cached(extra_key="pk-a", cache_salt="salt") == [0]
+    assert await cached(extra_key="pk-a", cache_salt="salt") == [32]
+    assert await cached(input_ids=[ids, ids], extra_key=["pk-b", "pk-c"]) == [32, 0]
+    # One key for the batch: the first takes pk-c's cached blocks, the second is its twin.
+    assert await cached(input_ids=[ids, ids], extra_key="pk-c") == [32, 41]
+    for bad, why in (
+        (["pk-a"], "extra_key must be one string for a single prompt"),
+        (7, "extra_key must be a string or a list of strings"),
+    ):
+        status, body = await _post(
+            engine, "/generate", {"input_ids": ids, "sampling_params": sp, "extra_key": bad}
+        )
+        assert status == 400 and why in body["error"]["message"], body
+    status, body = await _post(
+        engine,
+        "/generate",
+        {"input_ids": [ids, ids], "sampling_params": sp, "cache_salt": ["a"]},
+    )
+    assert status == 400 and "cache_salt holds 1 keys for a batch of 2" in body["error"]["message"]

@@ -15,6 +15,14 @@ Keys (SGLang 0.5.23, srt/utils/auth.py:decide_request_auth): a route marked ADMI
 only `--admin-api-key` when the server has one, else `--api-key`; every other route takes
 `--api-key` (and /health*, /ready, /metrics none). The client sends the admin key (when given) on
 the routes of `ADMIN_ROUTES` and the api key on all others.
+
+Prefix keys: each /generate carries SGLang's `extra_key` = `prefix_key(v)`, where v is the weight
+version of the latest answer this client received (0 before the first). SGLang's radix cache
+keeps prefixes of different keys apart (srt/mem_cache/radix_cache.py: RadixKey.child_key_at), so a
+new request never runs over prompt KV that requests under another version's key cached: a push
+that keeps the cache (in_place pause, `flush_cache: false`) would otherwise let new requests reuse
+KV computed by the old weights, silently. The answer reports what was reused
+(`GenerateOutput.cached_tokens`) and under which key (`prefix_version`).
 """
 
 from __future__ import annotations
@@ -128,10 +136,19 @@ class GenerateOutput:
     text: str = ""
     finish_message: str | None = None
     meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
+    cached_tokens: int = 0
+    """Prompt tokens the engine served from its prefix cache (SGLang's `meta_info.cached_tokens`)."""
+    prefix_version: int | None = None
+    """The weight version the request's `extra_key` named (None: sent without a key)."""
     routed_experts: np.ndarray | None = field(default=None, repr=False)
     """Flat int32 experts of every token of prompt + output but the last (from
     `routed_experts_start_len` on when asked), per MoE layer and top-k slot (SGLang's
     `meta_info.routed_experts`, asked for by `return_routed_experts`)."""
+
+
+def prefix_key(version: int) -> str:
+    """The `extra_key` of requests sent while the engine serves weight version `version`."""
+    return f"weights-{version}"
 
 
 def parse_weight_version(value: object) -> int:
@@ -192,6 +209,7 @@ def parse_generate_response(body: dict[str, Any], url: str) -> GenerateOutput:
             text=body.get("text", ""),
             finish_message=fr.get("message"),
             meta_info=meta,
+            cached_tokens=int(meta.get("cached_tokens") or 0),
             routed_experts=decode_routed_experts(meta.get("routed_experts")),
         )
     except (KeyError, TypeError, ValueError, IndexError) as e:
@@ -231,6 +249,12 @@ class EngineClient:
         """Calls sent again after a failure (each one logged with its reason)."""
         self.return_routed_experts = False
         """Ask /generate for the MoE experts of every token (routing replay)."""
+        self.prefix_keys = True
+        """Send each /generate SGLang's extra_key naming the weight version (module docstring)."""
+        self.weight_version = 0
+        """The weight version of the latest /generate answer (the version a new request is keyed
+        by: the engine's own report, never the learner's, so a restarted engine's fresh weights
+        are not taken for the version it will be pushed)."""
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> EngineClient:
@@ -324,6 +348,9 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        keyed = self.weight_version if self.prefix_keys else None
+        if keyed is not None:
+            body["extra_key"] = prefix_key(keyed)
         if self.return_routed_experts:
             body["return_routed_experts"] = True
             if routed_start:
@@ -333,7 +360,10 @@ class EngineClient:
             raise EngineError(
                 self.url, "POST /generate", f"expected a JSON object, got {type(out).__name__}"
             )
-        return parse_generate_response(out, self.url)
+        parsed = parse_generate_response(out, self.url)
+        parsed.prefix_version = keyed
+        self.weight_version = parsed.weight_version
+        return parsed
 
     async def health(self, timeout_s: float = 5.0) -> bool:
         """True when GET /health answers 200 (no retries)."""

@@ -60,6 +60,7 @@ async def _run(cfg: SlimeConfig, gen_cfg, urls: list[str], tok_path: str) -> int
     pool = EnginePool.from_config(cfg.engine, urls, seed=gen_cfg.seed, owner=gen_cfg.producer_id)
     for client in pool.clients.values():  # routing replay: the engines report each token's experts
         client.return_routed_experts = cfg.learner.routing_replay
+        client.prefix_keys = gen_cfg.prefix_keys  # extra_key: cached prefixes of one version only
     metrics = None
     try:
         # Plugins, dataset and cursor are checked here, before anything connects.

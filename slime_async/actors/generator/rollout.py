@@ -21,6 +21,16 @@ prompt plus the tokens so far and keeps each token's policy version, so one resp
 tokens of several versions. An abort that brought no token (the engine is mid-update) is
 resumed after a back-off (`RESUME_BACKOFF_S` doubling up to `MAX_RESUME_BACKOFF_S`, jittered).
 
+Prefix keys: every engine request carries SGLang's `extra_key` naming the weight version the
+engine served at the latest answer (`EngineClient.generate`), so cached prompt KV is shared only
+among requests keyed by one version. A resumed request is keyed by the version at which it
+starts again, not by the one its first tokens came from: its prompt and partial output are
+prefilled under the weights it will continue with, so it must not take KV that older weights
+cached (the tokens so far keep their own versions; only the new tokens' context is recomputed).
+Each answer's cached prompt tokens are counted, and so are the requests that took a cached prefix
+under a key older than the weights that answered (`prefix_key_behind`: the engine was updated
+after the latest answer this client saw, so the reused KV may be of the older weights; logged).
+
 Routing replay (MoE): every segment's routed experts are kept, in order. The first request's
 answer covers every fed token (`[0, end - 1)`); a resumed request asks only for the rows it does
 not have yet (SGLang's `routed_experts_start_len`), so the tokens of an earlier segment keep the
@@ -306,6 +316,13 @@ class RolloutStats:
     routing_missing: int = 0
     """Generations left without routed experts: a segment's answer lacked them or did not fit
     (routing replay; each logged)."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens the engines served from their prefix caches (SGLang's cached_tokens)."""
+    tokens_over_cached_prefix: int = 0
+    """Output tokens of requests that took part of their prompt from a prefix cache."""
+    prefix_key_behind: int = 0
+    """Requests that took a cached prefix under a key naming an older weight version than the one
+    that answered them (the reused KV may be of older weights; each logged)."""
 
 
 class RolloutContext:
@@ -423,6 +440,7 @@ class RolloutContext:
             out.engine_id = str(getattr(part, "engine_url", "") or out.engine_id)
             routing.add(getattr(part, "routed_experts", None), len(sent) + n - 1)
             self.stats.tokens += n
+            self._count_cache(part, rid)
             reason = _reason(part.finish_reason)
             done = reason != "abort" or len(out.token_ids) >= budget
             if done:
@@ -445,6 +463,27 @@ class RolloutContext:
             if n == 0:
                 # An engine that aborts without progress is mid weight update: give it a moment.
                 await asyncio.sleep(self.resume_policy.delay(out.resumes))
+
+    def _count_cache(self, part: Any, rid: str) -> None:
+        """Count what the answer took from the engine's prefix cache, and under which key."""
+        cached = int(getattr(part, "cached_tokens", 0) or 0)
+        if not cached:
+            return
+        self.stats.cached_prompt_tokens += cached
+        self.stats.tokens_over_cached_prefix += len(part.token_ids)
+        keyed = getattr(part, "prefix_version", None)
+        if keyed is not None and part.versions and part.versions[0] > keyed:
+            self.stats.prefix_key_behind += 1
+            log.warning(
+                "request %s: %d cached prompt tokens under the key of version %d, answered by "
+                "version %d (the engine was updated after the latest answer; the reused KV may "
+                "be of the older weights; %d so far)",
+                rid,
+                cached,
+                keyed,
+                part.versions[0],
+                self.stats.prefix_key_behind,
+            )
 
     async def _request(self, ids: list[int], params: dict, rid: str, routed_start: int) -> Any:
         self.stats.requests += 1

@@ -66,3 +66,18 @@ def test_cache_keys_refuse_impossible_combinations():
             kind="external", urls=["http://127.0.0.1:1"], embedded={"prefix_sharing": False}
         )
     assert EmbeddedEngineConfig(block_size=8).decode_attention == "auto"
+
+
+def test_prefix_keys_of_another_namespace_never_match():
+    """SGLang's (extra_key, cache_salt) namespaces: the same tokens under another key share
+    nothing; under the same key they share; None and (None, None) are the plain index."""
+    pool = BlockPool(num_blocks=10, block_size=4)
+    prompt = list(range(10))
+    blocks = pool.allocate(2)
+    pool.register(pool.keys(prompt, ("weights-1", None)), blocks)
+    assert pool.match(pool.keys(prompt, ("weights-1", None))) == blocks
+    assert pool.match(pool.keys(prompt, ("weights-2", None))) == []
+    assert pool.match(pool.keys(prompt)) == []
+    assert pool.match(pool.keys(prompt, ("weights-1", "salt"))) == []
+    assert pool.match(pool.keys(prompt, (None, "weights-1"))) == []
+    assert pool.keys(prompt, (None, None)) == pool.keys(prompt)

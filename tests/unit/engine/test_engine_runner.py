@@ -2,6 +2,7 @@
 (the CUDA paths: tests/gpu/test_engine_gpu.py)."""
 
 import os
+import threading
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from slime_async.actors.engine.embedded import attention
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
 from slime_async.actors.engine.embedded.sampling import SamplingParams
-from slime_async.actors.engine.embedded.scheduler import Scheduler
+from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
 from slime_async.models.toy import make_tiny_model
 from tests.support.engine_util import PROMPTS, greedy_with_runner, hf_greedy, random_paged, run_all
 
@@ -253,3 +254,43 @@ def test_paged_decode_kernel_in_triton_interpreter():
     got = attention.paged_decode(q, kc, vc, bt, lens, 32**-0.5)
     ref = attention.decode_reference(q, kc, vc, bt, lens, 32**-0.5)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def _keyed(sched: Scheduler, prompt: list[int], params: SamplingParams, *keys) -> list[Request]:
+    """One request of `prompt` per extra_key, admitted together (submitted while paused)."""
+    done = threading.Semaphore(0)
+    reqs = [
+        Request(f"r{i}", list(prompt), params, lambda r: done.release(), extra_key=k)
+        for i, k in enumerate(keys)
+    ]
+    sched.call(lambda: sched.pause("retract")).result(timeout=60)
+    for r in reqs:
+        sched.submit(r)
+    sched.call(sched.resume).result(timeout=60)
+    for _ in reqs:
+        assert done.acquire(timeout=60)
+    return reqs
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_requests_share_cached_prefixes_only_under_one_extra_key(qwen3, strict):
+    """SGLang's extra_key: the same prompt under another key is prefilled again (cached_tokens 0),
+    in one batch (no twins) and across batches (no index match); under the same key it is shared.
+    Strict mode (SGLang's failures) keys the same way."""
+    d, hf = qwen3
+    prompt = [2, *range(10, 20)]  # 11 tokens: two full blocks of 4
+    runner = ModelRunner(d, max_slots=8, max_context_len=64, block_size=4)
+    sched = Scheduler(runner, strict=strict)
+    sched.start()
+    p = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    try:
+        first = _keyed(sched, prompt, p, "weights-0", "weights-1", None)  # three namespaces
+        assert [r.cached_tokens for r in first] == [0, 0, 0]
+        assert sched.prefill_tokens == 3 * len(prompt)
+        again = _keyed(sched, prompt, p, "weights-1", "weights-2")
+        assert [r.cached_tokens for r in again] == [8, 0]  # two full blocks of weights-1's
+        twins = _keyed(sched, prompt, p, "weights-3", "weights-3")  # one key: one prefill
+        assert [r.cached_tokens for r in twins] == [0, len(prompt)]
+    finally:
+        sched.stop()
+    _assert_hf(hf, first + again + twins, [prompt] * 7, [3] * 7)

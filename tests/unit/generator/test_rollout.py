@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from slime_async.actors.engine.client import EngineRequestError
+from slime_async.actors.engine.client import EngineRequestError, GenerateOutput
 from slime_async.actors.generator.loop import Generator
 from slime_async.actors.generator.rollout import (
     ROLLOUTS,
@@ -330,3 +330,43 @@ def test_a_per_call_min_new_tokens_other_than_the_config_is_refused(tok):
     ctx = RolloutContext(ScriptedEngine([]), tok, SamplingConfig(max_new_tokens=10))
     with pytest.raises(PluginContractError, match=r"generator\.sampling\.min_new_tokens"):
         asyncio.run(ctx.generate([3, 4], {"min_new_tokens": 4}))
+
+
+def _answer(ids, version, cached, keyed, reason="stop"):
+    return GenerateOutput(
+        token_ids=list(ids),
+        logprobs=[-0.5] * len(ids),
+        versions=[version] * len(ids),
+        finish_reason=reason,
+        weight_version=version,
+        prompt_tokens=0,
+        completion_tokens=len(ids),
+        engine_url="http://e",
+        cached_tokens=cached,
+        prefix_version=keyed,
+    )
+
+
+def test_generate_counts_cached_prompt_tokens_and_keys_behind_the_weights(tok, caplog):
+    """cached_tokens of every answer are counted, with the tokens generated over them; an answer
+    that reused a prefix under the key of an older version than its weights is counted and logged
+    (a resumed request is counted per request it sent)."""
+    engine = ScriptedEngine(
+        [
+            _answer([6], 0, cached=0, keyed=0),
+            _answer([6, 7], 0, cached=16, keyed=0),
+            _answer([6], 0, cached=16, keyed=0, reason="abort"),  # aborted for an update
+            _answer([7, 1], 1, cached=16, keyed=0),  # resumed before an answer of v1 came back
+            _answer([6], 1, cached=0, keyed=None),  # sent without a key: never "behind"
+        ]
+    )
+    ctx = RolloutContext(engine, tok, SamplingConfig(max_new_tokens=8))
+    for _ in range(4):
+        asyncio.run(ctx.generate([3, 10]))
+    s = ctx.stats
+    assert s.cached_prompt_tokens == 48
+    assert s.tokens_over_cached_prefix == 2 + 1 + 2
+    assert s.prefix_key_behind == 1
+    assert (
+        "16 cached prompt tokens under the key of version 0, answered by version 1" in caplog.text
+    )

@@ -10,7 +10,11 @@ A request holds `ceil(context_len / B)` blocks, so memory follows the real lengt
 Sharing. A block is reference-counted. Full blocks of prompts are entered in a prefix index keyed
 by the hash chain of their tokens (block i's key hashes block i-1's key and its own tokens, so a
 key names the whole prefix): a request whose prompt starts with indexed blocks takes them (a ref
-each) and prefills only the rest. Indexed blocks that no request holds stay cached until the pool
+each) and prefills only the rest. The chain starts from the request's cache namespace, SGLang's
+`(extra_key, cache_salt)`: as in SGLang 0.5.23's radix cache (srt/mem_cache/radix_cache.py:
+RadixKey.child_key_at puts both into the key of the root's children, RadixKey._check_compatible
+refuses to compare keys of two namespaces), prompts under different namespaces never share a
+block, whatever their tokens; no namespace (both None) is SGLang's plain, unkeyed tree. Indexed blocks that no request holds stay cached until the pool
 runs dry, then are evicted least recently used first. The index is cleared whenever the weights
 change (cached KV of old weights would make new requests inexact) and by `flush`.
 
@@ -98,9 +102,14 @@ class BlockPool:
 
     # ---- the prefix index -------------------------------------------------------------------
 
-    def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        """The prefix keys of the full blocks of `tokens`."""
+    def keys(
+        self, tokens: Sequence[int], namespace: tuple[str | None, str | None] | None = None
+    ) -> list[bytes]:
+        """The prefix keys of the full blocks of `tokens` under `namespace` (SGLang's
+        `(extra_key, cache_salt)`; None or `(None, None)`: no namespace)."""
         bs, out, prev = self.block_size, [], b""
+        if namespace is not None and namespace != (None, None):
+            prev = hashlib.blake2b(repr(tuple(namespace)).encode(), digest_size=16).digest()
         for i in range(len(tokens) // bs):
             h = hashlib.blake2b(prev, digest_size=16)
             h.update(repr(list(tokens[i * bs : (i + 1) * bs])).encode())

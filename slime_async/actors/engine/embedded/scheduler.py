@@ -11,8 +11,10 @@ blocks at once; nobody's KV moves.
 Shared prompts: the full blocks of each prompt enter the runner's prefix index (kv_cache.py); a
 request whose prompt starts with indexed blocks takes them and prefills only the rest, and
 requests of one batch with the same tokens (the n samples of a group) are prefilled once: the
-others share its full blocks and copy its last, partial one (copy-on-write). `prefix_sharing`
-off turns both off.
+others share its full blocks and copy its last, partial one (copy-on-write). Both happen only
+between requests of one cache namespace (SGLang's `extra_key` and `cache_salt`, in strict mode
+and out of it): a request under another namespace prefills its prompt even when the tokens
+match. `prefix_sharing` off turns both off.
 
 Overlap: the decode step t+1 is launched (its inputs come from step t's sampled tokens, still on
 the GPU) before the host reads step t's tokens, so the host's bookkeeping of step t (appending,
@@ -82,6 +84,10 @@ class Request:
     """n > 1: the requests sharing this one's prompt (they share its prefill and its blocks)."""
     cached_tokens: int = 0
     """Prompt tokens taken from shared KV blocks instead of prefilled (SGLang's cached_tokens)."""
+    extra_key: str | None = None
+    """SGLang's extra_key: shares cached prefixes only with requests of the same key."""
+    cache_salt: str | None = None
+    """SGLang's cache_salt: a second part of the same namespace."""
     slot: int = -1
     """Row of the scheduler's block-table and sampling-parameter arrays while running."""
     blocks: list[int] = field(default_factory=list)
@@ -102,6 +108,11 @@ class Request:
     @property
     def context_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def namespace(self) -> tuple[str | None, str | None]:
+        """The prefix cache's namespace of this request: (extra_key, cache_salt)."""
+        return (self.extra_key, self.cache_salt)
 
 
 @dataclass
@@ -348,19 +359,20 @@ class Scheduler:
         pool, bs = self.runner.pool, self.runner.block_size
         admitted: list[Request] = []
         budget = self.max_prefill_tokens
-        twins: dict[tuple[int, ...], Request] = {}
+        twins: dict[tuple, Request] = {}  # (namespace, tokens) -> the request prefilling them
         with self._cv:
             while self._waiting and self._free_slots:
                 r = self._waiting[0]
                 tokens = r.input_ids + r.output_ids
                 n = len(tokens)
-                lead = twins.get(tuple(tokens)) if self.prefix_sharing else None
+                twin_key = (r.namespace, tuple(tokens))
+                lead = twins.get(twin_key) if self.prefix_sharing else None
                 if lead is not None:  # a twin in this batch: its full blocks, a copy of the tail
                     shared = lead.blocks[: n // bs]
                     need = math.ceil(n / bs) - len(shared)
                     compute = 0
                 else:
-                    keys = pool.keys(tokens) if self.prefix_sharing else []
+                    keys = pool.keys(tokens, r.namespace) if self.prefix_sharing else []
                     shared = pool.match(keys[: (n - 1) // bs])  # >= 1 token left to compute
                     need = math.ceil(n / bs) - len(shared)
                     compute = n - len(shared) * bs
@@ -385,7 +397,7 @@ class Scheduler:
                 budget -= compute
                 if lead is None and self.prefix_sharing:
                     pool.register(keys, r.blocks)
-                    twins[tuple(tokens)] = r
+                    twins[twin_key] = r
                 r._lead = lead  # type: ignore[attr-defined]
                 r._compute = compute  # type: ignore[attr-defined]
                 self._place(r)

@@ -71,6 +71,8 @@ _GENERATE_FIELDS = {
     "stream",
     "return_routed_experts",
     "routed_experts_start_len",
+    "extra_key",
+    "cache_salt",
 }
 # SGLang fields that change nothing here (sglang-router fills several of them in every request).
 _INERT_FIELDS = {"model", "log_metrics", "no_logs", "background"}
@@ -275,6 +277,14 @@ class EmbeddedEngine:
         sps = sps if isinstance(sps, list) else [sps] * n_prompts
         if len(rids) != n_prompts or len(sps) != n_prompts:
             raise BadRequest("rid and sampling_params lists must match the batch of prompts")
+        as_batch = batched or _parallel_samples(sps[0]) > 1  # SGLang: n > 1 makes a batch
+        spaces = list(
+            zip(
+                _cache_keys(body, "extra_key", n_prompts, as_batch),
+                _cache_keys(body, "cache_salt", n_prompts, as_batch),
+                strict=True,
+            )
+        )
         want_logprob = bool(body.get("return_logprob", False))
         start = body.get("logprob_start_len")
         start = -1 if start is None else int(start)
@@ -282,8 +292,8 @@ class EmbeddedEngine:
         if top_n < 0:
             raise BadRequest(f"top_logprobs_num must be >= 0, got {top_n}")
         with_text = bool(body.get("return_text_in_logprobs", False))
-        jobs: list[tuple[list[int], str, SamplingParams]] = []
-        for prompt, rid, sp in zip(prompts, rids, sps, strict=True):
+        jobs: list[tuple[list[int], str, SamplingParams, tuple]] = []
+        for prompt, rid, sp, space in zip(prompts, rids, sps, spaces, strict=True):
             self._check_prompt(prompt)
             try:
                 params = SamplingParams.from_request(sp, self.runner.vocab_size)
@@ -296,7 +306,7 @@ class EmbeddedEngine:
             n = _parallel_samples(sp)
             base = str(rid) if rid is not None else uuid.uuid4().hex
             # n > 1: SGLang answers n results per prompt, one after the other.
-            jobs += [(prompt, base if n == 1 else f"{base}_{j}", params) for j in range(n)]
+            jobs += [(prompt, base if n == 1 else f"{base}_{j}", params, space) for j in range(n)]
         batched = batched or len(jobs) > 1
         want_routed = bool(body.get("return_routed_experts", False))
         if want_routed and not self.runner.family.moe_gates(self.runner.model):
@@ -306,7 +316,7 @@ class EmbeddedEngine:
             raise BadRequest(
                 f"routed_experts_start_len must be an integer >= 0, got {routed_start!r}"
             )
-        for prompt, _, _ in jobs:
+        for prompt, *_ in jobs:
             if want_routed and routed_start > len(prompt):
                 raise BadRequest(
                     f"routed_experts_start_len {routed_start} is higher than the number of input "
@@ -351,9 +361,9 @@ class EmbeddedEngine:
                 f"{self.runner.max_context_len} tokens"
             )
 
-    def _make_requests(self, jobs: list[tuple[list[int], str, SamplingParams]], opts: _Opts):
+    def _make_requests(self, jobs: list[tuple[list[int], str, SamplingParams, tuple]], opts: _Opts):
         reqs, groups = [], {}
-        for prompt, rid, params in jobs:
+        for prompt, rid, params, (extra_key, cache_salt) in jobs:
             r = Request(
                 rid,
                 list(prompt),
@@ -362,6 +372,8 @@ class EmbeddedEngine:
                 top_logprobs_num=opts.top_n,
                 return_routed=opts.want_routed,
                 routed_start=opts.routed_start,
+                extra_key=extra_key,
+                cache_salt=cache_salt,
             )
             if params.sampling_seed is not None:
                 r.generator = torch.Generator(device=self.runner.device).manual_seed(
@@ -627,6 +639,25 @@ class _Opts:
     with_text: bool
     want_routed: bool = False
     routed_start: int = 0
+
+
+def _cache_keys(body: dict[str, Any], name: str, n: int, as_batch: bool) -> list[str | None]:
+    """SGLang's extra_key or cache_salt for each of `n` prompts (srt/managers/io_struct.py:
+    GenerateReqInput._normalize_extra_key / _normalize_cache_salt and, for one prompt,
+    _normalize_single_inputs): one string for all, or, for a batch, a list of strings of its
+    length; an empty string is no key."""
+    v = body.get(name)
+    if v is None or isinstance(v, str):
+        return [v or None] * n
+    if not isinstance(v, list):
+        raise BadRequest(f"{name} must be a string or a list of strings, got {type(v).__name__}")
+    if not as_batch:
+        raise BadRequest(f"{name} must be one string for a single prompt, got a list")
+    if len(v) != n:
+        raise BadRequest(f"{name} holds {len(v)} keys for a batch of {n} prompts")
+    if not all(isinstance(x, str) for x in v):
+        raise BadRequest(f"{name} must hold only strings")
+    return [x or None for x in v]
 
 
 def _parallel_samples(sp: object) -> int:
