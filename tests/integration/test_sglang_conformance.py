@@ -168,12 +168,6 @@ def test_each_request_fits_the_wheel(api, captured, route: ProjectRoute):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="WeightPusher sends no POST /begin_weight_update before its "
-    "/update_weights_from_distributed calls (nor /end_weight_update after): SGLang 0.5.23 answers "
-    "400 and the engine never joins the broadcast",
-)
 def test_weight_updates_run_inside_a_weight_update_session(api, captured):
     """Rule (a): SGLang 0.5.23 refuses /update_weights_from_distributed outside
     /begin_weight_update .. /end_weight_update (400, the engine never joins the broadcast)."""

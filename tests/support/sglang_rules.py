@@ -56,6 +56,8 @@ PROJECT_ROUTES = [
     ProjectRoute("POST", "/flush_cache", "`WeightPusher` (abort, retract pauses), polled"),
     ProjectRoute("POST", "/continue_generation", "`WeightPusher`"),
     ProjectRoute("POST", "/init_weights_update_group", "`WeightPusher.connect`"),
+    ProjectRoute("POST", "/begin_weight_update", "`WeightPusher.push`, before the first bucket"),
+    ProjectRoute("POST", "/end_weight_update", "`WeightPusher.push`, after the last (always)"),
     ProjectRoute("POST", "/update_weights_from_distributed", "`WeightPusher.push`, per bucket"),
     ProjectRoute("POST", "/destroy_weights_update_group", "`WeightPusher` (rebuild, close)"),
     ProjectRoute("POST", "/update_weights_from_disk", "`EngineClient.update_weights_from_disk`"),
