@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -45,9 +46,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import roofline
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime_async.actors.engine.client import EngineClient
 from slime_async.actors.engine.weight_push import WeightPusher
@@ -92,6 +94,7 @@ def start_engine(
     log: Path,
     threads: int,
     extra: tuple[str, ...] = (),
+    max_context_len: int = 1024,
 ) -> tuple[Child, str]:
     port = free_port()
     args = [
@@ -100,7 +103,7 @@ def start_engine(
         f"engine.embedded.device={device}",
         f"engine.embedded.dtype={dtype}",
         f"engine.embedded.max_running_requests={max_running}",
-        "engine.embedded.max_context_len=1024",
+        f"engine.embedded.max_context_len={max_context_len}",
         f"engine.embedded.torch_threads={threads}",
         *extra,
     ]
@@ -151,10 +154,52 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_generation(args: argparse.Namespace, work: Path) -> None:
+def decode_shape(model_dir: Path, dtype: torch.dtype) -> roofline.DecodeShape:
+    """The loaded model's decode roofline inputs: its parameter count (built on the meta device,
+    a tied output layer counted once), `dtype`'s bytes, and the KV layout from its config."""
+    cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    heads = cfg.num_attention_heads
+    return roofline.DecodeShape(
+        params=params,
+        dtype_bytes=torch.finfo(dtype).bits // 8,
+        layers=cfg.num_hidden_layers,
+        kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+    )
+
+
+def describe_roofline(shape: roofline.DecodeShape, hbm_tbps: float) -> str:
+    return (
+        f"roofline: HBM {hbm_tbps} TB/s; weights {shape.weight_bytes / 1e6:,.1f} MB "
+        f"({shape.params / 1e6:,.1f}M params x {shape.dtype_bytes} B) + KV "
+        f"{shape.kv_bytes_per_token / 1e3:.1f} KB a token of context (2 x {shape.layers} layers "
+        f"x {shape.kv_heads} kv heads x {shape.head_dim} x {shape.dtype_bytes} B) per decode step, "
+        "averaged over the decode; prefill, sampling and HTTP not counted"
+    )
+
+
+def with_roofline(row: dict, shape, batch: int, prompt_len: int, new: int, hbm: float) -> dict:
+    """`row` with the decode roofline of its shape and each measured tokens/s as a fraction."""
+    row.update(roofline.decode_roofline(shape, batch, prompt_len, new, hbm))
+    for key in [k for k in row if k.endswith("_tokens_per_s") and k != "roofline_tokens_per_s"]:
+        row[key[: -len("_tokens_per_s")] + "_of_roofline"] = row[key] / row["roofline_tokens_per_s"]
+    return row
+
+
+def write_json(path: str | None, record: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+def bench_generation(args: argparse.Namespace, work: Path) -> dict:
     device = args.device
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    model_dir = make_model(work / args.model, args.model, dtype)
+    model_dir = make_model(work / Path(args.model).name, args.model, dtype)
+    shape = decode_shape(model_dir, dtype)
     batches = [int(b) for b in args.batches.split(",")]
     threads = 0 if device.startswith("cuda") else args.cpu_threads
     if threads:
@@ -165,19 +210,34 @@ def bench_generation(args: argparse.Namespace, work: Path) -> None:
         .eval()
     )
     vocab = hf.config.vocab_size
+    context = args.prompt_len + args.new_tokens
     child, url = start_engine(
-        model_dir, device, args.dtype, max(batches), work / "engine.log", threads
+        model_dir,
+        device,
+        args.dtype,
+        max(batches),
+        work / "engine.log",
+        threads,
+        max_context_len=max(1024, context),
     )
     rows = []
     try:
         for b in batches:
             prompts = prompts_for(b, args.prompt_len, vocab)
+            before = server_info(url)["prefill_tokens"]
             eng = asyncio.run(engine_tokens_per_s(url, prompts, args.new_tokens))
+            prefilled = server_info(url)["prefill_tokens"] - before
             with torch.inference_mode():
                 ref = hf_tokens_per_s(hf, prompts, args.new_tokens, device)
-            rows.append((b, eng, ref))
+            row = {"batch": b, "engine_tokens_per_s": eng, "hf_tokens_per_s": ref}
+            row = with_roofline(row, shape, b, args.prompt_len, args.new_tokens, args.hbm_tbps)
+            row["ratio_engine_over_hf"] = eng / ref
+            row["prompt_tokens_prefilled"] = prefilled  # the warm-up and the timed run
+            rows.append(row)
             print(
-                f"batch {b:4d}: engine {eng:9.1f} tok/s   HF generate {ref:9.1f} tok/s   ratio {eng / ref:5.2f}x",
+                f"batch {b:4d}: engine {eng:9.1f} tok/s   HF generate {ref:9.1f} tok/s   ratio "
+                f"{eng / ref:5.2f}x   roofline {row['roofline_tokens_per_s']:9.1f} tok/s "
+                f"(engine {row['engine_of_roofline']:.3g} of it)",
                 flush=True,
             )
     finally:
@@ -188,51 +248,90 @@ def bench_generation(args: argparse.Namespace, work: Path) -> None:
         else f"CPU x{threads or torch.get_num_threads()} threads"
     )
     print(
-        f"\n{Path(args.model).name}, {args.dtype}, {device} ({name}), prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy"
+        f"\n{Path(args.model).name}, {args.dtype}, {device} ({name}), prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, greedy, ignore_eos (every request runs to length)"
     )
-    print("| concurrent requests | embedded engine tok/s | HF generate() tok/s | ratio |")
-    print("| --- | --- | --- | --- |")
-    for b, eng, ref in rows:
-        print(f"| {b} | {eng:.0f} | {ref:.0f} | {eng / ref:.2f}x |")
+    print(describe_roofline(shape, args.hbm_tbps))
+    print(
+        "| concurrent requests | embedded engine tok/s | HF generate() tok/s | ratio "
+        "| roofline tok/s | engine / roofline | HF / roofline |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['batch']} | {r['engine_tokens_per_s']:.0f} | {r['hf_tokens_per_s']:.0f} "
+            f"| {r['ratio_engine_over_hf']:.2f}x | {r['roofline_tokens_per_s']:.0f} "
+            f"| {r['engine_of_roofline']:.3g} | {r['hf_of_roofline']:.3g} |"
+        )
+    return {
+        "bench": "generation",
+        "model": Path(args.model).name,
+        "device": name,
+        "dtype": args.dtype,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "sampling": "greedy, ignore_eos",
+        "params": shape.params,
+        "weight_bytes": shape.weight_bytes,
+        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "rows": rows,
+    }
 
 
 # ---- GRPO-shaped load ----------------------------------------------------------------------------
 
 
-async def grpo_tokens_per_s(url: str, prompts: list[list[int]], n: int, new_tokens: int):
-    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "n": n, "ignore_eos": True}
+async def grpo_tokens_per_s(
+    url: str, prompts: list[list[int]], n: int, new_tokens: int, top_p: float, fanout: str
+) -> tuple[float, int, float]:
+    """Every prompt's n samples at temperature 1 and `top_p`, ignore_eos (each runs to
+    `new_tokens`), all at once: fanout "n" sends one request per prompt with
+    `sampling_params.n` (the server expands it: one prefill); "requests" sends n requests of the
+    same prompt (how the generator sends a group: one rollout per sample)."""
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "top_p": top_p, "ignore_eos": True}
+    if fanout == "n":
+        bodies = [{"input_ids": p, "sampling_params": {**params, "n": n}} for p in prompts]
+    else:
+        bodies = [{"input_ids": p, "sampling_params": params} for p in prompts for _ in range(n)]
     async with EngineClient(url, timeout_s=3600) as c:
-        body = {"input_ids": prompts[-1], "sampling_params": {**params, "max_new_tokens": 4}}
-        await c.call("POST", "/generate", body)  # warm-up
+        # each run starts from an empty prompt cache: runs on one engine compare like with like
+        if not await c.flush_cache():
+            raise RuntimeError(f"engine at {url} refused /flush_cache before a GRPO run")
+        warm = {"input_ids": prompts[-1], "sampling_params": {**params, "max_new_tokens": 4}}
+        await c.call("POST", "/generate", warm)
         t0 = time.perf_counter()
         outs = await asyncio.gather(
-            *(
-                c.call(
-                    "POST",
-                    "/generate",
-                    {"input_ids": p, "sampling_params": params, "return_logprob": True},
-                )
-                for p in prompts
-            )
+            *(c.call("POST", "/generate", {**b, "return_logprob": True}) for b in bodies)
         )
         dt = time.perf_counter() - t0
-    tokens = sum(len(o["output_ids"]) for group in outs for o in group)
+    # with n > 1 a response is a list of n outputs, else one output
+    flat = [o for out in outs for o in (out if isinstance(out, list) else [out])]
+    tokens = sum(len(o["output_ids"]) for o in flat)
+    if tokens != len(prompts) * n * new_tokens:
+        raise RuntimeError(
+            f"GRPO load: {tokens} tokens came back, expected {len(prompts)} prompts x {n} x "
+            f"{new_tokens} (ignore_eos: every sample runs to length)"
+        )
     return tokens / dt, tokens, dt
 
 
 def server_info(url: str) -> dict:
-    import json
-
     with urllib.request.urlopen(f"{url}/get_server_info", timeout=10) as r:
         return json.loads(r.read())
 
 
-def bench_grpo(args: argparse.Namespace, work: Path) -> None:
+def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    model_dir = make_model(work / args.model, args.model, dtype)
+    model_dir = make_model(work / Path(args.model).name, args.model, dtype)
+    shape = decode_shape(model_dir, dtype)
     vocab = 1000 if args.model != "tiny" else 64
+    new = args.grpo_new_tokens
     prompts = prompts_for(args.grpo_prompts, args.grpo_prompt_len, vocab)
     slots = args.grpo_prompts * args.grpo_n
+    top_ps = [float(x) for x in args.grpo_top_p.split(",")]
+    fanouts = {"both": ("n", "requests"), "n": ("n",), "requests": ("requests",)}[args.grpo_fanout]
+    gpu = args.device.startswith("cuda")
+    threads = 0 if gpu else args.cpu_threads
     rows = []
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.grpo_sharing]
     for sharing in modes:
@@ -242,40 +341,89 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> None:
             "engine.embedded.max_prefill_tokens=16384",
         )
         child, url = start_engine(
-            model_dir, args.device, args.dtype, slots, work / f"engine_{sharing}.log", 0, extra
+            model_dir,
+            args.device,
+            args.dtype,
+            slots,
+            work / f"engine_{sharing}.log",
+            threads,
+            extra,
+            max_context_len=max(1024, args.grpo_prompt_len + new),
         )
         try:
-            before = server_info(url)
-            tps, tokens, dt = asyncio.run(
-                grpo_tokens_per_s(url, prompts, args.grpo_n, args.grpo_new_tokens)
-            )
-            info = server_info(url)
+            for fanout in fanouts:
+                for top_p in top_ps:
+                    before = server_info(url)
+                    tps, tokens, dt = asyncio.run(
+                        grpo_tokens_per_s(url, prompts, args.grpo_n, new, top_p, fanout)
+                    )
+                    info = server_info(url)
+                    row = {
+                        "prefix_sharing": sharing,
+                        "fanout": fanout,
+                        "top_p": top_p,
+                        "engine_tokens_per_s": tps,
+                        "tokens": tokens,
+                        "seconds": dt,
+                        # the warm-up request's prompt and the timed run's
+                        "prompt_tokens_prefilled": info["prefill_tokens"]
+                        - before["prefill_tokens"],
+                        "memory": info.get("memory", {}),
+                    }
+                    with_roofline(row, shape, slots, args.grpo_prompt_len, new, args.hbm_tbps)
+                    rows.append(row)
+                    print(
+                        f"prefix_sharing={sharing} fanout={fanout} top_p={top_p}: {tps:,.0f} "
+                        f"tok/s ({tokens} tokens in {dt:.1f} s), prompt tokens prefilled "
+                        f"{row['prompt_tokens_prefilled']}, roofline "
+                        f"{row['roofline_tokens_per_s']:,.0f} tok/s "
+                        f"({row['engine_of_roofline']:.3g} of it)",
+                        flush=True,
+                    )
         finally:
             child.stop()
-        prefilled = info["prefill_tokens"] - before["prefill_tokens"]
-        rows.append((sharing, tps, tokens, dt, prefilled, info))
-        print(
-            f"prefix_sharing={sharing}: {tps:,.0f} tok/s ({tokens} tokens in {dt:.1f} s), "
-            f"prompt tokens prefilled {prefilled}",
-            flush=True,
-        )
     print(
-        f"\nGRPO load: {args.grpo_prompts} prompts x {args.grpo_n} samples, prompt "
-        f"{args.grpo_prompt_len}, {args.grpo_new_tokens} new tokens, temperature 1, {args.dtype}"
+        f"\nGRPO load: {args.grpo_prompts} prompts x {args.grpo_n} samples ({slots} running at "
+        f"once), prompt {args.grpo_prompt_len}, {new} new tokens, temperature 1, ignore_eos "
+        f"(every sample runs to length), {args.dtype}; fanout n: one request per prompt with "
+        "sampling_params.n; requests: n requests of the same prompt (as the generator sends)"
     )
+    print(describe_roofline(shape, args.hbm_tbps))
     print(
-        "| prompt sharing | tokens/s | prompt tokens prefilled | peak GPU memory | mem_fraction x total |"
+        "| prompt sharing | fanout | top_p | tokens/s | roofline tok/s | fraction "
+        "| prompt tokens prefilled | peak GPU memory | mem_fraction x total |"
     )
-    print("| --- | --- | --- | --- | --- |")
-    for sharing, tps, _, _, prefilled, info in rows:
-        mem = info.get("memory", {})
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        mem = r["memory"]
         peak = mem.get("peak_reserved_bytes", 0) / 2**30
         cap = mem.get("mem_fraction", 0) * mem.get("total_bytes", 0) / 2**30
         print(
-            f"| {'on' if sharing else 'off'} | {tps:,.0f} | {prefilled:,} | {peak:.1f} GiB | {cap:.1f} GiB |"
+            f"| {'on' if r['prefix_sharing'] else 'off'} | {r['fanout']} | {r['top_p']} "
+            f"| {r['engine_tokens_per_s']:,.0f} | {r['roofline_tokens_per_s']:,.0f} "
+            f"| {r['engine_of_roofline']:.3g} | {r['prompt_tokens_prefilled']:,} "
+            f"| {peak:.1f} GiB | {cap:.1f} GiB |"
         )
-    if len(rows) == 2:
-        print(f"sharing on / off: {rows[0][1] / rows[1][1]:.2f}x")
+    on = [r for r in rows if r["prefix_sharing"]]
+    off = [r for r in rows if not r["prefix_sharing"]]
+    if on and off:
+        print(
+            f"sharing on / off (first of each): {on[0]['engine_tokens_per_s'] / off[0]['engine_tokens_per_s']:.2f}x"
+        )
+    return {
+        "bench": "grpo",
+        "model": Path(args.model).name,
+        "dtype": args.dtype,
+        "prompts": args.grpo_prompts,
+        "n": args.grpo_n,
+        "prompt_len": args.grpo_prompt_len,
+        "new_tokens": new,
+        "sampling": "temperature 1, ignore_eos",
+        "params": shape.params,
+        "weight_bytes": shape.weight_bytes,
+        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "rows": rows,
+    }
 
 
 def _median_ms(fn, *args) -> float:
@@ -442,7 +590,7 @@ def bench_push(args: argparse.Namespace, work: Path) -> None:
     )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -458,7 +606,26 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="prompts of this many tokens (the prompt length of the generation and GRPO loads): "
+        "decode at long context",
+    )
+    ap.add_argument(
+        "--new-tokens",
+        type=int,
+        default=None,
+        help="tokens generated per request (default 128; with --grpo 512)",
+    )
+    ap.add_argument(
+        "--hbm-tbps",
+        type=float,
+        default=roofline.H200_HBM_TBPS,
+        help="memory bandwidth of the decode roofline, TB/s (default: an H200's 4.8)",
+    )
+    ap.add_argument("--json", help="also write the results (each row with its roofline) here")
     ap.add_argument(
         "--cpu-threads", type=int, default=1, help="torch threads of the engine and of HF on CPU"
     )
@@ -469,27 +636,72 @@ def main() -> None:
     ap.add_argument("--grpo-prompts", type=int, default=64)
     ap.add_argument("--grpo-n", type=int, default=8)
     ap.add_argument("--grpo-prompt-len", type=int, default=256)
-    ap.add_argument("--grpo-new-tokens", type=int, default=512)
+    ap.add_argument(
+        "--grpo-new-tokens", type=int, default=None, help="as --new-tokens (default 512)"
+    )
     ap.add_argument("--grpo-sharing", choices=["both", "on", "off"], default="both")
+    ap.add_argument(
+        "--grpo-fanout",
+        choices=["n", "requests", "both"],
+        default="n",
+        help="n: one request per prompt with sampling_params.n; requests: n requests of the same "
+        "prompt (as the generator sends a group); both: each, on the same engine",
+    )
+    ap.add_argument(
+        "--grpo-top-p", default="1.0", help="comma-separated top_p values, one run each"
+    )
     ap.add_argument("--mem-fraction", type=float, default=0.8)
     ap.add_argument(
         "--kernels", action="store_true", help="decode attention and step timings (GPU)"
     )
-    args = ap.parse_args()
+    return ap
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults that depend on the mode; refusals of what cannot run, each naming its option."""
     if args.quickstart:
         root = Path(__file__).resolve().parent.parent
         args.model, args.device = str(root / ".cache" / "arithmetic-base"), "cpu"
         args.prompt_len, args.new_tokens, args.cpu_threads = 20, 96, 1
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.context is not None:
+        if args.context < 2:
+            sys.exit(f"--context {args.context}: a prompt needs at least 2 tokens")
+        args.prompt_len = args.grpo_prompt_len = args.context
+    if args.grpo_new_tokens is None:
+        args.grpo_new_tokens = args.new_tokens or 512
+    if args.new_tokens is None:
+        args.new_tokens = 128
+    try:
+        top_ps = [float(x) for x in args.grpo_top_p.split(",")]
+    except ValueError:
+        sys.exit(f"--grpo-top-p {args.grpo_top_p!r}: comma-separated numbers in (0, 1]")
+    if not all(0 < p <= 1 for p in top_ps):
+        sys.exit(f"--grpo-top-p {args.grpo_top_p!r}: each value must be in (0, 1]")
+    if args.hbm_tbps <= 0:
+        sys.exit(f"--hbm-tbps {args.hbm_tbps}: must be positive")
+    gpu = args.device.startswith("cuda")
+    if gpu and not torch.cuda.is_available():
+        sys.exit(f"--device {args.device}: no CUDA GPU here (torch.cuda.is_available() is False)")
+    if args.kernels and not gpu:
+        sys.exit("--kernels times Triton kernels and CUDA graphs: it needs --device cuda")
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    return args
+
+
+def main() -> None:
+    args = resolve(build_parser().parse_args())
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
+        record = None
         if args.push:
             bench_push(args, Path(tmp))
         elif args.grpo:
-            bench_grpo(args, Path(tmp))
+            record = bench_grpo(args, Path(tmp))
         elif args.kernels:
             bench_kernels(args, Path(tmp))
         else:
-            bench_generation(args, Path(tmp))
+            record = bench_generation(args, Path(tmp))
+        if record is not None:
+            write_json(args.json, {**record, "hbm_tbps": args.hbm_tbps})
 
 
 if __name__ == "__main__":
