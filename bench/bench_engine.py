@@ -183,16 +183,25 @@ def describe_roofline(shape: roofline.DecodeShape, hbm_tbps: float) -> str:
 def with_roofline(row: dict, shape, batch: int, prompt_len: int, new: int, hbm: float) -> dict:
     """`row` with the decode roofline of its shape and each measured tokens/s as a fraction."""
     row.update(roofline.decode_roofline(shape, batch, prompt_len, new, hbm))
-    for key in [k for k in row if k.endswith("_tokens_per_s") and k != "roofline_tokens_per_s"]:
+    measured = [k for k, v in row.items() if k.endswith("_tokens_per_s") and v is not None]
+    for key in [k for k in measured if k != "roofline_tokens_per_s"]:
         row[key[: -len("_tokens_per_s")] + "_of_roofline"] = row[key] / row["roofline_tokens_per_s"]
     return row
 
 
-def write_json(path: str | None, record: dict) -> None:
+def fmt(x: float | None, spec: str) -> str:
+    """`x` formatted, or "OOM" where the measurement ran out of memory."""
+    return "OOM" if x is None else format(x, spec)
+
+
+def write_json(path: str | None, record: dict, partial: bool = False) -> None:
+    """`record` to `path` (if given); `partial`: the rows so far, rewritten after each row so
+    that a run stopped by a timeout leaves what it measured."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {path}")
+        Path(path).write_text(json.dumps({**record, "partial": partial}, indent=2) + "\n")
+        if not partial:
+            print(f"wrote {path}")
 
 
 def bench_generation(args: argparse.Namespace, work: Path) -> dict:
@@ -218,6 +227,7 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
         max(batches),
         work / "engine.log",
         threads,
+        (f"engine.embedded.mem_fraction={args.mem_fraction}",),
         max_context_len=max(1024, context),
     )
     rows = []
@@ -227,16 +237,27 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
             before = server_info(url)["prefill_tokens"]
             eng = asyncio.run(engine_tokens_per_s(url, prompts, args.new_tokens))
             prefilled = server_info(url)["prefill_tokens"] - before
-            with torch.inference_mode():
-                ref = hf_tokens_per_s(hf, prompts, args.new_tokens, device)
+            try:
+                with torch.inference_mode():
+                    ref = hf_tokens_per_s(hf, prompts, args.new_tokens, device)
+            except torch.cuda.OutOfMemoryError as e:
+                # the engine holds --mem-fraction of the GPU meanwhile: lower it for long contexts
+                ref = None
+                print(
+                    f"batch {b}: HF generate ran out of memory (--mem-fraction "
+                    f"{args.mem_fraction} is the engine's): {str(e).splitlines()[0][:200]}"
+                )
+                torch.cuda.empty_cache()
             row = {"batch": b, "engine_tokens_per_s": eng, "hf_tokens_per_s": ref}
             row = with_roofline(row, shape, b, args.prompt_len, args.new_tokens, args.hbm_tbps)
-            row["ratio_engine_over_hf"] = eng / ref
+            row["ratio_engine_over_hf"] = eng / ref if ref else None
             row["prompt_tokens_prefilled"] = prefilled  # the warm-up and the timed run
             rows.append(row)
+            write_json(args.json, {"rows": rows, "hbm_tbps": args.hbm_tbps}, partial=True)
             print(
-                f"batch {b:4d}: engine {eng:9.1f} tok/s   HF generate {ref:9.1f} tok/s   ratio "
-                f"{eng / ref:5.2f}x   roofline {row['roofline_tokens_per_s']:9.1f} tok/s "
+                f"batch {b:4d}: engine {eng:9.1f} tok/s   HF generate {fmt(ref, '9.1f')} tok/s   "
+                f"ratio {fmt(row['ratio_engine_over_hf'], '5.2f')}x   roofline "
+                f"{row['roofline_tokens_per_s']:9.1f} tok/s "
                 f"(engine {row['engine_of_roofline']:.3g} of it)",
                 flush=True,
             )
@@ -259,9 +280,9 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
-            f"| {r['batch']} | {r['engine_tokens_per_s']:.0f} | {r['hf_tokens_per_s']:.0f} "
-            f"| {r['ratio_engine_over_hf']:.2f}x | {r['roofline_tokens_per_s']:.0f} "
-            f"| {r['engine_of_roofline']:.3g} | {r['hf_of_roofline']:.3g} |"
+            f"| {r['batch']} | {r['engine_tokens_per_s']:.0f} | {fmt(r['hf_tokens_per_s'], '.0f')} "
+            f"| {fmt(r['ratio_engine_over_hf'], '.2f')}x | {r['roofline_tokens_per_s']:.0f} "
+            f"| {r['engine_of_roofline']:.3g} | {fmt(r.get('hf_of_roofline'), '.3g')} |"
         )
     return {
         "bench": "generation",
@@ -372,6 +393,7 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
                     }
                     with_roofline(row, shape, slots, args.grpo_prompt_len, new, args.hbm_tbps)
                     rows.append(row)
+                    write_json(args.json, {"rows": rows, "hbm_tbps": args.hbm_tbps}, partial=True)
                     print(
                         f"prefix_sharing={sharing} fanout={fanout} top_p={top_p}: {tps:,.0f} "
                         f"tok/s ({tokens} tokens in {dt:.1f} s), prompt tokens prefilled "
@@ -650,7 +672,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--grpo-top-p", default="1.0", help="comma-separated top_p values, one run each"
     )
-    ap.add_argument("--mem-fraction", type=float, default=0.8)
+    ap.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.8,
+        help="engine.embedded.mem_fraction of the engine (on a GPU the HF baseline of the "
+        "generation table gets what the engine leaves)",
+    )
     ap.add_argument(
         "--kernels", action="store_true", help="decode attention and step timings (GPU)"
     )
