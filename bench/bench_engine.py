@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -718,6 +719,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 def main() -> None:
     args = resolve(build_parser().parse_args())
+    # A timeout's SIGTERM unwinds (finally blocks, subprocess.run's kill): no child process of
+    # this bench outlives it holding the GPU.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         record = None
         if args.push:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -457,6 +458,9 @@ def run_hf_child(args: argparse.Namespace, model_dir: Path) -> dict:
 def main() -> None:
     args = build_parser().parse_args()
     check_args(args)
+    # A timeout's SIGTERM unwinds (finally blocks, subprocess.run's kill): no child process of
+    # this bench outlives it holding the GPU.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.hf_child:
         hf_child(args)
         return

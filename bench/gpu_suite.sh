@@ -62,7 +62,7 @@ for part in $SUITE; do
         ((limit > left)) && limit=$left
         echo "== roofline $name (at most $limit s): python3 $cmd"
         # shellcheck disable=SC2086
-        timeout "$limit" python3 $cmd --json "$OUT/roofline_$name.json" >"$OUT/roofline_$name.log" 2>&1
+        timeout -k 10 "$limit" python3 $cmd --json "$OUT/roofline_$name.json" >"$OUT/roofline_$name.log" 2>&1
         echo "exit $? after $((SECONDS - start)) s of the part"
         grep -v -i warn "$OUT/roofline_$name.log" | grep -v '^ \|^[{}]' | tail -14
       done ;;

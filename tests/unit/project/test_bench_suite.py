@@ -11,8 +11,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -252,3 +254,50 @@ def test_what_cannot_run_on_cpu_is_refused_with_a_message(argv, message):
     r = run_bench(*argv, timeout=120)
     assert r.returncode != 0
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(x) for x in f.read().split()]
+    return kids
+
+
+def test_a_timeouts_sigterm_stops_the_bench_and_its_engine(tmp_path):
+    """gpu_suite.sh stops an overlong run with SIGTERM: the bench unwinds (exit 143), stopping
+    the engine child it started on the way, instead of dying where it stands."""
+    proc = subprocess.Popen(
+        [sys.executable, "bench/bench_engine.py", "--batches", "1", "--new-tokens", "50000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=ENV,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        engine = []
+        while not engine:  # readiness: the engine child process exists
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "no engine child of bench_engine.py within 120 s"
+            engine = [p for p in children_of(proc.pid) if b"engine" in cmdline(p)]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{engine[0]}") and b"engine" in cmdline(engine[0]):
+            assert time.monotonic() < deadline, f"engine child {engine[0]} outlived the bench"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
