@@ -1,16 +1,26 @@
-"""Embedded-engine benchmarks, each side by side with its baseline in the same run.
+"""Embedded-engine benchmarks, each side by side with its baseline in the same run and its roofline.
 
 Generation (default): tokens/s of the embedded engine (a child process, over HTTP, B concurrent
-/generate requests, greedy, ignore_eos) against HF transformers `generate()` on the same batch
-of B prompts in this process, printed as a ratio.
+/generate requests, greedy, ignore_eos: every request runs to `--new-tokens`) against HF
+transformers `generate()` on the same batch of B prompts in this process (while the engine,
+holding `--mem-fraction` of a GPU, is up), printed as a ratio. `--context L` makes the prompts L
+tokens long (decode at long context; the engine's max_context_len follows). The warm-up's
+prefill leaves the prompts' full KV blocks cached (prefix sharing), so the timed run's prefill is
+mostly cache hits: `prompt_tokens_prefilled` in the JSON counts what was prefilled.
 
     python bench/bench_engine.py                                  # tiny model on CPU, B = 1, 16, 64
     python bench/bench_engine.py --model qwen3-0.5b --device cuda --batches 1,16,64,128
+    python bench/bench_engine.py --model qwen3-0.5b --device cuda --batches 64 --context 4096 \
+        --new-tokens 64 --mem-fraction 0.4                        # HF's cache needs the rest
     python bench/bench_engine.py --quickstart                     # the quickstart's shapes on CPU
 
-`--quickstart`: the quickstart's own model (`.cache/arithmetic-base`, built by `make quickstart`),
-prompts of 20 tokens, 96 new tokens, one torch thread each: the CPU figure a regression of the
-engine's CPU path shows in (the ratio to HF generate at the same shapes).
+Roofline (generation and GRPO rows): the memory-bandwidth limit of the decode at HBM bandwidth
+`--hbm-tbps` (default 4.8, an H200), from the model actually loaded: each step reads the weights
+(parameters x dtype bytes) and every request's KV cache (2 x layers x kv_heads x head_dim x dtype
+bytes a token of context), contexts growing from prompt + 1 to prompt + new; limit = all tokens
+over the sum of the steps' times (bench/roofline.py). Printed beside each measured tokens/s as a
+fraction (measured / roofline), and written with `--json`. Prefill, sampling and HTTP are not in
+the limit. On a CPU the fraction against an H200's bandwidth means nothing; `--hbm-tbps` sets it.
 
 Weight push (`--push`): the learner side (this process, cuda:0) pushes the model to an embedded
 engine on cuda:1 through WeightPusher (NCCL, HTTP calls, bucketed), against a raw NCCL broadcast
@@ -19,12 +29,19 @@ same path over gloo (a dry run).
 
     python bench/bench_engine.py --push --model qwen3-0.5b --device cuda --bucket-mb 512
 
-GRPO-shaped load (`--grpo`): 64 prompts x n = 8 samples (one request each, `sampling_params.n`),
-512 new tokens, temperature 1, against one engine with `engine.embedded.prefix_sharing` on and one with it
-off (each prompt prefilled 8 times), in the same run; then each engine's peak GPU memory against
-`engine.embedded.mem_fraction` of the GPU.
+GRPO-shaped load (`--grpo`): 64 prompts x n = 8 samples, 512 new tokens (`--new-tokens`),
+temperature 1, each `--grpo-top-p` (comma-separated, e.g. 1.0,0.95), ignore_eos (every sample
+runs to length; the run fails if fewer tokens come back), all samples running at once, against
+one engine with `engine.embedded.prefix_sharing` on and one with it off (each prompt prefilled 8
+times), in the same run; then each engine's peak GPU memory against `engine.embedded.mem_fraction`
+of the GPU. `--grpo-fanout`: `n` sends one request per prompt with `sampling_params.n` (the
+server expands it, one prefill); `requests` sends n requests of the same prompt, as the
+generator sends a group (one rollout per sample); `both` runs each on the same engine. The
+prompt cache is flushed before each run.
 
     python bench/bench_engine.py --grpo --model qwen3-0.5b --device cuda
+    python bench/bench_engine.py --grpo --model qwen3-0.5b --device cuda --grpo-sharing on \
+        --grpo-fanout both --grpo-top-p 1.0,0.95
 
 Kernels (`--kernels`, GPU): the paged Triton decode kernel against SDPA over gathered blocks at
 1 / 64 / 256 requests and 160 / 1,024 tokens each (the attention alone, one layer), and the
@@ -190,6 +207,12 @@ def with_roofline(row: dict, shape, batch: int, prompt_len: int, new: int, hbm: 
     return row
 
 
+def table_head(*columns: str) -> None:
+    """A markdown table's header and rule."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + " --- |" * len(columns))
+
+
 def fmt(x: float | None, spec: str) -> str:
     """`x` formatted, or "OOM" where the measurement ran out of memory."""
     return "OOM" if x is None else format(x, spec)
@@ -274,11 +297,15 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
         f"{args.new_tokens} new tokens, greedy, ignore_eos (every request runs to length)"
     )
     print(describe_roofline(shape, args.hbm_tbps))
-    print(
-        "| concurrent requests | embedded engine tok/s | HF generate() tok/s | ratio "
-        "| roofline tok/s | engine / roofline | HF / roofline |"
+    table_head(
+        "concurrent requests",
+        "embedded engine tok/s",
+        "HF generate() tok/s",
+        "ratio",
+        "roofline tok/s",
+        "engine / roofline",
+        "HF / roofline",
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
             f"| {r['batch']} | {r['engine_tokens_per_s']:.0f} | {fmt(r['hf_tokens_per_s'], '.0f')} "
@@ -412,11 +439,17 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
         "sampling_params.n; requests: n requests of the same prompt (as the generator sends)"
     )
     print(describe_roofline(shape, args.hbm_tbps))
-    print(
-        "| prompt sharing | fanout | top_p | tokens/s | roofline tok/s | fraction "
-        "| prompt tokens prefilled | peak GPU memory | mem_fraction x total |"
+    table_head(
+        "prompt sharing",
+        "fanout",
+        "top_p",
+        "tokens/s",
+        "roofline tok/s",
+        "fraction",
+        "prompt tokens prefilled",
+        "peak GPU memory",
+        "mem_fraction x total",
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         mem = r["memory"]
         peak = mem.get("peak_reserved_bytes", 0) / 2**30
