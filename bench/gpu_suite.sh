@@ -23,7 +23,8 @@
 #          512 new, prompt sharing on; fanout n vs n requests; top_p 1.0 and 0.95), 64 requests
 #          at a 4,096-token context (64 new tokens), each beside its decode roofline (4.8 TB/s);
 #          bench_learner at the 0.51B and the Qwen3-4B shape with MFU and the HF baseline in its
-#          own process. Each run writes $OUT/roofline_<name>.json and .log
+#          own process (the 4B first). Each run writes $OUT/roofline_<name>.json and .log;
+#          ROOFLINE_ONLY="engine_grpo learner_4b" runs only the runs named
 #   SUITE="push e2e" bash bench/gpu_suite.sh [overrides for the e2e/async runs...]
 # The image has torch and transformers but not megatron-core, pyzmq or pydantic: their wheels
 # travel in .whl/ (docs/development.md).
@@ -44,8 +45,8 @@ ROOFLINE_RUNS=(
   "engine_table|120|bench/bench_engine.py --model qwen3-0.5b --device cuda --dtype bfloat16 --batches 1,256 --prompt-len 32 --new-tokens 128"
   "engine_grpo|120|bench/bench_engine.py --grpo --model qwen3-0.5b --device cuda --dtype bfloat16 --grpo-prompts 64 --grpo-n 8 --grpo-prompt-len 256 --new-tokens 512 --grpo-sharing on --grpo-fanout both --grpo-top-p 1.0,0.95"
   "engine_context4096|110|bench/bench_engine.py --model qwen3-0.5b --device cuda --dtype bfloat16 --batches 64 --context 4096 --new-tokens 64 --mem-fraction 0.4"
-  "learner_0.5b|100|bench/bench_learner.py --warmup 2 --steps 4 --baseline hf"
   "learner_4b|170|bench/bench_learner.py --hidden 2560 --layers 36 --heads 32 --kv-heads 8 --ffn 9728 --warmup 1 --steps 3 --baseline hf"
+  "learner_0.5b|100|bench/bench_learner.py --warmup 2 --steps 4 --baseline hf"
 )
 for part in $SUITE; do
   case $part in
@@ -54,6 +55,10 @@ for part in $SUITE; do
       start=$SECONDS
       for run in "${ROOFLINE_RUNS[@]}"; do
         IFS='|' read -r name limit cmd <<<"$run"
+        if [[ -n ${ROOFLINE_ONLY:-} && " $ROOFLINE_ONLY " != *" $name "* ]]; then
+          echo "== roofline $name: not in ROOFLINE_ONLY"
+          continue
+        fi
         left=$((budget - (SECONDS - start)))
         if ((left < 30)); then
           echo "== roofline $name: skipped, ${left} s of ROOFLINE_BUDGET_S=$budget left"
