@@ -17,7 +17,8 @@ parameters, fp32 master weights and moments).
   KL on either side), backward, an fp32-master AdamW; with `--recompute full` HF's gradient
   checkpointing (each layer recomputed, as the learner's "full"). It runs in a child process of
   its own, after the learner has been closed and this process's CUDA memory released (the
-  memory this process still holds then is printed): each side has the GPU's memory to itself.
+  memory this process still holds then is printed): each side has the GPU's memory to itself
+  (the child with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set).
   An HF step that runs out of memory is reported as such (with the child's peak), not raised.
   Printed as tokens/s, MFU and the ratio learner / HF; `--baseline none` skips it.
 - MFU: model FLOPs per token (bench/roofline.py, `train_flops_per_token`): 6 x non-embedding
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -445,14 +447,17 @@ def run_hf_child(args: argparse.Namespace, model_dir: Path) -> dict:
         f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys if getattr(args, k) is not None
     ]
     print(f"[bench_learner] HF baseline in its own process: {' '.join(cmd)}", flush=True)
+    # Growable segments: less fragmentation where the HF step comes close to the GPU's memory.
+    alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.hf_timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.hf_timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"error": f"the HF child ran past --hf-timeout {args.hf_timeout:.0f} s"}
+        return {"error": f"the HF child ran past --hf-timeout {args.hf_timeout:g} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         return {"error": f"the HF child exited {proc.returncode}: {proc.stderr[-3000:]}"}
-    return json.loads(lines[-1])
+    return {**json.loads(lines[-1]), "alloc_conf": alloc}
 
 
 def main() -> None:

@@ -301,3 +301,18 @@ def cmdline(pid: int) -> bytes:
             return f.read()
     except (FileNotFoundError, ProcessLookupError):
         return b""
+
+
+def test_a_failed_hf_child_leaves_the_learner_figures_and_says_why(tmp_path):
+    out = tmp_path / "learner.json"
+    r = run_bench(
+        "bench/bench_learner.py", "--hidden", "64", "--layers", "2", "--heads", "4",
+        "--kv-heads", "2", "--ffn", "128", "--vocab", "128", "--batch", "2", "--seq", "64",
+        "--warmup", "0", "--steps", "1", "--hf-timeout", "0.5", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["hf"]["error"] == "the HF child ran past --hf-timeout 0.5 s"
+    assert "ratio_learner_over_hf" not in res and res["learner_tokens_per_s"] > 0
+    assert "HF baseline: no figure: the HF child ran past --hf-timeout" in r.stdout
+    assert "HF step: no figure (the HF child ran past" in r.stdout
