@@ -211,13 +211,26 @@ def real_tokens(groups: list[TrainGroup]) -> int:
 
 
 class Results(dict):
-    """The figures, each printed (flushed) the moment it is set: a run stopped by a timeout
-    still shows everything it measured."""
+    """The figures, each printed (flushed) the moment it is set, and the whole record rewritten
+    to `path` (marked partial until `finish`): a run stopped by a timeout still shows and
+    leaves everything it measured."""
+
+    def __init__(self, path: str | None = None, **kw):
+        super().__init__(**kw)
+        self.path = Path(path) if path else None
 
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
         if isinstance(value, float):
-            print(f"[bench_learner] {key} = {value:,.3f}", flush=True)
+            shown = f"{value:,.3f}" if abs(value) >= 1e-3 else f"{value:.3g}"
+            print(f"[bench_learner] {key} = {shown}", flush=True)
+        self.write(partial=True)
+
+    def write(self, partial: bool) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            record = {**self, "partial": partial}
+            self.path.write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
 def free_cuda() -> None:
@@ -470,8 +483,8 @@ def main() -> None:
         hf_child(args)
         return
 
-    results: dict = Results(
-        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    results = Results(
+        args.json, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     )
     rng = np.random.default_rng(0)
     group = make_group(args, rng)
@@ -627,9 +640,7 @@ def main() -> None:
 
     print(json.dumps(results, indent=2))
     print_table(results, args)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    results.write(partial=False)
 
 
 def print_table(r: dict, args) -> None:

@@ -228,6 +228,7 @@ def test_bench_learner_on_cpu_runs_the_hf_baseline_in_its_own_process(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
+    assert res["partial"] is False  # rewritten after each figure, final at the end
     assert res["hf"]["side"] == "hf" and "--hf-child" in r.stdout
     assert res["peak_tflops"] == 1e-6
     for side in ("learner", "hf"):
