@@ -219,13 +219,16 @@ def test_bench_engine_context_on_cpu_prints_and_writes_the_roofline(tmp_path):
     assert row["hbm_tbps"] == 2.0
 
 
+TINY_LEARNER = (
+    "bench/bench_learner.py", "--hidden", "64", "--layers", "2", "--heads", "4",
+    "--kv-heads", "2", "--ffn", "128", "--vocab", "128", "--batch", "2", "--seq", "64",
+    "--warmup", "0", "--steps", "1",
+)  # fmt: skip
+
+
 def test_bench_learner_on_cpu_runs_the_hf_baseline_in_its_own_process(tmp_path):
     out = tmp_path / "learner.json"
-    r = run_bench(
-        "bench/bench_learner.py", "--hidden", "64", "--layers", "2", "--heads", "4",
-        "--kv-heads", "2", "--ffn", "128", "--vocab", "128", "--batch", "2", "--seq", "64",
-        "--warmup", "0", "--steps", "1", "--peak-tflops", "1e-6", "--json", str(out),
-    )  # fmt: skip
+    r = run_bench(*TINY_LEARNER, "--peak-tflops", "1e-6", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["partial"] is False  # rewritten after each figure, final at the end
@@ -306,11 +309,7 @@ def cmdline(pid: int) -> bytes:
 
 def test_a_failed_hf_child_leaves_the_learner_figures_and_says_why(tmp_path):
     out = tmp_path / "learner.json"
-    r = run_bench(
-        "bench/bench_learner.py", "--hidden", "64", "--layers", "2", "--heads", "4",
-        "--kv-heads", "2", "--ffn", "128", "--vocab", "128", "--batch", "2", "--seq", "64",
-        "--warmup", "0", "--steps", "1", "--hf-timeout", "0.5", "--json", str(out),
-    )  # fmt: skip
+    r = run_bench(*TINY_LEARNER, "--hf-timeout", "0.5", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["hf"]["error"] == "the HF child ran past --hf-timeout 0.5 s"
