@@ -1,16 +1,26 @@
-"""Embedded-engine benchmarks, each side by side with its baseline in the same run.
+"""Embedded-engine benchmarks, each side by side with its baseline in the same run and its roofline.
 
 Generation (default): tokens/s of the embedded engine (a child process, over HTTP, B concurrent
-/generate requests, greedy, ignore_eos) against HF transformers `generate()` on the same batch
-of B prompts in this process, printed as a ratio.
+/generate requests, greedy, ignore_eos: every request runs to `--new-tokens`) against HF
+transformers `generate()` on the same batch of B prompts in this process (while the engine,
+holding `--mem-fraction` of a GPU, is up), printed as a ratio. `--context L` makes the prompts L
+tokens long (decode at long context; the engine's max_context_len follows). The warm-up's
+prefill leaves the prompts' full KV blocks cached (prefix sharing), so the timed run's prefill is
+mostly cache hits: `prompt_tokens_prefilled` in the JSON counts what was prefilled.
 
     python bench/bench_engine.py                                  # tiny model on CPU, B = 1, 16, 64
     python bench/bench_engine.py --model qwen3-0.5b --device cuda --batches 1,16,64,128
+    python bench/bench_engine.py --model qwen3-0.5b --device cuda --batches 64 --context 4096 \
+        --new-tokens 64 --mem-fraction 0.4                        # HF's cache needs the rest
     python bench/bench_engine.py --quickstart                     # the quickstart's shapes on CPU
 
-`--quickstart`: the quickstart's own model (`.cache/arithmetic-base`, built by `make quickstart`),
-prompts of 20 tokens, 96 new tokens, one torch thread each: the CPU figure a regression of the
-engine's CPU path shows in (the ratio to HF generate at the same shapes).
+Roofline (generation and GRPO rows): the memory-bandwidth limit of the decode at HBM bandwidth
+`--hbm-tbps` (default 4.8, an H200), from the model actually loaded: each step reads the weights
+(parameters x dtype bytes) and every request's KV cache (2 x layers x kv_heads x head_dim x dtype
+bytes a token of context), contexts growing from prompt + 1 to prompt + new; limit = all tokens
+over the sum of the steps' times (bench/roofline.py). Printed beside each measured tokens/s as a
+fraction (measured / roofline), and written with `--json`. Prefill, sampling and HTTP are not in
+the limit. On a CPU the fraction against an H200's bandwidth means nothing; `--hbm-tbps` sets it.
 
 Weight push (`--push`): the learner side (this process, cuda:0) pushes the model to an embedded
 engine on cuda:1 through WeightPusher (NCCL, HTTP calls, bucketed), against a raw NCCL broadcast
@@ -19,12 +29,19 @@ same path over gloo (a dry run).
 
     python bench/bench_engine.py --push --model qwen3-0.5b --device cuda --bucket-mb 512
 
-GRPO-shaped load (`--grpo`): 64 prompts x n = 8 samples (one request each, `sampling_params.n`),
-512 new tokens, temperature 1, against one engine with `engine.embedded.prefix_sharing` on and one with it
-off (each prompt prefilled 8 times), in the same run; then each engine's peak GPU memory against
-`engine.embedded.mem_fraction` of the GPU.
+GRPO-shaped load (`--grpo`): 64 prompts x n = 8 samples, 512 new tokens (`--new-tokens`),
+temperature 1, each `--grpo-top-p` (comma-separated, e.g. 1.0,0.95), ignore_eos (every sample
+runs to length; the run fails if fewer tokens come back), all samples running at once, against
+one engine with `engine.embedded.prefix_sharing` on and one with it off (each prompt prefilled 8
+times), in the same run; then each engine's peak GPU memory against `engine.embedded.mem_fraction`
+of the GPU. `--grpo-fanout`: `n` sends one request per prompt with `sampling_params.n` (the
+server expands it, one prefill); `requests` sends n requests of the same prompt, as the
+generator sends a group (one rollout per sample); `both` runs each on the same engine. The
+prompt cache is flushed before each run.
 
     python bench/bench_engine.py --grpo --model qwen3-0.5b --device cuda
+    python bench/bench_engine.py --grpo --model qwen3-0.5b --device cuda --grpo-sharing on \
+        --grpo-fanout both --grpo-top-p 1.0,0.95
 
 Kernels (`--kernels`, GPU): the paged Triton decode kernel against SDPA over gathered blocks at
 1 / 64 / 256 requests and 160 / 1,024 tokens each (the attention alone, one layer), and the
@@ -37,7 +54,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -45,9 +64,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import roofline
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime_async.actors.engine.client import EngineClient
 from slime_async.actors.engine.weight_push import WeightPusher
@@ -92,6 +112,7 @@ def start_engine(
     log: Path,
     threads: int,
     extra: tuple[str, ...] = (),
+    max_context_len: int = 1024,
 ) -> tuple[Child, str]:
     port = free_port()
     args = [
@@ -100,7 +121,7 @@ def start_engine(
         f"engine.embedded.device={device}",
         f"engine.embedded.dtype={dtype}",
         f"engine.embedded.max_running_requests={max_running}",
-        "engine.embedded.max_context_len=1024",
+        f"engine.embedded.max_context_len={max_context_len}",
         f"engine.embedded.torch_threads={threads}",
         *extra,
     ]
@@ -151,10 +172,67 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_generation(args: argparse.Namespace, work: Path) -> None:
+def decode_shape(model_dir: Path, dtype: torch.dtype) -> roofline.DecodeShape:
+    """The loaded model's decode roofline inputs: its parameter count (built on the meta device,
+    a tied output layer counted once), `dtype`'s bytes, and the KV layout from its config."""
+    cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    heads = cfg.num_attention_heads
+    return roofline.DecodeShape(
+        params=params,
+        dtype_bytes=torch.finfo(dtype).bits // 8,
+        layers=cfg.num_hidden_layers,
+        kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+    )
+
+
+def describe_roofline(shape: roofline.DecodeShape, hbm_tbps: float) -> str:
+    return (
+        f"roofline: HBM {hbm_tbps} TB/s; weights {shape.weight_bytes / 1e6:,.1f} MB "
+        f"({shape.params / 1e6:,.1f}M params x {shape.dtype_bytes} B) + KV "
+        f"{shape.kv_bytes_per_token / 1e3:.1f} KB a token of context (2 x {shape.layers} layers "
+        f"x {shape.kv_heads} kv heads x {shape.head_dim} x {shape.dtype_bytes} B) per decode step, "
+        "averaged over the decode; prefill, sampling and HTTP not counted"
+    )
+
+
+def with_roofline(row: dict, shape, batch: int, prompt_len: int, new: int, hbm: float) -> dict:
+    """`row` with the decode roofline of its shape and each measured tokens/s as a fraction."""
+    row.update(roofline.decode_roofline(shape, batch, prompt_len, new, hbm))
+    measured = [k for k, v in row.items() if k.endswith("_tokens_per_s") and v is not None]
+    for key in [k for k in measured if k != "roofline_tokens_per_s"]:
+        row[key[: -len("_tokens_per_s")] + "_of_roofline"] = row[key] / row["roofline_tokens_per_s"]
+    return row
+
+
+def table_head(*columns: str) -> None:
+    """A markdown table's header and rule."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + " --- |" * len(columns))
+
+
+def fmt(x: float | None, spec: str) -> str:
+    """`x` formatted, or "OOM" where the measurement ran out of memory."""
+    return "OOM" if x is None else format(x, spec)
+
+
+def write_json(path: str | None, record: dict, partial: bool = False) -> None:
+    """`record` to `path` (if given); `partial`: the rows so far, rewritten after each row so
+    that a run stopped by a timeout leaves what it measured."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({**record, "partial": partial}, indent=2) + "\n")
+        if not partial:
+            print(f"wrote {path}")
+
+
+def bench_generation(args: argparse.Namespace, work: Path) -> dict:
     device = args.device
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    model_dir = make_model(work / args.model, args.model, dtype)
+    model_dir = make_model(work / Path(args.model).name, args.model, dtype)
+    shape = decode_shape(model_dir, dtype)
     batches = [int(b) for b in args.batches.split(",")]
     threads = 0 if device.startswith("cuda") else args.cpu_threads
     if threads:
@@ -165,19 +243,46 @@ def bench_generation(args: argparse.Namespace, work: Path) -> None:
         .eval()
     )
     vocab = hf.config.vocab_size
+    context = args.prompt_len + args.new_tokens
     child, url = start_engine(
-        model_dir, device, args.dtype, max(batches), work / "engine.log", threads
+        model_dir,
+        device,
+        args.dtype,
+        max(batches),
+        work / "engine.log",
+        threads,
+        (f"engine.embedded.mem_fraction={args.mem_fraction}",),
+        max_context_len=max(1024, context),
     )
     rows = []
     try:
         for b in batches:
             prompts = prompts_for(b, args.prompt_len, vocab)
+            before = server_info(url)["prefill_tokens"]
             eng = asyncio.run(engine_tokens_per_s(url, prompts, args.new_tokens))
-            with torch.inference_mode():
-                ref = hf_tokens_per_s(hf, prompts, args.new_tokens, device)
-            rows.append((b, eng, ref))
+            prefilled = server_info(url)["prefill_tokens"] - before
+            try:
+                with torch.inference_mode():
+                    ref = hf_tokens_per_s(hf, prompts, args.new_tokens, device)
+            except torch.cuda.OutOfMemoryError as e:
+                # the engine holds --mem-fraction of the GPU meanwhile: lower it for long contexts
+                ref = None
+                print(
+                    f"batch {b}: HF generate ran out of memory (--mem-fraction "
+                    f"{args.mem_fraction} is the engine's): {str(e).splitlines()[0][:200]}"
+                )
+                torch.cuda.empty_cache()
+            row = {"batch": b, "engine_tokens_per_s": eng, "hf_tokens_per_s": ref}
+            row = with_roofline(row, shape, b, args.prompt_len, args.new_tokens, args.hbm_tbps)
+            row["ratio_engine_over_hf"] = eng / ref if ref else None
+            row["prompt_tokens_prefilled"] = prefilled  # the warm-up and the timed run
+            rows.append(row)
+            write_json(args.json, {"rows": rows, "hbm_tbps": args.hbm_tbps}, partial=True)
             print(
-                f"batch {b:4d}: engine {eng:9.1f} tok/s   HF generate {ref:9.1f} tok/s   ratio {eng / ref:5.2f}x",
+                f"batch {b:4d}: engine {eng:9.1f} tok/s   HF generate {fmt(ref, '9.1f')} tok/s   "
+                f"ratio {fmt(row['ratio_engine_over_hf'], '5.2f')}x   roofline "
+                f"{row['roofline_tokens_per_s']:9.1f} tok/s "
+                f"(engine {row['engine_of_roofline']:.3g} of it)",
                 flush=True,
             )
     finally:
@@ -188,51 +293,94 @@ def bench_generation(args: argparse.Namespace, work: Path) -> None:
         else f"CPU x{threads or torch.get_num_threads()} threads"
     )
     print(
-        f"\n{Path(args.model).name}, {args.dtype}, {device} ({name}), prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy"
+        f"\n{Path(args.model).name}, {args.dtype}, {device} ({name}), prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, greedy, ignore_eos (every request runs to length)"
     )
-    print("| concurrent requests | embedded engine tok/s | HF generate() tok/s | ratio |")
-    print("| --- | --- | --- | --- |")
-    for b, eng, ref in rows:
-        print(f"| {b} | {eng:.0f} | {ref:.0f} | {eng / ref:.2f}x |")
+    print(describe_roofline(shape, args.hbm_tbps))
+    table_head(
+        "concurrent requests",
+        "embedded engine tok/s",
+        "HF generate() tok/s",
+        "ratio",
+        "roofline tok/s",
+        "engine / roofline",
+        "HF / roofline",
+    )
+    for r in rows:
+        print(
+            f"| {r['batch']} | {r['engine_tokens_per_s']:.0f} | {fmt(r['hf_tokens_per_s'], '.0f')} "
+            f"| {fmt(r['ratio_engine_over_hf'], '.2f')}x | {r['roofline_tokens_per_s']:.0f} "
+            f"| {r['engine_of_roofline']:.3g} | {fmt(r.get('hf_of_roofline'), '.3g')} |"
+        )
+    return {
+        "bench": "generation",
+        "model": Path(args.model).name,
+        "device": name,
+        "dtype": args.dtype,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "sampling": "greedy, ignore_eos",
+        "params": shape.params,
+        "weight_bytes": shape.weight_bytes,
+        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "rows": rows,
+    }
 
 
 # ---- GRPO-shaped load ----------------------------------------------------------------------------
 
 
-async def grpo_tokens_per_s(url: str, prompts: list[list[int]], n: int, new_tokens: int):
-    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "n": n, "ignore_eos": True}
+async def grpo_tokens_per_s(
+    url: str, prompts: list[list[int]], n: int, new_tokens: int, top_p: float, fanout: str
+) -> tuple[float, int, float]:
+    """Every prompt's n samples at temperature 1 and `top_p`, ignore_eos (each runs to
+    `new_tokens`), all at once: fanout "n" sends one request per prompt with
+    `sampling_params.n` (the server expands it: one prefill); "requests" sends n requests of the
+    same prompt (how the generator sends a group: one rollout per sample)."""
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "top_p": top_p, "ignore_eos": True}
+    if fanout == "n":
+        bodies = [{"input_ids": p, "sampling_params": {**params, "n": n}} for p in prompts]
+    else:
+        bodies = [{"input_ids": p, "sampling_params": params} for p in prompts for _ in range(n)]
     async with EngineClient(url, timeout_s=3600) as c:
-        body = {"input_ids": prompts[-1], "sampling_params": {**params, "max_new_tokens": 4}}
-        await c.call("POST", "/generate", body)  # warm-up
+        # each run starts from an empty prompt cache: runs on one engine compare like with like
+        if not await c.flush_cache():
+            raise RuntimeError(f"engine at {url} refused /flush_cache before a GRPO run")
+        warm = {"input_ids": prompts[-1], "sampling_params": {**params, "max_new_tokens": 4}}
+        await c.call("POST", "/generate", warm)
         t0 = time.perf_counter()
         outs = await asyncio.gather(
-            *(
-                c.call(
-                    "POST",
-                    "/generate",
-                    {"input_ids": p, "sampling_params": params, "return_logprob": True},
-                )
-                for p in prompts
-            )
+            *(c.call("POST", "/generate", {**b, "return_logprob": True}) for b in bodies)
         )
         dt = time.perf_counter() - t0
-    tokens = sum(len(o["output_ids"]) for group in outs for o in group)
+    # with n > 1 a response is a list of n outputs, else one output
+    flat = [o for out in outs for o in (out if isinstance(out, list) else [out])]
+    tokens = sum(len(o["output_ids"]) for o in flat)
+    if tokens != len(prompts) * n * new_tokens:
+        raise RuntimeError(
+            f"GRPO load: {tokens} tokens came back, expected {len(prompts)} prompts x {n} x "
+            f"{new_tokens} (ignore_eos: every sample runs to length)"
+        )
     return tokens / dt, tokens, dt
 
 
 def server_info(url: str) -> dict:
-    import json
-
     with urllib.request.urlopen(f"{url}/get_server_info", timeout=10) as r:
         return json.loads(r.read())
 
 
-def bench_grpo(args: argparse.Namespace, work: Path) -> None:
+def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    model_dir = make_model(work / args.model, args.model, dtype)
+    model_dir = make_model(work / Path(args.model).name, args.model, dtype)
+    shape = decode_shape(model_dir, dtype)
     vocab = 1000 if args.model != "tiny" else 64
+    new = args.grpo_new_tokens
     prompts = prompts_for(args.grpo_prompts, args.grpo_prompt_len, vocab)
     slots = args.grpo_prompts * args.grpo_n
+    top_ps = [float(x) for x in args.grpo_top_p.split(",")]
+    fanouts = {"both": ("n", "requests"), "n": ("n",), "requests": ("requests",)}[args.grpo_fanout]
+    gpu = args.device.startswith("cuda")
+    threads = 0 if gpu else args.cpu_threads
     rows = []
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.grpo_sharing]
     for sharing in modes:
@@ -242,40 +390,96 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> None:
             "engine.embedded.max_prefill_tokens=16384",
         )
         child, url = start_engine(
-            model_dir, args.device, args.dtype, slots, work / f"engine_{sharing}.log", 0, extra
+            model_dir,
+            args.device,
+            args.dtype,
+            slots,
+            work / f"engine_{sharing}.log",
+            threads,
+            extra,
+            max_context_len=max(1024, args.grpo_prompt_len + new),
         )
         try:
-            before = server_info(url)
-            tps, tokens, dt = asyncio.run(
-                grpo_tokens_per_s(url, prompts, args.grpo_n, args.grpo_new_tokens)
-            )
-            info = server_info(url)
+            for fanout in fanouts:
+                for top_p in top_ps:
+                    before = server_info(url)
+                    tps, tokens, dt = asyncio.run(
+                        grpo_tokens_per_s(url, prompts, args.grpo_n, new, top_p, fanout)
+                    )
+                    info = server_info(url)
+                    row = {
+                        "prefix_sharing": sharing,
+                        "fanout": fanout,
+                        "top_p": top_p,
+                        "engine_tokens_per_s": tps,
+                        "tokens": tokens,
+                        "seconds": dt,
+                        # the warm-up request's prompt and the timed run's
+                        "prompt_tokens_prefilled": info["prefill_tokens"]
+                        - before["prefill_tokens"],
+                        "memory": info.get("memory", {}),
+                    }
+                    with_roofline(row, shape, slots, args.grpo_prompt_len, new, args.hbm_tbps)
+                    rows.append(row)
+                    write_json(args.json, {"rows": rows, "hbm_tbps": args.hbm_tbps}, partial=True)
+                    print(
+                        f"prefix_sharing={sharing} fanout={fanout} top_p={top_p}: {tps:,.0f} "
+                        f"tok/s ({tokens} tokens in {dt:.1f} s), prompt tokens prefilled "
+                        f"{row['prompt_tokens_prefilled']}, roofline "
+                        f"{row['roofline_tokens_per_s']:,.0f} tok/s "
+                        f"({row['engine_of_roofline']:.3g} of it)",
+                        flush=True,
+                    )
         finally:
             child.stop()
-        prefilled = info["prefill_tokens"] - before["prefill_tokens"]
-        rows.append((sharing, tps, tokens, dt, prefilled, info))
-        print(
-            f"prefix_sharing={sharing}: {tps:,.0f} tok/s ({tokens} tokens in {dt:.1f} s), "
-            f"prompt tokens prefilled {prefilled}",
-            flush=True,
-        )
     print(
-        f"\nGRPO load: {args.grpo_prompts} prompts x {args.grpo_n} samples, prompt "
-        f"{args.grpo_prompt_len}, {args.grpo_new_tokens} new tokens, temperature 1, {args.dtype}"
+        f"\nGRPO load: {args.grpo_prompts} prompts x {args.grpo_n} samples ({slots} running at "
+        f"once), prompt {args.grpo_prompt_len}, {new} new tokens, temperature 1, ignore_eos "
+        f"(every sample runs to length), {args.dtype}; fanout n: one request per prompt with "
+        "sampling_params.n; requests: n requests of the same prompt (as the generator sends)"
     )
-    print(
-        "| prompt sharing | tokens/s | prompt tokens prefilled | peak GPU memory | mem_fraction x total |"
+    print(describe_roofline(shape, args.hbm_tbps))
+    table_head(
+        "prompt sharing",
+        "fanout",
+        "top_p",
+        "tokens/s",
+        "roofline tok/s",
+        "fraction",
+        "prompt tokens prefilled",
+        "peak GPU memory",
+        "mem_fraction x total",
     )
-    print("| --- | --- | --- | --- | --- |")
-    for sharing, tps, _, _, prefilled, info in rows:
-        mem = info.get("memory", {})
+    for r in rows:
+        mem = r["memory"]
         peak = mem.get("peak_reserved_bytes", 0) / 2**30
         cap = mem.get("mem_fraction", 0) * mem.get("total_bytes", 0) / 2**30
         print(
-            f"| {'on' if sharing else 'off'} | {tps:,.0f} | {prefilled:,} | {peak:.1f} GiB | {cap:.1f} GiB |"
+            f"| {'on' if r['prefix_sharing'] else 'off'} | {r['fanout']} | {r['top_p']} "
+            f"| {r['engine_tokens_per_s']:,.0f} | {r['roofline_tokens_per_s']:,.0f} "
+            f"| {r['engine_of_roofline']:.3g} | {r['prompt_tokens_prefilled']:,} "
+            f"| {peak:.1f} GiB | {cap:.1f} GiB |"
         )
-    if len(rows) == 2:
-        print(f"sharing on / off: {rows[0][1] / rows[1][1]:.2f}x")
+    on = [r for r in rows if r["prefix_sharing"]]
+    off = [r for r in rows if not r["prefix_sharing"]]
+    if on and off:
+        print(
+            f"sharing on / off (first of each): {on[0]['engine_tokens_per_s'] / off[0]['engine_tokens_per_s']:.2f}x"
+        )
+    return {
+        "bench": "grpo",
+        "model": Path(args.model).name,
+        "dtype": args.dtype,
+        "prompts": args.grpo_prompts,
+        "n": args.grpo_n,
+        "prompt_len": args.grpo_prompt_len,
+        "new_tokens": new,
+        "sampling": "temperature 1, ignore_eos",
+        "params": shape.params,
+        "weight_bytes": shape.weight_bytes,
+        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "rows": rows,
+    }
 
 
 def _median_ms(fn, *args) -> float:
@@ -442,7 +646,7 @@ def bench_push(args: argparse.Namespace, work: Path) -> None:
     )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -458,7 +662,26 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="prompts of this many tokens (the prompt length of the generation and GRPO loads): "
+        "decode at long context",
+    )
+    ap.add_argument(
+        "--new-tokens",
+        type=int,
+        default=None,
+        help="tokens generated per request (default 128; with --grpo 512)",
+    )
+    ap.add_argument(
+        "--hbm-tbps",
+        type=float,
+        default=roofline.H200_HBM_TBPS,
+        help="memory bandwidth of the decode roofline, TB/s (default: an H200's 4.8)",
+    )
+    ap.add_argument("--json", help="also write the results (each row with its roofline) here")
     ap.add_argument(
         "--cpu-threads", type=int, default=1, help="torch threads of the engine and of HF on CPU"
     )
@@ -469,27 +692,81 @@ def main() -> None:
     ap.add_argument("--grpo-prompts", type=int, default=64)
     ap.add_argument("--grpo-n", type=int, default=8)
     ap.add_argument("--grpo-prompt-len", type=int, default=256)
-    ap.add_argument("--grpo-new-tokens", type=int, default=512)
+    ap.add_argument(
+        "--grpo-new-tokens", type=int, default=None, help="as --new-tokens (default 512)"
+    )
     ap.add_argument("--grpo-sharing", choices=["both", "on", "off"], default="both")
-    ap.add_argument("--mem-fraction", type=float, default=0.8)
+    ap.add_argument(
+        "--grpo-fanout",
+        choices=["n", "requests", "both"],
+        default="n",
+        help="n: one request per prompt with sampling_params.n; requests: n requests of the same "
+        "prompt (as the generator sends a group); both: each, on the same engine",
+    )
+    ap.add_argument(
+        "--grpo-top-p", default="1.0", help="comma-separated top_p values, one run each"
+    )
+    ap.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.8,
+        help="engine.embedded.mem_fraction of the engine (on a GPU the HF baseline of the "
+        "generation table gets what the engine leaves)",
+    )
     ap.add_argument(
         "--kernels", action="store_true", help="decode attention and step timings (GPU)"
     )
-    args = ap.parse_args()
+    return ap
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults that depend on the mode; refusals of what cannot run, each naming its option."""
     if args.quickstart:
         root = Path(__file__).resolve().parent.parent
         args.model, args.device = str(root / ".cache" / "arithmetic-base"), "cpu"
         args.prompt_len, args.new_tokens, args.cpu_threads = 20, 96, 1
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.context is not None:
+        if args.context < 2:
+            sys.exit(f"--context {args.context}: a prompt needs at least 2 tokens")
+        args.prompt_len = args.grpo_prompt_len = args.context
+    if args.grpo_new_tokens is None:
+        args.grpo_new_tokens = args.new_tokens or 512
+    if args.new_tokens is None:
+        args.new_tokens = 128
+    try:
+        top_ps = [float(x) for x in args.grpo_top_p.split(",")]
+    except ValueError:
+        sys.exit(f"--grpo-top-p {args.grpo_top_p!r}: comma-separated numbers in (0, 1]")
+    if not all(0 < p <= 1 for p in top_ps):
+        sys.exit(f"--grpo-top-p {args.grpo_top_p!r}: each value must be in (0, 1]")
+    if args.hbm_tbps <= 0:
+        sys.exit(f"--hbm-tbps {args.hbm_tbps}: must be positive")
+    gpu = args.device.startswith("cuda")
+    if gpu and not torch.cuda.is_available():
+        sys.exit(f"--device {args.device}: no CUDA GPU here (torch.cuda.is_available() is False)")
+    if args.kernels and not gpu:
+        sys.exit("--kernels times Triton kernels and CUDA graphs: it needs --device cuda")
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    return args
+
+
+def main() -> None:
+    args = resolve(build_parser().parse_args())
+    # A timeout's SIGTERM unwinds (finally blocks, subprocess.run's kill): no child process of
+    # this bench outlives it holding the GPU.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
+        record = None
         if args.push:
             bench_push(args, Path(tmp))
         elif args.grpo:
-            bench_grpo(args, Path(tmp))
+            record = bench_grpo(args, Path(tmp))
         elif args.kernels:
             bench_kernels(args, Path(tmp))
         else:
-            bench_generation(args, Path(tmp))
+            record = bench_generation(args, Path(tmp))
+        if record is not None:
+            write_json(args.json, {**record, "hbm_tbps": args.hbm_tbps})
 
 
 if __name__ == "__main__":

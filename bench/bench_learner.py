@@ -1,18 +1,32 @@
-"""The Megatron-core learner on a GPU: train-step tokens/s next to an HF baseline, bf16 log-prob agreement.
+"""The Megatron-core learner on a GPU: train-step tokens/s and MFU next to an HF baseline, bf16 log-prob agreement.
 
     python bench/bench_learner.py [--hidden 1024 --layers 28 ...] [--full] [--json out.json]
+    python bench/bench_learner.py --hidden 2560 --layers 36 --heads 32 --kv-heads 8 --ffn 9728
 
 Builds a random-init Qwen3-shaped model (default about 0.5B parameters: hidden 1024, 28 layers,
-16 heads, 8 kv heads, intermediate 3072, vocab 151936, tied embeddings), saves it as an HF
-directory and loads it into the learner (bf16 parameters, fp32 master weights and moments).
+16 heads, 8 kv heads, intermediate 3072, vocab 151936, tied embeddings; head_dim hidden / heads
+unless `--head-dim`), saves it as an HF directory and loads it into the learner (bf16
+parameters, fp32 master weights and moments).
 
 - Throughput: one optimizer step on `--batch` sequences of `--seq` tokens (one group, GRPO
-  advantages, the ppo_clip loss), timed over `--steps` after `--warmup` steps. The baseline,
-  in the same run, is the HF transformers model of the same weights (its default sdpa
+  advantages, the ppo_clip loss), timed over `--steps` after `--warmup` steps, with the
+  learner's activation recomputation `--recompute` (none, selective, full; GPU only). The
+  baseline (`--baseline hf`) is the HF transformers model of the same weights (its default sdpa
   attention) doing the same work: log-probs of the same response tokens (its LM head on the
   response positions only, `logits_to_keep`, as the learner), a PPO-clip loss (no entropy or
-  KL on either side), backward, an fp32-master AdamW. Printed as tokens/s and the ratio
-  learner / HF.
+  KL on either side), backward, an fp32-master AdamW; with `--recompute full` HF's gradient
+  checkpointing (each layer recomputed, as the learner's "full"). It runs in a child process of
+  its own, after the learner has been closed and this process's CUDA memory released (the
+  memory this process still holds then is printed): each side has the GPU's memory to itself
+  (the child with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set).
+  An HF step that runs out of memory is reported as such (with the child's peak), not raised.
+  Printed as tokens/s, MFU and the ratio learner / HF; `--baseline none` skips it.
+- MFU: model FLOPs per token (bench/roofline.py, `train_flops_per_token`): 6 x non-embedding
+  parameters + 6 x vocab x hidden x response_len / seq_len (the output layer on the response
+  positions) + 12 x layers x heads x head_dim x (seq_len + 1) / 2 (causal attention, forward and
+  backward; GQA's kv heads only shrink the K/V projections, counted in the parameters), over
+  the dense bf16 peak `--peak-tflops` (default 989, an H100/H200). Peak memory is the CUDA
+  allocator's peak (`torch.cuda.max_memory_allocated`) of each part alone.
 - Agreement: per-token log-probs of the same batch from the learner (bf16) against the HF
   model in bf16 and in fp32 (same bf16 weights), mean and max absolute difference; the HF
   bf16 vs fp32 difference shows bf16's own noise.
@@ -22,12 +36,12 @@ With `--full`, also (each printed beside its baseline): the learner without its 
 forward/backward + optimizer step on the same tokens (GPTModel's own cross-entropy), activation
 recomputation (selective, full), and an RL-shaped batch (4 groups x 8, 128-token prompts,
 log-normal response lengths cut to 64..1,024) with the defaults (auto packing), packed and
-padded, in real tokens/s. Peak memory is the CUDA allocator's peak of each part alone.
-`--variants` adds learner runs with other `[learner]` keys (e.g. `logprob_kernel=torch`);
-`--profile DIR` writes torch.profiler tables of one learner step and one plain megatron step
-(CUDA kernels by self time) and the learner step's Chrome trace.
+padded, in real tokens/s. `--variants` adds learner runs with other `[learner]` keys (e.g.
+`logprob_kernel=torch`); `--profile DIR` writes torch.profiler tables of one learner step and
+one plain megatron step (CUDA kernels by self time) and the learner step's Chrome trace.
 
-Needs a CUDA GPU (on CPU use a tiny shape: --hidden 64 --layers 2 --vocab 128 ...).
+Needs a CUDA GPU for its figures; on CPU it runs at a tiny shape (--hidden 64 --layers 2
+--vocab 128 ...), float32, as a dry run of the same path.
 """
 
 from __future__ import annotations
@@ -35,11 +49,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import roofline
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -49,6 +68,7 @@ from slime_async.actors.learner.trainer import Learner
 from slime_async.config import AlgoConfig, LearnerConfig
 from slime_async.models.toy import char_tokenizer, save_tokenizer, tiny_config
 from slime_async.queue.schema import Trajectory
+from slime_async.utils.procs import free_port
 
 
 def make_model_dir(out: Path, args) -> Path:
@@ -64,13 +84,42 @@ def make_model_dir(out: Path, args) -> Path:
         tie_word_embeddings=True,
         rope_theta=1000000.0,
     )
+    cfg.head_dim = head_dim(args)
     cfg.dtype = "bfloat16"
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     save_tokenizer(char_tokenizer(), out)
+    del model  # the learner and the HF child load it from disk: give this memory back
+    free_cuda()
     return out
+
+
+def head_dim(args) -> int:
+    return args.head_dim or args.hidden // args.heads
+
+
+def train_shape(args) -> roofline.TrainShape:
+    return roofline.TrainShape(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=head_dim(args),
+        ffn=args.ffn,
+        vocab=args.vocab,
+    )
+
+
+def step_flops(args, groups: list[TrainGroup]) -> float:
+    """Model FLOPs of one train step on `groups` (each trajectory at its own length)."""
+    shape, total = train_shape(args), 0.0
+    for g in groups:
+        for t in g:
+            n, r = len(t.prompt_ids) + len(t.response_ids), len(t.response_ids)
+            total += roofline.train_flops_per_token(shape, n, r) * n
+    return total
 
 
 def random_group(gid: str, prompt, lengths, vocab: int, rng: np.random.Generator) -> TrainGroup:
@@ -162,13 +211,26 @@ def real_tokens(groups: list[TrainGroup]) -> int:
 
 
 class Results(dict):
-    """The figures, each printed (flushed) the moment it is set: a run stopped by a timeout
-    still shows everything it measured."""
+    """The figures, each printed (flushed) the moment it is set, and the whole record rewritten
+    to `path` (marked partial until `finish`): a run stopped by a timeout still shows and
+    leaves everything it measured."""
+
+    def __init__(self, path: str | None = None, **kw):
+        super().__init__(**kw)
+        self.path = Path(path) if path else None
 
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
         if isinstance(value, float):
-            print(f"[bench_learner] {key} = {value:,.3f}", flush=True)
+            shown = f"{value:,.3f}" if abs(value) >= 1e-3 else f"{value:.3g}"
+            print(f"[bench_learner] {key} = {shown}", flush=True)
+        self.write(partial=True)
+
+    def write(self, partial: bool) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            record = {**self, "partial": partial}
+            self.path.write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
 def free_cuda() -> None:
@@ -275,18 +337,44 @@ def time_plain_megatron(learner, group: TrainGroup, args) -> float:
 OLD = dict(attention="local", pack_sequences=False, optimizer="master_adamw")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument(
+        "--head-dim", type=int, default=None, help="width of a head (default hidden / heads)"
+    )
     ap.add_argument("--ffn", type=int, default=3072)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument(
+        "--recompute",
+        choices=["none", "selective", "full"],
+        default="none",
+        help="the learner's activation recomputation (GPU only); with full the HF baseline uses "
+        "gradient checkpointing",
+    )
+    ap.add_argument(
+        "--baseline",
+        choices=["hf", "none"],
+        default="hf",
+        help="hf: the HF transformers step in a child process of its own; none: no baseline",
+    )
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=roofline.H200_BF16_TFLOPS,
+        help="the peak of the MFU figures, TFLOP/s (default: dense bf16 of an H100/H200, 989)",
+    )
+    ap.add_argument(
+        "--hf-timeout", type=float, default=1200.0, help="seconds the HF child may take"
+    )
+    ap.add_argument("--hf-child", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     ap.add_argument(
         "--full",
         action="store_true",
@@ -310,14 +398,105 @@ def main() -> None:
         "key=value of [learner] (e.g. logprob_kernel=torch;logprob_chunk_tokens=4096"
         "), separated by commas, keys of one variant by ';'",
     )
-    args = ap.parse_args()
+    return ap
 
-    results: dict = Results(
-        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse, naming the option, what cannot run here or would measure nothing."""
+    if args.recompute != "none" and not torch.cuda.is_available():
+        sys.exit(
+            f"--recompute {args.recompute}: megatron's recomputation saves the CUDA RNG state; "
+            "it needs a CUDA GPU (torch.cuda.is_available() is False)"
+        )
+    if args.steps < 1:
+        sys.exit(f"--steps {args.steps}: at least one timed step")
+    if args.seq < 8:
+        sys.exit(f"--seq {args.seq}: at least 8 tokens (the prompt is seq / 8)")
+    if args.peak_tflops <= 0:
+        sys.exit(f"--peak-tflops {args.peak_tflops}: must be positive")
+    if args.hidden % args.heads and args.head_dim is None:
+        sys.exit(
+            f"--hidden {args.hidden} is not a multiple of --heads {args.heads}: give --head-dim"
+        )
+
+
+SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab", "batch", "seq")
+
+
+def hf_child(args: argparse.Namespace) -> None:
+    """The HF baseline, in this child process (`--hf-child MODEL_DIR`): one JSON line on stdout
+    with its tokens/s and peak memory, or `oom` with the peak it reached."""
+    import torch.distributed as dist
+
+    on_gpu = torch.cuda.is_available()
+    if not dist.is_initialized():  # MasterAdamW reduces over (one-rank) process groups
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
+    group = make_group(args, np.random.default_rng(0))  # the parent's batch: same seed, same shape
+    out: dict = {"side": "hf", "gradient_checkpointing": args.recompute == "full"}
+    free_cuda()
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(args.hf_child, dtype=torch.bfloat16)
+        hf = hf.to("cuda" if on_gpu else "cpu")
+        if args.recompute == "full":
+            hf.gradient_checkpointing_enable()
+        sec = hf_train_steps(hf, group, args, args.steps)
+        out["step_s"] = sec
+        out["tokens_per_s"] = args.batch * args.seq / sec
+    except torch.cuda.OutOfMemoryError as e:
+        out["oom"] = str(e).splitlines()[0][:300]
+    out["peak_mem_gb"] = peak_gb()
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def run_hf_child(args: argparse.Namespace, model_dir: Path) -> dict:
+    """The HF baseline in a child process of its own; its JSON line, or `error` with the
+    child's exit code and the tail of its stderr."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--hf-child", str(model_dir)]
+    keys = (*SHAPE_KEYS, "warmup", "steps", "recompute")
+    cmd += [
+        f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys if getattr(args, k) is not None
+    ]
+    print(f"[bench_learner] HF baseline in its own process: {' '.join(cmd)}", flush=True)
+    # Growable segments: less fragmentation where the HF step comes close to the GPU's memory.
+    alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.hf_timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the HF child ran past --hf-timeout {args.hf_timeout:g} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"the HF child exited {proc.returncode}: {proc.stderr[-3000:]}"}
+    return {**json.loads(lines[-1]), "alloc_conf": alloc}
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    check_args(args)
+    # A timeout's SIGTERM unwinds (finally blocks, subprocess.run's kill): no child process of
+    # this bench outlives it holding the GPU.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.hf_child:
+        hf_child(args)
+        return
+
+    results = Results(
+        args.json, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     )
     rng = np.random.default_rng(0)
     group = make_group(args, rng)
     tokens_per_step = args.batch * args.seq
+    flops_token = step_flops(args, [group]) / tokens_per_step
+    results["flops_per_token"] = flops_token
+    results["peak_tflops"] = args.peak_tflops
+    results["recompute"] = args.recompute
+
+    def mfu(tokens_per_s: float, flops: float = flops_token) -> float:
+        return roofline.mfu(tokens_per_s, flops, args.peak_tflops)
+
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp) / "model", args)
         base = dict(
@@ -330,7 +509,7 @@ def main() -> None:
         # add 3 optimizer steps and a pi_prox forward pass to the learner's side).
         algo = AlgoConfig(loss="ppo_clip", advantage="grpo", mini_batches=1)
         free_cuda()
-        learner = Learner(LearnerConfig(**base), algo)
+        learner = Learner(LearnerConfig(**base, recompute=args.recompute), algo)
         results["options"] = {
             "attention": learner.attention,
             "packing": "never"
@@ -340,6 +519,7 @@ def main() -> None:
             else "always",
             "optimizer": learner.optimizer_kind,
             "logprob_kernel": learner.logprob_kernel,
+            "recompute": args.recompute,
         }
         results["params"] = sum(p.numel() for p in learner.model.parameters())
         seqs = [np.concatenate([t.prompt_ids, t.response_ids]).tolist() for t in group]
@@ -353,7 +533,7 @@ def main() -> None:
         with torch.no_grad():
             hf_bf16 = hf_logprobs(hf.eval(), tokens).cpu()
             hf_fp32 = hf_logprobs(hf.float(), tokens).cpu()
-        del hf
+        del hf, tokens
         for name, ref in (("learner_vs_hf_bf16", hf_bf16), ("learner_vs_hf_fp32", hf_fp32)):
             d = (ours - ref).abs()
             results[name] = {"mean_abs": d.mean().item(), "max_abs": d.max().item()}
@@ -364,6 +544,7 @@ def main() -> None:
         free_cuda()
         sec, losses = time_learner(learner, [group], args)
         results["learner_tokens_per_s"] = tokens_per_step / sec
+        results["learner_mfu"] = mfu(results["learner_tokens_per_s"])
         results["learner_losses"] = losses
         results["version"] = learner.version
         results["learner_peak_mem_gb"] = peak_gb()
@@ -375,19 +556,12 @@ def main() -> None:
                 "learner RL step",
                 trace=True,
             )
-        # The HF baseline runs while the learner's process group exists (its optimizer computes
-        # the grad norm through torch.distributed); its peak is counted above what is held.
-        free_cuda()
-        held = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(dev)
-        results["hf_tokens_per_s"] = tokens_per_step / hf_train_steps(hf, group, args, args.steps)
-        results["hf_peak_mem_gb"] = peak_gb() - held / 2**30 if torch.cuda.is_available() else None
-        del hf
         if args.full:
             free_cuda()
             results["plain_megatron_tokens_per_s"] = tokens_per_step / time_plain_megatron(
                 learner, group, args
             )
+            results["plain_megatron_mfu"] = mfu(results["plain_megatron_tokens_per_s"])
             results["plain_megatron_peak_mem_gb"] = peak_gb()
             results["ratio_learner_over_plain_megatron"] = (
                 results["learner_tokens_per_s"] / results["plain_megatron_tokens_per_s"]
@@ -399,6 +573,7 @@ def main() -> None:
                 "tokens": rl_tokens,
                 "padded_tokens_if_one_row_each": sum(len(g) for g in rl)
                 * max(len(t.prompt_ids) + len(t.response_ids) - 1 for g in rl for t in g),
+                "flops_per_step": step_flops(args, rl),
             }
             learner.close()
             del learner
@@ -411,6 +586,9 @@ def main() -> None:
                 lr_ = Learner(LearnerConfig(**{**base, "micro_batch_tokens": 8192, **extra}), algo)
                 sec, _, last = time_learner(lr_, rl, args, metrics=True)
                 results[f"{name}_tokens_per_s"] = rl_tokens / sec
+                results[f"{name}_mfu"] = roofline.mfu(
+                    1 / sec, results["rl_batch"]["flops_per_step"], args.peak_tflops
+                )
                 results[f"{name}_packed_micro_batches"] = last.get("learner/packed_micro_batches")
                 results[f"{name}_padding_frac"] = last.get("padding_frac")
                 results[f"{name}_peak_mem_gb"] = peak_gb()
@@ -434,50 +612,96 @@ def main() -> None:
                 lr_ = Learner(LearnerConfig(**{**base, **extra}), algo)
                 sec, _ = time_learner(lr_, [group], args)
                 results[f"{name}_tokens_per_s"] = tokens_per_step / sec
+                results[f"{name}_mfu"] = mfu(results[f"{name}_tokens_per_s"])
                 results[f"{name}_peak_mem_gb"] = peak_gb()
                 lr_.close()
                 del lr_
         else:
             learner.close()
-        results["ratio_learner_over_hf"] = (
-            results["learner_tokens_per_s"] / results["hf_tokens_per_s"]
-        )
+            del learner
+        if args.baseline == "hf":
+            # After every learner here is closed and this process's CUDA memory released: the
+            # child has the GPU to itself but for what is printed as still held.
+            free_cuda()
+            held = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+            results["parent_cuda_allocated_gb_during_hf"] = held
+            hf_out = run_hf_child(args, hf_dir)
+            results["hf"] = hf_out
+            if "tokens_per_s" in hf_out:
+                results["hf_tokens_per_s"] = hf_out["tokens_per_s"]
+                results["hf_mfu"] = mfu(hf_out["tokens_per_s"])
+                results["hf_peak_mem_gb"] = hf_out["peak_mem_gb"]
+                results["ratio_learner_over_hf"] = (
+                    results["learner_tokens_per_s"] / results["hf_tokens_per_s"]
+                )
+            else:
+                why = hf_out.get("oom") or hf_out.get("error")
+                print(f"[bench_learner] HF baseline: no figure: {why}", flush=True)
 
     print(json.dumps(results, indent=2))
     print_table(results, args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    results.write(partial=False)
 
 
 def print_table(r: dict, args) -> None:
-    """Each figure beside its baseline (`OLD` ran 28.2k tokens/s = 0.57x HF, 56.5 GB on an H200)."""
+    """Each figure with its MFU beside its baseline (`OLD` ran 28.2k tokens/s = 0.57x HF, 56.5 GB
+    on an H200)."""
     gb = lambda x: "-" if x is None else f"{x:.1f} GB"  # noqa: E731
+    pct = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
     print(
         f"\n{r['params'] / 1e9:.2f}B params on {r['device']}, batch {args.batch} x {args.seq}; "
         f"learner options {r['options']}"
     )
-    print(f"{'what':44s} {'tokens/s':>10s} {'peak mem':>10s}   baseline")
+    print(
+        f"MFU: {r['flops_per_token'] / 1e9:.2f} GFLOP a token (6 x non-embedding params + output "
+        f"layer on the response + causal attention) over {r['peak_tflops']:g} TFLOP/s"
+    )
+    print(f"{'what':44s} {'tokens/s':>10s} {'MFU':>6s} {'peak mem':>10s}   baseline")
+    hf = r.get("hf", {})
+    if "hf_tokens_per_s" in r:
+        vs_hf = (
+            f"HF step {r['hf_tokens_per_s']:,.0f}/s: {r['ratio_learner_over_hf']:.2f}x "
+            "(goal >= 1.2x; was 0.57x)"
+        )
+    elif args.baseline == "none":
+        vs_hf = "no baseline (--baseline none)"
+    else:
+        vs_hf = f"HF step: no figure ({(hf.get('oom') or hf.get('error') or '?')[:120]})"
     rows = [
         (
-            "learner RL step (new defaults)",
+            f"learner RL step (recompute {args.recompute})",
             r["learner_tokens_per_s"],
+            r.get("learner_mfu"),
             r["learner_peak_mem_gb"],
-            f"HF step {r['hf_tokens_per_s']:,.0f}/s: {r['ratio_learner_over_hf']:.2f}x (goal >= 1.2x; "
-            "was 0.57x); memory goal <= 25 GB (was 56.5)",
-        ),
-        ("HF transformers step (same work)", r["hf_tokens_per_s"], r.get("hf_peak_mem_gb"), ""),
+            vs_hf,
+        )
     ]
+    if "hf_tokens_per_s" in r:
+        ckpt = ", gradient checkpointing" if hf.get("gradient_checkpointing") else ""
+        rows.append(
+            (
+                f"HF transformers step (same work{ckpt})",
+                r["hf_tokens_per_s"],
+                r.get("hf_mfu"),
+                r.get("hf_peak_mem_gb"),
+                f"own process; the bench's own held {r['parent_cuda_allocated_gb_during_hf']:.2f} GB",
+            )
+        )
+    elif "oom" in hf:
+        rows.append(("HF transformers step: out of memory", 0.0, None, hf.get("peak_mem_gb"), ""))
     if "old_options_tokens_per_s" in r:
         rows += [
             (
                 "learner, old options (local attn, MasterAdamW)",
                 r["old_options_tokens_per_s"],
+                r.get("old_options_mfu"),
                 r["old_options_peak_mem_gb"],
                 "28.2k/s, 56.5 GB on an H200",
             ),
             (
                 "plain megatron-core fwd/bwd + optimizer",
                 r["plain_megatron_tokens_per_s"],
+                r.get("plain_megatron_mfu"),
                 r["plain_megatron_peak_mem_gb"],
                 f"RL step / plain = {r['ratio_learner_over_plain_megatron']:.2f}x (goal >= 0.9x)",
             ),
@@ -485,8 +709,9 @@ def print_table(r: dict, args) -> None:
                 (
                     f"recompute {k}",
                     r[f"recompute_{k}_tokens_per_s"],
+                    r.get(f"recompute_{k}_mfu"),
                     r[f"recompute_{k}_peak_mem_gb"],
-                    "vs the new defaults above",
+                    "vs the learner RL step above",
                 )
                 for k in ("selective", "full")
                 if f"recompute_{k}_tokens_per_s" in r
@@ -494,6 +719,7 @@ def print_table(r: dict, args) -> None:
             (
                 f"RL lengths, packed ({r['rl_batch']['tokens']:,} real tokens)",
                 r["rl_packed_tokens_per_s"],
+                r.get("rl_packed_mfu"),
                 r["rl_packed_peak_mem_gb"],
                 f"padded: {r['rl_padded_tokens_per_s']:,.0f}/s: packed "
                 f"{r['rl_packed_tokens_per_s'] / r['rl_padded_tokens_per_s']:.2f}x",
@@ -501,12 +727,14 @@ def print_table(r: dict, args) -> None:
             (
                 "RL lengths, padded (real tokens/s)",
                 r["rl_padded_tokens_per_s"],
+                r.get("rl_padded_mfu"),
                 r["rl_padded_peak_mem_gb"],
                 f"padding {r['rl_padded_padding_frac']:.0%}",
             ),
             (
                 "RL lengths, default (auto packing)",
                 r["rl_default_tokens_per_s"],
+                r.get("rl_default_mfu"),
                 r["rl_default_peak_mem_gb"],
                 f"{r['rl_default_packed_micro_batches']:.0f} packed micro-batches",
             ),
@@ -515,14 +743,16 @@ def print_table(r: dict, args) -> None:
         (
             k[len("variant_") : -len("_tokens_per_s")][:44],
             v,
+            r.get(k[: -len("_tokens_per_s")] + "_mfu"),
             r.get(k[: -len("_tokens_per_s")] + "_peak_mem_gb"),
-            f"vs the new defaults {r['learner_tokens_per_s']:,.0f}/s: {v / r['learner_tokens_per_s']:.2f}x",
+            f"vs the learner RL step {r['learner_tokens_per_s']:,.0f}/s: "
+            f"{v / r['learner_tokens_per_s']:.2f}x",
         )
         for k, v in r.items()
         if k.startswith("variant_") and k.endswith("_tokens_per_s")
     ]
-    for what, tps, mem, note in rows:
-        print(f"{what:44s} {tps:>10,.0f} {gb(mem):>10s}   {note}")
+    for what, tps, m, mem, note in rows:
+        print(f"{what:44s} {tps:>10,.0f} {pct(m):>6s} {gb(mem):>10s}   {note}")
     a = r["learner_vs_hf_bf16"]
     print(f"bf16 log-prob |learner - HF bf16|: mean {a['mean_abs']:.2e}, max {a['max_abs']:.2e}")
 

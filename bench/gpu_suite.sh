@@ -17,6 +17,14 @@
 #          (push over gloo, push.backend = auto), and the latter with NCCL forced
 #   onegpu_async  bench_async.py on one GPU (engine and learner sharing it): the quickstart's task,
 #          sync vs async with pinned evaluation, ONEGPU_SEEDS seeds (default 0 1 2)
+#   roofline  one H200, about 7 minutes (ROOFLINE_BUDGET_S, default 460, caps the whole part:
+#          each run gets at most what is left): the embedded engine at the 0.6B Qwen3 shape at 1
+#          and 256 requests (prompt 32, 128 new) vs HF generate, the GRPO load (64 prompts x 8,
+#          512 new, prompt sharing on; fanout n vs n requests; top_p 1.0 and 0.95), 64 requests
+#          at a 4,096-token context (64 new tokens), each beside its decode roofline (4.8 TB/s);
+#          bench_learner at the 0.51B and the Qwen3-4B shape with MFU and the HF baseline in its
+#          own process (the 4B first). Each run writes $OUT/roofline_<name>.json and .log;
+#          ROOFLINE_ONLY="engine_grpo learner_4b" runs only the runs named
 #   SUITE="push e2e" bash bench/gpu_suite.sh [overrides for the e2e/async runs...]
 # The image has torch and transformers but not megatron-core, pyzmq or pydantic: their wheels
 # travel in .whl/ (docs/development.md).
@@ -31,8 +39,38 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L
+# The roofline part's runs: name, seconds at most, command line (tests/unit/project/
+# test_bench_suite.py parses each with its bench's own argument parser).
+ROOFLINE_RUNS=(
+  "engine_table|120|bench/bench_engine.py --model qwen3-0.5b --device cuda --dtype bfloat16 --batches 1,256 --prompt-len 32 --new-tokens 128"
+  "engine_grpo|120|bench/bench_engine.py --grpo --model qwen3-0.5b --device cuda --dtype bfloat16 --grpo-prompts 64 --grpo-n 8 --grpo-prompt-len 256 --new-tokens 512 --grpo-sharing on --grpo-fanout both --grpo-top-p 1.0,0.95"
+  "engine_context4096|110|bench/bench_engine.py --model qwen3-0.5b --device cuda --dtype bfloat16 --batches 64 --context 4096 --new-tokens 64 --mem-fraction 0.4"
+  "learner_4b|170|bench/bench_learner.py --hidden 2560 --layers 36 --heads 32 --kv-heads 8 --ffn 9728 --warmup 1 --steps 3 --baseline hf"
+  "learner_0.5b|100|bench/bench_learner.py --warmup 2 --steps 4 --baseline hf"
+)
 for part in $SUITE; do
   case $part in
+    roofline)
+      budget=${ROOFLINE_BUDGET_S:-460}
+      start=$SECONDS
+      for run in "${ROOFLINE_RUNS[@]}"; do
+        IFS='|' read -r name limit cmd <<<"$run"
+        if [[ -n ${ROOFLINE_ONLY:-} && " $ROOFLINE_ONLY " != *" $name "* ]]; then
+          echo "== roofline $name: not in ROOFLINE_ONLY"
+          continue
+        fi
+        left=$((budget - (SECONDS - start)))
+        if ((left < 30)); then
+          echo "== roofline $name: skipped, ${left} s of ROOFLINE_BUDGET_S=$budget left"
+          continue
+        fi
+        ((limit > left)) && limit=$left
+        echo "== roofline $name (at most $limit s): python3 $cmd"
+        # shellcheck disable=SC2086
+        timeout -k 10 "$limit" python3 $cmd --json "$OUT/roofline_$name.json" >"$OUT/roofline_$name.log" 2>&1
+        echo "exit $? after $((SECONDS - start)) s of the part"
+        grep -v -i warn "$OUT/roofline_$name.log" | grep -v '^ \|^[{}]' | tail -14
+      done ;;
     push)
       echo "== weight push: learner rank 0 on GPU 0, engine on GPU 1"
       timeout "${PUSH_S:-150}" python3 bench/bench_engine.py --push --model qwen3-0.5b \
