@@ -17,7 +17,9 @@
         POST /continue_generation
 
 Why this order (SGLang 0.5.23): a flush fails while requests run, and an update asked to flush
-asserts that it worked -- the scheduler exits and the server dies. So the update never flushes;
+whose flush fails answers 400 with the weights loaded but the old cache kept (srt/managers/
+scheduler_components/weight_updater.py: flush_cache_after_weight_update). So the update never
+flushes;
 the pause empties the engine first (abort: running requests end with finish reason abort and the
 generator resumes them; retract: they are re-queued and recomputed after the push, nothing is
 lost but the recompute), and /flush_cache is polled until it succeeds. in_place keeps running
