@@ -17,7 +17,9 @@
         POST /continue_generation
 
 Why this order (SGLang 0.5.23): a flush fails while requests run, and an update asked to flush
-asserts that it worked -- the scheduler exits and the server dies. So the update never flushes;
+whose flush fails answers 400 with the weights loaded but the old cache kept (srt/managers/
+scheduler_components/weight_updater.py: flush_cache_after_weight_update). So the update never
+flushes;
 the pause empties the engine first (abort: running requests end with finish reason abort and the
 generator resumes them; retract: they are re-queued and recomputed after the push, nothing is
 lost but the recompute), and /flush_cache is polled until it succeeds. in_place keeps running
@@ -52,7 +54,6 @@ import concurrent.futures
 import gc
 import json
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -81,6 +82,7 @@ from slime_async.actors.engine.weight_sync import (
     choose_backend,
     gpu_uuid,
     init_weight_group,
+    routable_address,
 )
 from slime_async.config import PushConfig
 from slime_async.config.engine import LivenessConfig
@@ -91,28 +93,6 @@ log = logging.getLogger(__name__)
 
 
 __all__ = ["EngineLayoutError", "PushError", "WeightPusher", "routable_address"]
-
-
-def routable_address() -> str:
-    """This node's address as other nodes reach it: the source address of the default route
-    (a UDP socket is connected, nothing is sent), else the host name's address; loopback only
-    when nothing else exists (then a warning: engines on other nodes cannot reach it)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))  # no packet leaves: connect() only picks a route
-            addr = s.getsockname()[0]
-        if addr and not addr.startswith("127."):
-            return addr
-    except OSError:
-        pass
-    try:
-        addr = socket.gethostbyname(socket.gethostname())
-        if not addr.startswith("127."):
-            return addr
-    except OSError:
-        pass
-    log.warning("no routable address found: the weight group uses 127.0.0.1 (single node only)")
-    return "127.0.0.1"
 
 
 class WeightPusher:
@@ -716,7 +696,16 @@ class WeightPusher:
             for _, t in tensors:
                 self._broadcast(t, futs, number, members)
                 stats["bytes"] += t.numel() * t.element_size()
-            self._wait("update_weights_from_distributed", futs)
+            try:
+                self._wait("update_weights_from_distributed", futs)
+            except PushError as e:
+                cause = e.__cause__
+                # NCCL broadcasts are queued on the GPU, not waited for above: a member that
+                # answered without joining leaves them pending; abort the group now.
+                nccl = self.group is not None and self.group.backend == "nccl"
+                if nccl and isinstance(cause, EngineError) and cause.status is not None:
+                    self._stop_broadcast(e.url, number, f"its update call failed: {cause}")
+                raise
             stats["tensors"] += len(tensors)
             stats["buckets"] += 1
             bucket = following
@@ -726,8 +715,13 @@ class WeightPusher:
     ) -> None:
         """Broadcast one tensor while watching the members' update calls: one that fails (that
         member answered without joining) or a member reported hung stops it at once
-        (`_stop_broadcast`); waiting would block until the group's timeout."""
+        (`_stop_broadcast`); waiting would block until the group's timeout. NCCL only queues the
+        broadcast on the GPU (the host does not wait; `_send` watches the calls after the
+        bucket)."""
         assert self.group is not None
+        if self.group.backend == "nccl":
+            self.group.broadcast(t)
+            return
         work = self.group.broadcast_async(t)
         delay = 0.0002
         while not work.is_completed():

@@ -259,3 +259,25 @@ def choose_backend(learner_gpu: str | None, engines: dict[str, dict[str, Any]]) 
         if info.get("gpu_uuid") == learner_gpu:
             return "gloo", f"engine {url} shares the learner's GPU ({learner_gpu})"
     return "nccl", "every engine is on a GPU of its own"
+
+
+def routable_address() -> str:
+    """This node's address as other nodes reach it: the source address of the default route
+    (a UDP socket is connected, nothing is sent), else the host name's address; loopback only
+    when nothing else exists (then a warning: engines on other nodes cannot reach it)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet leaves: connect() only picks a route
+            addr = s.getsockname()[0]
+        if addr and not addr.startswith("127."):
+            return addr
+    except OSError:
+        pass
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+        if not addr.startswith("127."):
+            return addr
+    except OSError:
+        pass
+    log.warning("no routable address found: the weight group uses 127.0.0.1 (single node only)")
+    return "127.0.0.1"
