@@ -41,7 +41,7 @@ QWEN3_05B_SHAPE = dict(
     intermediate_size=3072,
     vocab_size=151936,
     tie_word_embeddings=True,
-    max_position_embeddings=4096,
+    max_position_embeddings=40960,  # as Qwen3-0.6B: long-context benches fit
     rope_theta=1_000_000.0,
 )
 
