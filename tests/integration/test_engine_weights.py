@@ -202,9 +202,11 @@ async def test_push_with_requests_in_flight_in_every_pause_mode(
     pusher.pause_mode = "abort"
 
 
-async def test_in_place_update_that_flushes_stops_a_strict_engine(models, logs):
-    """What the old pusher did (in_place pause, flush_cache=true on the last bucket) stops a
-    strict engine as it stops SGLang: the flush fails while requests run."""
+async def test_in_place_update_that_flushes_is_refused_by_a_strict_engine(models, logs):
+    """What the old pusher did (in_place pause, flush_cache=true on the last bucket) fails on a
+    strict engine as on SGLang 0.5.23: the flush is refused while requests run, and the update
+    answers 400 with its weights already loaded; the engine serves on (test_engine_strict.py
+    checks the versions)."""
     child, url = start_engine(models[0], logs, *STRICT)
     try:
         c, tasks = await _in_flight(url, n=1)
@@ -212,16 +214,14 @@ async def test_in_place_update_that_flushes_stops_a_strict_engine(models, logs):
             assert not await c.flush_cache()  # 400 while a request runs
             await c.pause_generation("in_place")
             assert not await c.flush_cache()  # in_place keeps it running
-            assert not await c.health()  # strict: 503 while paused
-            await c.continue_generation()
-            # The update itself, as SGLang's scheduler: asked to flush, the flush fails, it stops.
             body = {"model_path": str(models[1]), "flush_cache": True}
-            with pytest.raises(EngineError, match="Cache flush failed after updating weights"):
+            with pytest.raises(EngineError, match="Weights were updated, but the cache was not"):
                 await c.call("POST", "/update_weights_from_disk", body, max_retries=0)
-            assert not await c.health()
-            outs = await asyncio.gather(*tasks, return_exceptions=True)
-            assert isinstance(outs[0], EngineError)  # 500 naming the failure, or the process gone
-        assert child.proc.wait(30) == 1  # and the process ends, as SGLang's server does
+            await c.continue_generation()
+            outs = await asyncio.gather(*tasks)
+            assert outs[0].finish_reason == "length"
+            assert await c.flush_cache()  # nothing runs any more
+        assert child.proc.poll() is None  # still serving
     finally:
         child.stop()
 
