@@ -207,6 +207,10 @@ async def test_session_rules_as_the_wheel(strict):
     assert (await _post(strict, "/end_weight_update"))[0] == 200
     async with aiohttp.ClientSession() as s, s.post(strict + "/begin_weight_update") as r:
         assert r.status == 400  # no body at all
+    # io_struct.py: InitWeightsUpdateGroupReqInput.rank_offset has no default.
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2}
+    status, out = await _post(strict, "/init_weights_update_group", body)
+    assert status == 400 and "rank_offset" in out["error"]["message"]
 
 
 async def test_non_strict_serves_updates_outside_session_counted(keyed, model_dir):
@@ -320,6 +324,8 @@ async def test_health_takes_sglang_time_ready_does_not(strict, keyed):
 
 
 async def test_server_info_reports_the_layout_as_server_args(strict):
+    """Found on main: attn_dp_size missing; /get_weight_version served where 0.5.23 has none."""
+    assert (await _call(strict, "GET", "/get_weight_version"))[0] == 404
     _, info = await _call(strict, "GET", "/server_info")
     for key in ("tp_size", "pp_size", "dp_size", "attn_dp_size"):
         assert info[key] == 1, key

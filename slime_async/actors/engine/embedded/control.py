@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from slime_async.actors.engine.embedded.http import BadRequest, read_body
+from slime_async.actors.engine.embedded.http import BadRequest, error, read_body
 
 if TYPE_CHECKING:
     from slime_async.actors.engine.embedded.server import EmbeddedEngine
@@ -41,6 +41,9 @@ class ControlRoutes:
         return self.engine.scheduler
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
+        if self.engine.cfg.embedded.strict_sglang:
+            # http_server.py of 0.5.23 has no such route (the version is in /model_info).
+            return error(404, "unknown endpoint GET /get_weight_version (not in SGLang 0.5.23)")
         return web.json_response({"weight_version": self.engine.reported_version})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:

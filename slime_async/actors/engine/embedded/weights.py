@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from slime_async.actors.engine.embedded.http import BadRequest, error, fail, read_body
+from slime_async.actors.engine.embedded.http import BadRequest, fail, read_body
 from slime_async.actors.engine.weight_sync import WeightGroup, init_weight_group, receive_tensors
 
 if TYPE_CHECKING:
@@ -251,8 +251,6 @@ class WeightRoutes:
             flushed = await self._on_scheduler(load_record_flush)
         except (ValueError, OSError, RuntimeError) as e:
             return fail(str(e), num_paused_requests=0)
-        if sched.fatal is not None:
-            return error(500, f"engine stopped: {sched.fatal}")
         if not flushed:
             self.flush_failed += 1
             log.error(
