@@ -5,7 +5,7 @@ Binds `engine.host:engine.port` (127.0.0.1 by default; port 0 picks a free one) 
 (/server_info), /get_weight_version, /update_weight_version, /pause_generation,
 /continue_generation, /abort_request, /flush_cache and the weight-sync calls
 /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
-/update_weights_from_disk. Routes, field names, status codes and shapes follow SGLang 0.5.23: the
+/update_weights_from_disk, /update_weights_from_tensor (`tensor_update.py`). Routes, field names, status codes and shapes follow SGLang 0.5.23: the
 routes of `python/sglang/srt/entrypoints/http_server.py`, the request fields of `GenerateReqInput`
 and of the weight-update requests in `python/sglang/srt/managers/io_struct.py`, the version spans
 of `utils/weight_versions.py`. docs/sglang.md lists every endpoint and field with what SGLang does
@@ -45,6 +45,7 @@ from aiohttp import web
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
 from slime_async.actors.engine.embedded.sampling import GREEDY_TEMPERATURE, SamplingParams
 from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
+from slime_async.actors.engine.embedded.tensor_update import TensorUpdate
 from slime_async.actors.engine.weight_sync import (
     WeightGroup,
     gpu_uuid,
@@ -209,6 +210,8 @@ class EmbeddedEngine:
             "update_weights_from_disk",
         ):
             r.add_post(f"/{name}", getattr(self, name))
+        self.tensor_update = TensorUpdate(self)  # the colocated push (tensors by handle)
+        r.add_post("/update_weights_from_tensor", self.tensor_update)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
