@@ -8,7 +8,10 @@ answers 404 on it, in front of a real engine) gets the broadcast instead."""
 import asyncio
 import base64
 import io
+import os
 import pickle
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -28,6 +31,7 @@ from slime_async.metrics import names as M
 from slime_async.models.toy import make_tiny_model
 from slime_async.utils.procs import free_port
 from tests.support.engine_util import hf_greedy, push_config, start_engine
+from tests.support.repo import REPO, pythonpath_with_repo
 
 PROMPT = [2, 9, 10, 11]
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -261,3 +265,22 @@ def test_pusher_by_handle_then_fallback_to_the_broadcast_on_404(engine, models):
             assert p.metrics()[M.PUSH_IPC_ENGINES] == 0.0
         finally:
             p.close()
+
+
+def test_the_colocated_push_bench_runs_on_the_cpu_at_tiny_size(tmp_path):
+    """bench/bench_engine.py --push-backend ipc,gloo: both pushes and the raw copy, 5 times each."""
+    out = subprocess.run(
+        [sys.executable, "bench/bench_engine.py", "--push-backend", "ipc,gloo", "--reps", "5"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": pythonpath_with_repo()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[2:]] == [
+        "| raw copy_ (same device, same bytes)",
+        "| WeightPusher, push.backend = ipc",
+        "| WeightPusher, push.backend = gloo",
+    ]
