@@ -234,7 +234,7 @@ class NoTensorRoute:
         self._thread.join(30)
 
 
-def test_pusher_by_handle_then_fallback_to_the_broadcast_on_404(engine, models):
+def test_pusher_by_handle_then_fallback_to_the_broadcast_on_404(engine, models, tmp_path):
     v1 = named_params(models[1])
     # the real path: push.backend = ipc, straight to the engine, no group
     p = WeightPusher([engine], push_config(backend="ipc", timeout_s=60))
@@ -249,22 +249,31 @@ def test_pusher_by_handle_then_fallback_to_the_broadcast_on_404(engine, models):
         assert m[M.PUSH_IPC_BYTES] == stats["bytes"] > 0 and m[M.PUSH_IPC_GB_PER_S] > 0
     finally:
         p.close()
+    # a second engine behind a proxy without the route: it falls back, and the pool is mixed
     v0 = named_params(models[0])
-    with NoTensorRoute(engine) as proxy:
-        p = WeightPusher([proxy.url], push_config(backend="ipc", timeout_s=60))
-        try:
-            p.connect()
-            first = p.push([v0], version=12)
-            assert first["failed"] == 1.0 and proxy.seen_404 == 1
-            assert p.resync_needed()
-            assert p.metrics()[M.PUSH_IPC_FALLBACKS] == 1.0
-            again = p.push([v0], version=12)  # the resync push: a gloo group with the engine
-            assert again["failed"] == 0.0 and p.group is not None and p.ipc == {}
-            assert p.backend == "gloo" and proxy.seen_404 == 1
-            assert version(engine) == "12" and generate(engine) == reference(models[0])
-            assert p.metrics()[M.PUSH_IPC_ENGINES] == 0.0
-        finally:
-            p.close()
+    child, other = start_engine(models[1], tmp_path)
+    try:
+        with NoTensorRoute(other) as proxy:
+            p = WeightPusher([engine, proxy.url], push_config(backend="ipc", timeout_s=60))
+            try:
+                p.connect()
+                assert set(p.ipc) == {engine, proxy.url}
+                first = p.push([v0], version=12)
+                assert first["failed"] == 1.0 and proxy.seen_404 == 1
+                assert p.resync_needed()
+                assert p.metrics()[M.PUSH_IPC_FALLBACKS] == 1.0
+                again = p.push([v0[:5], v0[5:]], version=12)  # resync: by handle + gloo group
+                assert again["failed"] == 0.0 and proxy.seen_404 == 1
+                assert list(p.ipc) == [engine] and p.group is not None and p.backend == "gloo"
+                assert p.members == [engine, proxy.url]
+                for url in (engine, other):
+                    assert version(url) == "12" and generate(url) == reference(models[0])
+                m = p.metrics()
+                assert m[M.PUSH_IPC_ENGINES] == 1.0 and m[M.PUSH_ENGINES] == 2.0
+            finally:
+                p.close()
+    finally:
+        child.stop()
 
 
 def test_the_colocated_push_bench_runs_on_the_cpu_at_tiny_size(tmp_path):

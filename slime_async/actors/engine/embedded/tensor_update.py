@@ -219,8 +219,12 @@ class TensorUpdate:
                 raise ValueError(f"parameter {name!r}: dtype {t.dtype} is not a floating type")
 
     def _refuse(self, why: BaseException | str, error: bool = False) -> web.Response:
-        from slime_async.actors.engine.embedded.server import _error, _fail
-
+        """400 as SGLang answers it: a malformed request `{"error": {"message"}}` (its
+        validation errors), a refused update `{success: false, message}` (as the server's)."""
         self.refused += 1
         log.warning("%s refused: %s", ROUTE, why)
-        return _error(400, str(why)) if error else _fail(str(why))
+        if error:
+            return web.json_response({"error": {"message": str(why)}}, status=400)
+        return web.json_response(
+            {"success": False, "message": str(why), "num_paused_requests": 0}, status=400
+        )
