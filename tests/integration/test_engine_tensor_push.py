@@ -20,6 +20,7 @@ from aiohttp import ClientSession, web
 from transformers import AutoModelForCausalLM
 
 from slime_async.actors.engine.client import EngineClient, EngineRequestError
+from slime_async.actors.engine.embedded.server import EmbeddedEngine, serve
 from slime_async.actors.engine.tensor_push import (
     IPC_OPEN_FAILED,
     ROUTE,
@@ -27,6 +28,7 @@ from slime_async.actors.engine.tensor_push import (
     request_body,
 )
 from slime_async.actors.engine.weight_push import WeightPusher
+from slime_async.config import EngineConfig
 from slime_async.metrics import names as M
 from slime_async.models.toy import make_tiny_model
 from slime_async.utils.procs import free_port
@@ -293,3 +295,33 @@ def test_the_colocated_push_bench_runs_on_the_cpu_at_tiny_size(tmp_path):
         "| WeightPusher, push.backend = ipc",
         "| WeightPusher, push.backend = gloo",
     ]
+
+
+async def test_the_servers_session_check_refuses_the_call_and_nothing_changes(models):
+    """The hook the server gives the handler (SGLang 0.5.23: only inside a weight-update
+    session): a refusal is 400 {success: false} with its message, the weights untouched."""
+    eng = EmbeddedEngine(
+        EngineConfig(model_path=str(models[0]), port=0, embedded={"device": "cpu"})
+    )
+    runner, url = await serve(eng, "127.0.0.1", 0)
+    norm = dict(named_params(models[1]))["model.norm.weight"]
+    before = eng.runner.model.get_parameter("model.norm.weight").detach().clone()
+    body = request_body([("model.norm.weight", norm)], weight_version="s1")
+    try:
+        eng.tensor_update.require_session = lambda call: f"{call} needs an open session"
+        async with ClientSession() as s:
+            async with s.post(url + ROUTE, json=body) as r:
+                out = await r.json()
+                assert r.status == 400 and out["success"] is False
+                assert out["message"] == "update_weights_from_tensor needs an open session"
+            assert eng.scheduler.version != "s1"
+            assert torch.equal(eng.runner.model.get_parameter("model.norm.weight"), before)
+            eng.tensor_update.require_session = lambda call: None
+            body = request_body([("model.norm.weight", norm)], weight_version="s1")
+            async with s.post(url + ROUTE, json=body) as r:
+                assert r.status == 200, await r.text()
+        assert eng.scheduler.version == "s1"
+        assert torch.equal(eng.runner.model.get_parameter("model.norm.weight"), norm)
+        assert eng.tensor_update.refused == 1 and eng.tensor_update.updates == 1
+    finally:
+        await runner.cleanup()

@@ -23,6 +23,11 @@ requests and their KV cache (no flush at all; their later tokens come from the n
 the response's `weight_versions` spans say which). The version is sent with the last bucket only,
 so an engine never reports a version it holds only part of.
 
+An engine on the learner's own GPU (or every engine, with push.backend = "ipc") is no member of
+the group: each bucket goes to it by CUDA IPC handle, `POST /update_weights_from_tensor`, in the
+same send step (`tensor_push.py`); a pool of such engines only builds no group. One that answers
+404 or cannot open the handles fails that push and is in the group from its resync push on.
+
 A failed call or a timeout names the engine and the step. A push that fails midway leaves the
 engines paused (their weights are mixed) and marks the group for a rebuild: `resync_needed()` is
 then true and the learner pushes again, which rebuilds the group with the live engines and

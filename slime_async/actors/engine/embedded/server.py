@@ -211,7 +211,7 @@ class EmbeddedEngine:
         ):
             r.add_post(f"/{name}", getattr(self, name))
         self.tensor_update = TensorUpdate(self)  # the colocated push (tensors by handle)
-        r.add_post("/update_weights_from_tensor", self.tensor_update)
+        r.add_post("/update_weights_from_tensor", self.tensor_update.handle)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app

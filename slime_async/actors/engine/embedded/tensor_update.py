@@ -153,7 +153,7 @@ class TensorUpdate:
         self.refused = 0
         """Calls answered 400 (each logged with its reason)."""
 
-    async def __call__(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.Response:
         eng = self.engine
         body = await eng._body(request)
         try:
