@@ -33,7 +33,8 @@ def test_push_by_cuda_ipc_to_an_engine_on_the_learners_gpu(tmp_path, monkeypatch
     want = hf_greedy(model, PROMPT, 8)[0]  # on the CPU, as tests/gpu/test_engine_gpu.py
     named = [(n, p.detach().to("cuda:0")) for n, p in model.named_parameters()]
 
-    raw = base64.b64decode(request_body(named[:1])["serialized_named_tensors"][0])
+    body = request_body(named[:1], weight_version="one")
+    raw = base64.b64decode(body["serialized_named_tensors"][0])
     assert b"rebuild_cuda_tensor" in raw and b"rebuild_storage_filename" not in raw
     assert len(raw) < 2048 < named[0][1].numel() * named[0][1].element_size()
 
@@ -42,6 +43,15 @@ def test_push_by_cuda_ipc_to_an_engine_on_the_learners_gpu(tmp_path, monkeypatch
     )
     pusher = WeightPusher([url], push_config(backend="auto", timeout_s=120))
     try:
+        # the request itself, by hand: the engine opens the handle (which releases it here)
+        req = urllib.request.Request(
+            f"{url}/update_weights_from_tensor",
+            data=json.dumps({**body, "flush_cache": False}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["success"] is True
+        del body, raw
         pusher.connect()
         assert list(pusher.ipc) == [url] and pusher.group is None
         assert "shares the learner's GPU" in pusher.ipc[url]
