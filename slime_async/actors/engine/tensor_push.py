@@ -167,7 +167,6 @@ class TensorSender:
         out = await client.call("POST", ROUTE, body, timeout_s=self.timeout_s, max_retries=0)
         if isinstance(out, dict) and out.get("success") is False:
             raise EngineRequestError(client.url, f"POST {ROUTE}", str(out.get("message")))
-        del named  # the engine holds its own copy now
         self.stats.seconds += time.perf_counter() - t0
         self.stats.calls += 1
         return out or {}

@@ -120,3 +120,17 @@ def test_only_a_missing_route_or_unopened_handles_mean_fall_back():
     s = TensorSender(timeout_s=1)
     s.count(2e9, 0.5)
     assert s.stats.bytes == 2e9 and s.stats.last_gb_per_s == pytest.approx(4.0)
+
+
+def test_a_cuda_handle_on_an_engine_without_cuda_is_a_handle_that_did_not_open():
+    """What an engine off the GPU (or on another host) meets: the sender's cue to fall back."""
+
+    class CudaTensor:
+        def __reduce__(self):
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            args = (torch.Tensor, (2,), (1,), 0, torch.storage.TypedStorage, torch.float32)
+            return rebuild_cuda_tensor, (*args, "GPU-none", b"h", 8, 0, False, b"r", 0, b"e", True)
+
+    with pytest.raises(BadTensors, match=IPC_OPEN_FAILED):
+        open_tensors(pickle.dumps([("w", CudaTensor())]), "serialized_named_tensors[0]")
