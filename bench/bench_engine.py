@@ -29,6 +29,13 @@ same path over gloo (a dry run).
 
     python bench/bench_engine.py --push --model qwen3-0.5b --device cuda --bucket-mb 512
 
+Colocated push (`--push-backend ipc,gloo`): learner and engine on ONE device (cuda:0, or the CPU
+at tiny size), the push by each backend named (ipc: tensors by CUDA IPC handle through
+/update_weights_from_tensor, shared memory on the CPU; gloo: the broadcast through host memory),
+each `--reps` times, median and range, against a raw `copy_` of the same bytes on that device.
+
+    python bench/bench_engine.py --push-backend ipc,gloo --model qwen3-0.5b --device cuda --reps 5
+
 GRPO-shaped load (`--grpo`): 64 prompts x n = 8 samples, 512 new tokens (`--new-tokens`),
 temperature 1, each `--grpo-top-p` (comma-separated, e.g. 1.0,0.95), ignore_eos (every sample
 runs to length; the run fails if fewer tokens come back), all samples running at once, against
@@ -646,6 +653,92 @@ def bench_push(args: argparse.Namespace, work: Path) -> None:
     )
 
 
+def _spread(xs: list[float]) -> str:
+    """median [min, max], in seconds."""
+    return f"{statistics.median(xs):.4f} [{min(xs):.4f}, {max(xs):.4f}]"
+
+
+def raw_copy_seconds(buckets: list[list[tuple[str, torch.Tensor]]], reps: int) -> list[float]:
+    """The hardware baseline of a colocated push: `copy_` of the same bytes into other tensors on
+    the same device (device to device on a GPU, memcpy on the CPU)."""
+    dst = [[torch.empty_like(t) for _, t in b] for b in buckets]
+    dev = str(buckets[0][0][1].device)
+    times = []
+    for _ in range(reps + 1):  # the first round allocates nothing new but warms the copy kernels
+        sync(dev)
+        t0 = time.perf_counter()
+        for b, d in zip(buckets, dst, strict=True):
+            for (_, t), o in zip(b, d, strict=True):
+                o.copy_(t)
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def bench_push_backends(args: argparse.Namespace, work: Path) -> None:
+    """`--push-backend ipc,gloo`: the learner (this process) and one embedded engine on the SAME
+    device (cuda:0, or the CPU), the push by each backend named, each `--reps` times after one
+    warm-up push, and a raw `copy_` of the same bytes as the baseline. ipc: tensors by CUDA IPC
+    handle (shared memory on the CPU) through /update_weights_from_tensor; gloo: the broadcast
+    through host memory (what an engine on the learner's GPU got before)."""
+    backends = [b.strip() for b in args.push_backend.split(",") if b.strip()]
+    unknown = sorted(set(backends) - {"ipc", "gloo", "nccl"})
+    if unknown:
+        sys.exit(f"--push-backend: unknown backend(s) {unknown} (ipc, gloo, nccl)")
+    if "nccl" in backends:
+        sys.exit("--push-backend nccl needs an engine on a GPU of its own: use --push")
+    if args.reps < 5:
+        sys.exit(f"--push-backend wants --reps >= 5 for a median and a spread, got {args.reps}")
+    gpu = args.device.startswith("cuda")
+    dev = "cuda:0" if gpu else "cpu"
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    model_dir = make_model(work / args.model, args.model, dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    state = {k: v.detach().to(dev) for k, v in model.named_parameters()}
+    del model
+    buckets = buckets_of(state, args.bucket_mb << 20)
+    total = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
+    rows = {"raw copy_ (same device, same bytes)": raw_copy_seconds(buckets, args.reps)}
+    child, url = start_engine(
+        model_dir, dev, args.dtype, 8, work / "engine.log", 0 if gpu else args.cpu_threads
+    )
+    try:
+        if gpu:
+            torch.cuda.set_device(0)
+        for backend in backends:
+            cfg = PushConfig(
+                backend=backend, master_addr="127.0.0.1", timeout_s=300, resync_wait_s=0.0
+            )
+            pusher = WeightPusher([url], cfg)  # gloo: buckets moved to host memory, as "auto" did
+            try:
+                pusher.connect()
+                times, failed = [], 0.0
+                for v in range(args.reps + 1):  # the first push sets the path up
+                    sync(dev)
+                    stats = pusher.push(buckets, version=f"{backend}-{v}")
+                    failed += stats["failed"]
+                    times.append(stats["seconds"])
+                if failed:
+                    sys.exit(
+                        f"--push-backend {backend}: {failed:.0f} pushes failed (engine log: {work / 'engine.log'})"
+                    )
+                rows[f"WeightPusher, push.backend = {backend}"] = times[1:]
+            finally:
+                pusher.close()
+    finally:
+        child.stop()
+    where = torch.cuda.get_device_name() if gpu else "CPU"
+    print(
+        f"\ncolocated weight push of {args.model} ({total / 1e6:.1f} MB, {args.dtype}) in "
+        f"{len(buckets)} buckets of <= {args.bucket_mb} MB, learner and engine on {dev} ({where}), "
+        f"{args.reps} pushes each after a warm-up"
+    )
+    print("| path | median s [min, max] | GB/s (median) |")
+    print("| --- | --- | --- |")
+    for name, xs in rows.items():
+        print(f"| {name} | {_spread(xs)} | {total / statistics.median(xs) / 1e9:.2f} |")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -686,6 +779,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-threads", type=int, default=1, help="torch threads of the engine and of HF on CPU"
     )
     ap.add_argument("--push", action="store_true", help="weight-push benchmark (two GPUs)")
+    ap.add_argument(
+        "--push-backend",
+        default=None,
+        help="colocated push benchmark, e.g. ipc,gloo: learner and engine on one device",
+    )
+    ap.add_argument(
+        "--push-backend",
+        default=None,
+        help="colocated push benchmark, e.g. ipc,gloo: learner and engine on one device",
+    )
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--grpo", action="store_true", help="GRPO-shaped load, prompt sharing on/off")
@@ -757,7 +860,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         record = None
-        if args.push:
+        if args.push_backend:
+            bench_push_backends(args, Path(tmp))
+        elif args.push:
             bench_push(args, Path(tmp))
         elif args.grpo:
             record = bench_grpo(args, Path(tmp))

@@ -31,11 +31,14 @@ class PushConfig(Section):
     """Address of the weight-update group's TCP store, hosted by learner rank 0, that every engine
     dials (SGLang's master_address). None: this node's routable address (never loopback unless
     nothing else exists); `slime-async run` with engines on loopback sets 127.0.0.1."""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """torch.distributed backend of the push. auto: NCCL when the learner and every engine are on
-    GPUs of their own, else gloo (an engine on the CPU, or an embedded engine sharing the
-    learner's GPU, where NCCL refuses two ranks on one device); decided at each (re)connect from
-    the engines' /server_info and logged. nccl needs the learner on a GPU."""
+    backend: Literal["auto", "nccl", "gloo", "ipc"] = "auto"
+    """How the weights travel. auto: an engine on the learner's own GPU gets them by CUDA IPC
+    handle (`/update_weights_from_tensor`, no copy), the others by a torch.distributed broadcast:
+    NCCL when the learner and every such engine are on GPUs of their own, else gloo (an engine on
+    the CPU); decided at each (re)connect from the engines' /server_info and logged. ipc: every
+    engine by handle (same host; CPU tensors through shared memory). An engine that refuses the
+    handles (404, or they do not open there) gets the broadcast from then on (logged, counted in
+    push/ipc_fallbacks). nccl needs the learner on a GPU."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     """How the engines are paused for a push. abort: running requests end with finish reason
     abort (the generator resumes them); retract: they are re-queued and recomputed after the

@@ -166,6 +166,19 @@ PUSH_ENGINES_REFUSED = "push/engines_refused_layout"
 """Engines refused at connect for a layout SGLang's weight-update group does not cover
 (pp_size or dp_size > 1; logged with the layout)."""
 
+# ----- colocated weight push, tensors by handle (learner records; counters since it started) -----
+PUSH_IPC_ENGINES = "push/ipc_engines"
+"""Engines that get the weights by CUDA IPC handle (`/update_weights_from_tensor`), not the group."""
+PUSH_IPC_BYTES = "push/ipc_bytes"
+"""Bytes pushed by handle (each bucket once, however many engines took it)."""
+PUSH_IPC_SECONDS = "push/ipc_seconds"
+"""Seconds spent in /update_weights_from_tensor calls (summed over engines and buckets)."""
+PUSH_IPC_GB_PER_S = "push/ipc_gb_per_s"
+"""GB/s of the last push that went by handle (its bytes over its send step's wall time)."""
+PUSH_IPC_FALLBACKS = "push/ipc_fallbacks"
+"""Engines moved to the broadcast after refusing the handles (404, or they did not open there;
+each logged): that push fails and its resync push uses the group."""
+
 # ----- buffer stats (`slime-async buffer`, `ConsumerClient.stats()`, buffer_final.json) ---------
 BUF_INCOMPLETE_TIMEOUT = "incomplete_timeout"
 """Drop reason (stats `dropped`, `dropped_trajectories`): an incomplete group that received no

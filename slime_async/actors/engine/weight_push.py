@@ -29,6 +29,11 @@ so an engine never reports a version it holds only part of. SGLang 0.5.23 refuse
 outside a weight-update session, and the layout it puts in the group is `tp_size` ranks per engine
 (no pipeline stages, no data-parallel replicas): `push_session.py`.
 
+An engine on the learner's own GPU (or every engine, with push.backend = "ipc") is no member of
+the group: each bucket goes to it by CUDA IPC handle, `POST /update_weights_from_tensor`, in the
+same send step (`tensor_push.py`); a pool of such engines only builds no group. One that answers
+404 or cannot open the handles fails that push and is in the group from its resync push on.
+
 A failed call or a timeout names the engine and the step. An update call that fails while its
 bucket is being broadcast (that member never joined the broadcast) stops the push at once: the
 learner's end of the group is shut down (`WeightGroup.abort`), so every other member's receive fails
@@ -77,9 +82,11 @@ from slime_async.actors.engine.push_session import (
     engine_ranks,
 )
 from slime_async.actors.engine.push_watch import PushLiveness, RestartRequester, StallWatch
+from slime_async.actors.engine.tensor_push import ROUTE, TensorSender, fallback_reason, shareable
 from slime_async.actors.engine.weight_sync import (
     WeightGroup,
     choose_backend,
+    colocated_engines,
     gpu_uuid,
     init_weight_group,
     routable_address,
@@ -121,9 +128,14 @@ class WeightPusher:
         if not urls:
             raise ValueError("WeightPusher needs at least one engine URL")
         self.urls = [u.rstrip("/") for u in urls]
-        self.auto_backend = push.backend == "auto"
+        self.ipc_setting = push.backend if push.backend in ("auto", "ipc") else None
+        """auto: engines on the learner's GPU get tensors by handle; ipc: every engine does."""
+        self.auto_backend = push.backend in ("auto", "ipc")
         """Choose the backend at each (re)connect from the engines' /server_info."""
         self.backend = "gloo" if self.auto_backend else push.backend
+        self.ipc: dict[str, str] = {}
+        """Members pushed by handle (`tensor_push.py`), and why; the group holds the others."""
+        self.sender = TensorSender(push.timeout_s)
         self.master_addr = push.master_addr or routable_address()
         self.master_port = master_port
         self.group_prefix = group_prefix
@@ -284,6 +296,11 @@ class WeightPusher:
             self._settle(
                 "destroy left group", self._each([url], "destroy_weights_update_group", old), 30
             )
+        members, live = live, self._split_ipc(live)
+        if not live:  # every engine by handle: no group
+            self.group_name, self.members = None, members
+            self._write_state()
+            return
         ranks = self._ranks(live)
         if self.auto_backend:
             if not all(u in self.infos for u in live):
@@ -315,7 +332,7 @@ class WeightPusher:
                 f"handshake at {self.master_addr}:{port} failed: {e}; engines said: {said}",
             ) from e
         self._wait("init_weights_update_group", futs)
-        self.group_name, self.members = name, live
+        self.group_name, self.members = name, members
         self._write_state()
         left_out = sorted(set(self.urls) - set(live))
         log.info(
@@ -327,6 +344,28 @@ class WeightPusher:
             world,
             f"; down, left out: {left_out}" if left_out else "",
         )
+
+    def _split_ipc(self, live: list[str]) -> list[str]:
+        """Choose the engines pushed by handle (logged with why); returns the group's engines.
+        An engine that refused the handles before (`TensorSender.fell_back`) stays out."""
+        self.ipc = {}
+        if self.ipc_setting is None:
+            return live
+        self._server_infos([u for u in live if u not in self.infos])
+        if self.ipc_setting == "ipc":
+            chosen = {u: "push.backend = ipc" for u in live}
+        else:
+            chosen = colocated_engines(gpu_uuid(), {u: self.infos[u] for u in live})
+        for url, why in chosen.items():
+            refused = self.sender.stats.why_fallback.get(url)
+            if refused:
+                log.info(
+                    "weight push to %s by broadcast: it refused the handles (%s)", url, refused
+                )
+            else:
+                self.ipc[url] = why
+                log.info("weight push to %s by handle (%s): %s", url, ROUTE, why)
+        return [u for u in live if u not in self.ipc]
 
     def _host_group(self, port: int, world: int, name: str, futs) -> WeightGroup:
         """Host rank 0 of the group while the engines join; an engine whose init call fails ends
@@ -461,6 +500,7 @@ class WeightPusher:
         closing our end of the group ends that broadcast with an error at once. The other order
         leaves the member busy until the destroy call's own timeout."""
         if self.group is None:
+            self.members = []  # an all-IPC pool holds no group
             return
         group, self.group = self.group, None
         try:
@@ -470,8 +510,9 @@ class WeightPusher:
         del group  # the last reference: the backend closes its connections
         gc.collect()  # ... now, also when a reference cycle held it
         # A hung or stuck member cannot serve the call (its restart drops the group anyway).
-        reachable = [u for u in self.members if not self.liveness.unavailable(u)]
-        for url in set(self.members) - set(reachable):
+        in_group = [u for u in self.members if u not in self.ipc]
+        reachable = [u for u in in_group if not self.liveness.unavailable(u)]
+        for url in set(in_group) - set(reachable):
             self._left_holding[url] = self.group_name  # told to destroy it when it is back
         self._settle(
             "destroy_weights_update_group",
@@ -501,7 +542,7 @@ class WeightPusher:
         midway, or an engine restarted (lost the group and the weights) or came back."""
         if self._broken:
             return True
-        if self.group is None or self.pushed_version is None:
+        if not self.members or self.pushed_version is None:
             return False
         versions = self._probe()
         return self._changed(versions)
@@ -546,6 +587,17 @@ class WeightPusher:
             M.PUSH_SESSIONS_RECLAIMED: float(self.sessions.counts["reclaimed"]),
             M.PUSH_STOPPED_BROADCASTS: float(self.counters["stopped_broadcasts"]),
             M.PUSH_ENGINES_REFUSED: float(self.counters["engines_refused"]),
+            **self._ipc_metrics(),
+        }
+
+    def _ipc_metrics(self) -> dict[str, float]:
+        s = self.sender.stats
+        return {
+            M.PUSH_IPC_ENGINES: float(sum(u in self.ipc for u in self.members)),
+            M.PUSH_IPC_BYTES: s.bytes,
+            M.PUSH_IPC_SECONDS: s.seconds,
+            M.PUSH_IPC_GB_PER_S: s.last_gb_per_s,
+            M.PUSH_IPC_FALLBACKS: float(s.fallbacks),
         }
 
     # ---- the push ----------------------------------------------------------------------------
@@ -575,8 +627,8 @@ class WeightPusher:
             # nor a hung or stuck one while another engine answers).
             time.sleep(0.5)
             versions = self._probe()
-        if self.group is None or self._broken or self._changed(versions):
-            if self.group is not None or self._broken:
+        if not self.members or self._broken or self._changed(versions):
+            if self.members or self._broken:
                 self.counters["resyncs"] += 1
             try:
                 self.connect(versions)
@@ -674,14 +726,17 @@ class WeightPusher:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    def _send(self, buckets, version: str, members: list[str], stats: dict[str, float]) -> None:
-        assert self.group is not None
+    def _send(self, buckets, version: str, everyone: list[str], stats: dict[str, float]) -> None:
+        members = [u for u in everyone if u not in self.ipc]  # the group's; the others by handle
+        by_handle = [u for u in everyone if u in self.ipc]
+        t0 = time.perf_counter()
         it = iter(buckets)
         bucket = next(it, None)
         while bucket is not None:
             following = next(it, None)
             number = int(stats["buckets"]) + 1
-            tensors = [(n, t.detach().to(self.device).contiguous()) for n, t in bucket]
+            sent = self._send_by_handle(bucket, by_handle, version if following is None else None)
+            tensors = [(n, t.detach().to(self.device).contiguous()) for n, t in bucket if members]
             futs = self._each(
                 members,
                 "update_weights_from_distributed",
@@ -695,7 +750,7 @@ class WeightPusher:
             self.stall.step(f"broadcast of bucket {number}", members)
             for _, t in tensors:
                 self._broadcast(t, futs, number, members)
-                stats["bytes"] += t.numel() * t.element_size()
+            self._wait_by_handle(sent)
             try:
                 self._wait("update_weights_from_distributed", futs)
             except PushError as e:
@@ -706,9 +761,42 @@ class WeightPusher:
                 if nccl and isinstance(cause, EngineError) and cause.status is not None:
                     self._stop_broadcast(e.url, number, f"its update call failed: {cause}")
                 raise
-            stats["tensors"] += len(tensors)
+            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+            stats["bytes"] += nbytes
+            stats["ipc_bytes"] = stats.get("ipc_bytes", 0.0) + (nbytes if by_handle else 0.0)
+            stats["tensors"] += len(bucket)
             stats["buckets"] += 1
             bucket = following
+        if by_handle:
+            self.sender.count(stats["ipc_bytes"], time.perf_counter() - t0)
+
+    def _send_by_handle(self, bucket, urls: list[str], version: str | None) -> dict:
+        """Start one bucket's `/update_weights_from_tensor` calls; the returned calls hold the
+        tensors until the engines answer (`_wait_by_handle`)."""
+        if not urls:
+            return {}
+        shared = [(n, shareable(t)) for n, t in bucket]
+        self.stall.step(f"{ROUTE} ({len(shared)} tensors)", urls)
+        ranks = {u: int(self.infos.get(u, {}).get("tp_size") or 1) for u in urls}
+        return {
+            u: self._submit(self.sender.send(self.clients[u], shared, ranks[u], version))
+            for u in urls
+        }
+
+    def _wait_by_handle(self, sent: dict) -> None:
+        """Wait for the handle calls; an engine that refuses the path (404, or the handles did
+        not open there) is moved to the broadcast: the push fails here, counted and logged, and
+        the resync push rebuilds the group with that engine in it."""
+        if not sent:
+            return
+        try:
+            self._wait(ROUTE.removeprefix("/"), sent)
+        except PushError as e:
+            why = fallback_reason(e.__cause__) if e.__cause__ is not None else None
+            if why is None:
+                raise
+            self.sender.fell_back(e.url, why)
+            raise PushError(e.url, ROUTE, f"{why}; the resync push uses the broadcast") from None
 
     def _broadcast(
         self, t: torch.Tensor, futs: dict[str, concurrent.futures.Future], bucket: int, members

@@ -249,7 +249,9 @@ def choose_backend(learner_gpu: str | None, engines: dict[str, dict[str, Any]]) 
     the CPU, when an engine says (SGLang's `device` server arg) it is not on a GPU, or when an
     engine reports the learner's own GPU (`gpu_uuid`, the embedded engine's /server_info field):
     NCCL refuses two ranks on one device ("invalid usage"). An engine that reports no device is
-    taken to be SGLang on GPUs of its own (SGLang's default device is cuda)."""
+    taken to be SGLang on GPUs of its own (SGLang's default device is cuda). An engine on the
+    learner's GPU gets the push by handle instead (`colocated_engines`) unless it refused that
+    path; then it is one of `engines` here."""
     if learner_gpu is None:
         return "gloo", "the learner is not on a GPU"
     for url, info in engines.items():
@@ -281,3 +283,18 @@ def routable_address() -> str:
         pass
     log.warning("no routable address found: the weight group uses 127.0.0.1 (single node only)")
     return "127.0.0.1"
+
+
+def colocated_engines(
+    learner_gpu: str | None, engines: dict[str, dict[str, Any]]
+) -> dict[str, str]:
+    """url -> why, for each engine on the learner's own GPU (its /server_info `gpu_uuid`): with
+    `push.backend = "auto"` they get the weights by CUDA IPC handle
+    (`/update_weights_from_tensor`, `tensor_push.py`), never through the group."""
+    if learner_gpu is None:
+        return {}
+    return {
+        url: f"it shares the learner's GPU ({learner_gpu}): tensors by CUDA IPC handle"
+        for url, info in engines.items()
+        if info.get("gpu_uuid") == learner_gpu
+    }

@@ -136,8 +136,8 @@ def batch_metrics(groups: Sequence[TrainGroup]) -> dict[str, Any]:
 
 def push_backend(setting: str, learner_on_gpu: bool) -> str:
     """The weight push's backend as the learner starts: auto stays auto on a GPU (the pusher
-    chooses from the engines' devices at each connect) and is gloo on the CPU."""
-    if learner_on_gpu:
+    chooses from the engines' devices at each connect) and is gloo on the CPU; ipc stays ipc."""
+    if learner_on_gpu or setting == "ipc":
         return setting
     if setting == "nccl":
         raise ValueError(

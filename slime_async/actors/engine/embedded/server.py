@@ -6,7 +6,7 @@ Binds `engine.host:engine.port` (127.0.0.1 by default; port 0 picks a free one) 
 /update_weight_version, /pause_generation, /continue_generation, /abort_request, /flush_cache)
 and the weight-update routes of weights.py (/begin_weight_update, /end_weight_update,
 /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group,
-/update_weights_from_disk). Routes, field names, defaults, status codes and shapes follow SGLang
+/update_weights_from_disk, and /update_weights_from_tensor of tensor_update.py). Routes, field names, defaults, status codes and shapes follow SGLang
 0.5.23: the routes of `srt/entrypoints/http_server.py`, the request fields of `GenerateReqInput`
 and of the control requests in `srt/managers/io_struct.py`, the version spans of
 `utils/weight_versions.py`. docs/sglang.md lists every endpoint and field with what SGLang does

@@ -1,7 +1,8 @@
 """The embedded engine's weight-update routes: update sessions, weight-update groups, updates.
 
 Serves /begin_weight_update, /end_weight_update, /init_weights_update_group,
-/update_weights_from_distributed, /destroy_weights_update_group and /update_weights_from_disk,
+/update_weights_from_distributed, /destroy_weights_update_group, /update_weights_from_disk and
+/update_weights_from_tensor (tensor_update.py),
 with SGLang 0.5.23's request fields and defaults (`srt/managers/io_struct.py`) and its answers
 (`{success, message}`, 200 or 400; `srt/entrypoints/http_server.py`).
 
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from slime_async.actors.engine.embedded.http import BadRequest, fail, read_body
+from slime_async.actors.engine.embedded.tensor_update import TensorUpdate
 from slime_async.actors.engine.weight_sync import WeightGroup, init_weight_group, receive_tensors
 
 if TYPE_CHECKING:
@@ -58,6 +60,8 @@ class WeightRoutes:
         """Updates served outside a session (non-strict only; strict refuses them)."""
         self.flush_failed = 0
         """Updates whose requested flush was refused (weights loaded; answered 400)."""
+        self.tensors = TensorUpdate(engine, self)
+        """/update_weights_from_tensor: the colocated push (tensors by handle)."""
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         for name in (
@@ -69,6 +73,7 @@ class WeightRoutes:
             "update_weights_from_disk",
         ):
             router.add_post(f"/{name}", getattr(self, name))
+        router.add_post("/update_weights_from_tensor", self.tensors.handle)
 
     def info(self) -> dict[str, Any]:
         """What /server_info reports about weight updates."""
