@@ -784,11 +784,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="colocated push benchmark, e.g. ipc,gloo: learner and engine on one device",
     )
-    ap.add_argument(
-        "--push-backend",
-        default=None,
-        help="colocated push benchmark, e.g. ipc,gloo: learner and engine on one device",
-    )
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--grpo", action="store_true", help="GRPO-shaped load, prompt sharing on/off")

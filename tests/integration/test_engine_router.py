@@ -183,12 +183,13 @@ async def _server_info(url: str) -> dict:
 def test_a_handshake_that_cannot_complete_names_the_engine_and_why(models, logs):
     """The wait for the weight group once failed after 300 s naming every engine. Now the
     failure names the engine whose init call had not returned and what it says of itself. Here
-    the learner counts one rank too many for it (tp_sizes=[2] for a 1-rank engine), so the
+    the learner counts one rank too many for it (2 ranks for a 1-rank engine), so the
     rendezvous can never complete (the engine waits in it longer than the learner: 30 s, 4 s)."""
     ((child, url),) = start_engines(
         1, models[0], logs, "engine.embedded.max_context_len=256", "push.group_timeout_s=30"
     )
-    pusher = WeightPusher([url], push_config(timeout_s=4), tp_sizes=[2])
+    pusher = WeightPusher([url], push_config(timeout_s=4))
+    pusher.ranks[url] = 2  # what the pusher would read from a tp_size=2 engine's /server_info
     try:
         with pytest.raises(PushError) as e:
             pusher.connect()

@@ -313,18 +313,18 @@ async def test_engine_errors_are_5xx_and_the_server_serves_on(model_dir, caplog)
         await runner.cleanup()
 
 
-async def test_rank_layout_from_server_info_with_dp_size():
-    assert engine_ranks({"tp_size": 2, "dp_size": 2}) == 4
-    assert engine_ranks({"tp_size": 4, "dp_size": 2, "enable_dp_attention": True}) == 4
-    assert engine_ranks({"tp_size": 2, "pp_size": 2}) == 4
-    assert engine_ranks({}) == 1
+async def test_rank_layout_from_server_info_with_the_old_route_as_fallback():
+    """Ranks as SGLang numbers them (rank_offset + tp_rank; tests/unit/engine/test_push_rules.py
+    has the refused layouts), read from /server_info, or /get_server_info where that is missing."""
+    assert engine_ranks("http://e", {"tp_size": 2}) == 2
+    assert engine_ranks("http://e", {}) == 1
     seen = []
 
     async def info(request: web.Request) -> web.Response:
         seen.append(request.path)
         if request.path == "/server_info" and request.host.endswith(str(ports[1])):
             return web.json_response({"error": {"message": "not found"}}, status=404)
-        return web.json_response({"tp_size": 2, "dp_size": 3})
+        return web.json_response({"tp_size": 3, "dp_size": 1})
 
     runners, ports = [], []
     for _ in range(2):
@@ -343,7 +343,7 @@ async def test_rank_layout_from_server_info_with_dp_size():
         await asyncio.to_thread(p.close)
         for r in runners:
             await r.cleanup()
-    assert ranks == [6, 6]
+    assert ranks == [3, 3]
     assert "/server_info" in seen and "/get_server_info" in seen  # the old route as fallback
 
 

@@ -63,6 +63,8 @@ NOT_DEFAULT = {
     "decode_attention": "gathered",
     "compile": False,
     "overlap_schedule": False,
+    "health_delay_s": 0.5,
+    "health_timeout_s": 5.0,
 }
 """A value other than the default for every `[engine.embedded]` key."""
 
