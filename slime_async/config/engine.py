@@ -44,7 +44,8 @@ class EmbeddedEngineConfig(Section):
     """Most new prompt tokens packed into one prefill pass (one longer prompt still runs alone)."""
     prefix_sharing: bool = True
     """Prefill a shared prompt once: the n samples of a request, and later requests whose prompt
-    starts with cached full blocks, share its KV blocks (flushed on every weight update)."""
+    starts with cached full blocks, share its KV blocks (flushed on every weight update; in strict
+    mode, as SGLang, only by updates asked to flush and by /flush_cache)."""
     decode_attention: Literal["auto", "triton", "gathered"] = "auto"
     """Decode attention over the paged cache: `triton` (the project's paged kernel, CUDA),
     `gathered` (SDPA over each request's gathered blocks), `auto` (triton where it runs)."""

@@ -330,3 +330,34 @@ async def test_server_info_reports_the_layout_as_server_args(strict):
     for key in ("tp_size", "pp_size", "dp_size", "attn_dp_size"):
         assert info[key] == 1, key
     assert info["enable_dp_attention"] is False
+
+
+async def test_an_update_without_flush_keeps_cached_prefixes_apart_by_extra_key(strict, model_dir):
+    """SGLang 0.5.23 keeps its radix cache through an update not asked to flush
+    (weight_updater.py: flush_cache_after_weight_update), so KV computed by the old weights is
+    reused by a request of the same `extra_key` (radix_cache.py: RadixKey keys children by it)
+    and never by one of another key. Found on main: the strict engine forgot every cached prefix
+    on each update, so the prefix-key tests could not see what real SGLang does."""
+    prompt = list(range(3, 3 + 40))  # two full 16-token blocks and a part
+    one = {"max_new_tokens": 1, "temperature": 0}
+
+    async def cached(key: str) -> int:
+        status, out = await _post(
+            strict, "/generate", {"input_ids": prompt, "sampling_params": one, "extra_key": key}
+        )
+        assert status == 200, out
+        return out["meta_info"]["cached_tokens"]
+
+    assert (await _post(strict, "/flush_cache", {}))[0] == 200
+    assert await cached("weights-0") == 0
+    assert await cached("weights-0") == 32  # the two full blocks
+    status, body = await _post(
+        strict,
+        "/update_weights_from_disk",
+        {"model_path": str(model_dir), "weight_version": "9", "flush_cache": False},
+    )
+    assert status == 200, body
+    assert await cached("weights-0") == 32  # kept through the update: old-weights KV
+    assert await cached("weights-9") == 0  # another key never shares it
+    assert (await _post(strict, "/flush_cache", {}))[0] == 200
+    assert await cached("weights-0") == 0

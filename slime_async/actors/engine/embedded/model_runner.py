@@ -125,6 +125,9 @@ class ModelRunner:
                 (num_blocks * block_size, *self.routed_shape), dtype=torch.int32, device=self.device
             )
         self.pool = BlockPool(num_blocks, block_size)
+        self.keep_prefixes_on_update = False
+        """Keep the prefix index through a weight update (strict mode: SGLang's radix cache
+        outlives an update that does not flush)."""
         self.memory.update(
             num_blocks=num_blocks, block_size=block_size, kv_bytes=num_blocks * per_block
         )
@@ -406,7 +409,10 @@ class ModelRunner:
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the model (in place: CUDA graphs and packed weights see
         them); every name and shape is checked before any copy. Cached prefixes are forgotten
-        (their KV came from the old weights)."""
+        (their KV came from the old weights), unless `keep_prefixes_on_update` (strict mode):
+        SGLang 0.5.23 keeps its radix cache through an update that is not asked to flush
+        (scheduler_components/weight_updater.py: flush_cache_after_weight_update flushes only
+        when `flush_cache` is true), so requests of the same `extra_key` reuse that KV there."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         # A checkpoint name may fill a slice of a fused parameter (Qwen3-MoE's experts).
         targets = [self.family.param_view(params, name) for name, _ in named]
@@ -419,7 +425,8 @@ class ModelRunner:
                 )
         for (_, t), target in zip(named, targets, strict=True):
             target.copy_(t.to(device=self.device, dtype=target.dtype))
-        self.pool.clear_index()
+        if not self.keep_prefixes_on_update:
+            self.pool.clear_index()
 
     def load_from_disk(self, model_path: str | Path) -> None:
         """Load every safetensors tensor of an HF directory into the running model."""

@@ -152,6 +152,7 @@ class EmbeddedEngine:
             compile=emb.compile,
             decode_attention=emb.decode_attention,
         )
+        self.runner.keep_prefixes_on_update = emb.strict_sglang
         if emb.cuda_graphs and self.device.type == "cuda":
             t0 = time.perf_counter()
             try:
