@@ -9,7 +9,9 @@ installed in a venv of its own). Every flag used here has the same name and mean
 
 Binds host:port for requests and host:prometheus_port for metrics; both default to 0.0.0.0 in the
 router, so both are always given. Ready when GET /workers lists every worker (`url`) with
-`is_healthy` true (its own /health answers before workers are accepted).
+`is_healthy` true (its own /health answers before workers are accepted). smg registers a worker
+only once one of /v1/models, /version, /server_info answers (it retries while all are 404);
+sglang-router 0.3.2 accepts 404 on its info requests.
 
 Keys (measured with both packages in front of keyed embedded engines): `--api-key` is the key the
 router sends to the workers (its health probes, worker-info calls and forwarded requests) *and*,
