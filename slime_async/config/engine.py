@@ -168,6 +168,9 @@ class EngineConfig(Section):
     """sglang-router load-balancing policy when several engines are used."""
     router_port: int = Field(30100, ge=0, le=65535)
     """Port of the sglang-router that `slime-async run` starts (0 picks a free one)."""
+    router_package: Literal["auto", "smg", "sglang-router"] = "auto"
+    """Which router `slime-async run` starts: `smg` (sglang-router's successor), `sglang-router`,
+    or `auto` (smg where installed, else sglang-router); one not installed is refused at start-up."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Client-side timeout of one /generate call."""
     max_retries: int = Field(10, ge=0)

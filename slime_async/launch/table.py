@@ -10,7 +10,7 @@ here (free now on 127.0.0.1); on --resume they are chosen afresh.
 | ----------- | ---------------------------------------------------- | -------------------------------- |
 | buffer      | slime_async buffer                                   | ports open, stats round-trip     |
 | engine<i>   | slime_async engine, engine.port=P_i                  | GET /health is 200               |
-| router      | sglang_router.launch_router (num_engines > 1 only)   | GET /workers: all is_healthy     |
+| router      | smg or sglang-router (num_engines > 1 only)          | GET /workers: all is_healthy     |
 | generator<i>| slime_async generator, engine.urls=[router or engine]| ready file (announce_ready)      |
 | learner     | slime_async learner (torchrun if learner_procs > 1)  | ready file (announce_ready)      |
 
@@ -225,6 +225,7 @@ def plan_roles(
                 policy=eng.router_policy,
                 api_key=eng.api_key,
                 health_check=(interval, max(1, math.ceil(eng.liveness.hung_after_s / interval))),
+                package=eng.router_package,
             )
             stages.append(
                 [

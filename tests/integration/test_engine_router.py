@@ -1,6 +1,8 @@
-"""Two embedded engines behind the real sglang-router (round_robin), and the client-side pool."""
+"""Two embedded engines behind the real router (round_robin), once per installed package (smg,
+sglang-router; one not installed is skipped), and the client-side pool."""
 
 import asyncio
+import urllib.error
 
 import pytest
 import torch
@@ -9,9 +11,10 @@ from transformers import AutoModelForCausalLM
 from slime_async.actors.engine.client import EngineClient
 from slime_async.actors.engine.pool import EnginePool
 from slime_async.actors.engine.weight_push import PushError, WeightPusher
+from slime_async.launch.router import router_workers
 from slime_async.models.toy import make_tiny_model
 from tests.support.engine_util import push_config, start_engine, start_engines
-from tests.support.router import Router
+from tests.support.router import ROUTER_PACKAGES, Router, router_package_or_skip
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
@@ -44,12 +47,50 @@ def engines(models, logs):
             child.stop()
 
 
-@pytest.fixture(scope="module")
-def router(engines, logs):
+@pytest.fixture(scope="module", params=ROUTER_PACKAGES)
+def router(request, engines, logs):
+    package = router_package_or_skip(request.param)
     with Router(
-        [url for _, url in engines], policy="round_robin", log_path=logs / "router.log"
+        [url for _, url in engines],
+        policy="round_robin",
+        log_path=logs / f"router-{package}.log",
+        package=package,
     ) as r:
         yield r
+
+
+@pytest.fixture(scope="module")
+def keyed_engines(models, logs):
+    started = start_engines(2, models[0], logs, "engine.embedded.max_context_len=256", api_key="k1")
+    try:
+        yield [url for _, url in started]
+    finally:
+        for child, _ in started:
+            child.stop()
+
+
+@pytest.mark.parametrize("package", ROUTER_PACKAGES)
+async def test_with_a_key_the_router_sends_it_to_the_engines_and_requires_it(
+    package, keyed_engines, logs
+):
+    """`engine.api_key` is the router's --api-key: it reaches keyed engines with it (they are
+    registered and healthy) and, in both packages, clients must send the same key on /generate
+    and /workers, as the generator does (EngineClient with the key)."""
+    package = router_package_or_skip(package)
+    log = logs / f"keyed-{package}.log"
+    with Router(keyed_engines, log_path=log, api_key="k1", package=package) as r:
+        assert r.healthy_workers() == 2
+        async with EngineClient(r.url, api_key="k1") as via:
+            out = await via.generate(prompt(0), GREEDY)
+            assert len(out.token_ids) == 12
+        for key in (None, "wrong"):
+            async with EngineClient(r.url, api_key=key, max_retries=0) as bad:
+                with pytest.raises(Exception) as e:
+                    await bad.generate(prompt(0), GREEDY)
+                assert "401" in str(e.value), (package, key, e.value)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            router_workers(r.url)  # the readiness probe needs the key too
+        assert e.value.code == 401
 
 
 async def _steps(url: str) -> int:
@@ -70,8 +111,9 @@ async def test_generate_through_router_round_robin(engines, router):
                 torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
             )
             # The router passes meta_info through unchanged, the version spans included.
-            assert b.meta_info["weight_versions"] == [{"version": "default", "start": 0, "end": 12}]
-            assert b.versions == [0] * 12
+            # (The engines serve "default" until a test of this module pushes weights.)
+            assert b.meta_info["weight_versions"] == a.meta_info["weight_versions"]
+            assert len(b.meta_info["weight_versions"]) == 1 and b.versions == a.versions
         outs = await asyncio.gather(*(via.generate(prompt(i), GREEDY) for i in range(16)))
         assert all(len(o.token_ids) == 12 for o in outs)
     after = [await _steps(u) for u in urls]
@@ -90,6 +132,8 @@ async def test_in_flight_versions_survive_the_router(engines, router, models):
             EngineClient(urls[0]) as e0,
             EngineClient(urls[1]) as e1,
         ):
+            old = await e0.get_weight_version()  # 0, or what the other package's run pushed
+            new = old + 5
             tasks = [asyncio.create_task(via.generate(prompt(i), long)) for i in range(2)]
             for _ in range(2000):
                 infos = [await e0.get_server_info(), await e1.get_server_info()]
@@ -97,14 +141,14 @@ async def test_in_flight_versions_survive_the_router(engines, router, models):
                     break
                 await asyncio.sleep(0.002)
             await asyncio.gather(e0.pause_generation("in_place"), e1.pause_generation("in_place"))
-            await asyncio.to_thread(pusher.push, [list(sd.items())], 5)
+            await asyncio.to_thread(pusher.push, [list(sd.items())], new)
             outs = await asyncio.gather(*tasks)
     finally:
         await asyncio.to_thread(pusher.close)
     for out in outs:
-        switch = out.versions.index(5)
-        assert switch > 0 and out.versions == [0] * switch + [5] * (1000 - switch)
-        assert out.weight_version == 5
+        switch = out.versions.index(new)
+        assert switch > 0 and out.versions == [old] * switch + [new] * (1000 - switch)
+        assert out.weight_version == new
 
 
 async def test_pool_fails_over_and_takes_a_returning_engine_back(models, logs):

@@ -22,10 +22,13 @@ ENGINE = textwrap.dedent(
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     port = int(next(a for a in sys.argv if a.startswith("engine.port=")).split("=")[1])
     class Health(BaseHTTPRequestHandler):
-        def do_GET(self):  # /health 200; the router's info requests get 404, which it accepts
-            self.send_response(200 if self.path == "/health" else 404)
-            self.send_header("Content-Length", "0")
+        def do_GET(self):  # /health 200, /server_info {} (smg detects a backend by it; sglang-router
+            # also accepts 404 there), the router's other info requests 404
+            body = b"{}" if self.path == "/server_info" else b""
+            self.send_response(200 if self.path in ("/health", "/server_info") else 404)
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
+            self.wfile.write(body)
         def log_message(self, *args):
             pass
     ThreadingHTTPServer(("127.0.0.1", port), Health).serve_forever()

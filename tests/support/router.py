@@ -1,4 +1,6 @@
-"""The real sglang-router as a child process for tests: `with Router(urls) as r: r.url`.
+"""The real router (smg or sglang-router) as a child process for tests:
+`with Router(urls, package="smg") as r: r.url`; `ROUTER_PACKAGES` parametrises a test over both,
+skipping one that is not installed (with the pip command that installs it).
 
 Started with the same command line and readiness check as `slime-async run`
 (`slime_async/launch/router.py`).
@@ -8,12 +10,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slime_async.launch.router import router_argv, router_ready, router_workers
+import pytest
+
+from slime_async.config import ConfigError
+from slime_async.launch.router import (
+    resolve_router_package,
+    router_argv,
+    router_ready,
+    router_workers,
+)
 from slime_async.utils.procs import Child, free_port, wait_until
+
+ROUTER_PACKAGES = ["sglang-router", "smg"]
+"""Every package that ships the router; `router_package_or_skip` skips one not installed."""
+
+
+def router_package_or_skip(package: str) -> str:
+    """`package` if installed here, else skip the test naming the pip command."""
+    try:
+        return resolve_router_package(package)  # type: ignore[arg-type]
+    except ConfigError as e:
+        pytest.skip(str(e))
 
 
 class Router:
-    """One sglang-router child process. `with Router(urls) as r: r.url`."""
+    """One router child process (`package`: smg, sglang-router or auto).
+    `with Router(urls) as r: r.url`."""
 
     def __init__(
         self,
@@ -24,9 +46,11 @@ class Router:
         log_path: str | Path | None = None,
         startup_timeout_s: float = 60.0,
         api_key: str | None = None,
+        package: str = "auto",
+        health_check: tuple[int, int] | None = None,
     ):
         if not worker_urls:
-            raise ValueError("sglang-router needs at least one worker URL")
+            raise ValueError("the router needs at least one worker URL")
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.policy = policy
         self.host = host
@@ -35,6 +59,8 @@ class Router:
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
         self.api_key = api_key
+        self.package = package
+        self.health_check = health_check
         self.child: Child | None = None
 
     @property
@@ -49,13 +75,15 @@ class Router:
             prometheus_port=self.prometheus_port,
             policy=self.policy,
             api_key=self.api_key,
+            health_check=self.health_check,
+            package=self.package,  # type: ignore[arg-type]
         )
-        self.child = Child("sglang-router", argv, log_path=self.log_path)
+        self.child = Child(f"router ({self.package})", argv, log_path=self.log_path)
         try:
             wait_until(
                 lambda: router_ready(self.url, self.worker_urls, self.api_key),
                 self.startup_timeout_s,
-                f"sglang-router at {self.url} to accept {len(self.worker_urls)} workers",
+                f"router ({self.package}) at {self.url} to accept {len(self.worker_urls)} workers",
                 interval=0.2,
                 child=self.child,
             )

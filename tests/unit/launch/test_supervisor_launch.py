@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from slime_async.config import ConfigError
+from slime_async.launch.router import resolve_router_package, router_entry
 from tests.support.launch_plan import child_config, names, planned
 
 
@@ -59,7 +60,9 @@ def test_router_generators_and_torchrun(tmp_path):
     seeds = [child_config(run_dir, by_name[f"engine{i}"].argv(False)).engine.seed for i in (0, 1)]
     assert seeds == [cfg.run.seed, cfg.run.seed + 1]  # one sampler stream per engine
     router = by_name["router"].argv(False)
-    assert router[1:3] == ["-m", "sglang_router.launch_router"]
+    # The package engine.router_package = "auto" finds here (smg where installed).
+    entry = router_entry(resolve_router_package("auto"))
+    assert entry is not None and router[: len(entry)] == entry
     rport = router[router.index("--port") + 1]
     assert router[router.index("--host") + 1] == "127.0.0.1"
     assert router[router.index("--prometheus-host") + 1] == "127.0.0.1"
