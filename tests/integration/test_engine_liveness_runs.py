@@ -139,6 +139,10 @@ def test_sigstop_then_sigcont_before_the_deadline_comes_back_and_rejoins(tiny):
         # The other engine keeps generating: the learner pushes without the hung one at once.
         left_out = f"without {{'{url}': 'no answer to any probe"
         wait_for(lambda: left_out in _log(run_dir, "learner"), 120, "a push without it", proc)
+        # The supervisor probes on its own clock: SIGCONT only once it too has reported the
+        # engine hung (else the engine may be back before the supervisor ever saw it hang).
+        hung = f"engine1 ({url}) is hung"
+        wait_for(lambda: hung in _log(run_dir, "supervisor"), 60, "the supervisor's report", proc)
         os.killpg(pid, signal.SIGCONT)
         back = f"engine {url} is back: GET /ready answered 200 (it was hung"
         wait_for(lambda: back in _log(run_dir, "generator0"), 60, "the generator: back", proc)

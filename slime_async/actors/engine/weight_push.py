@@ -503,6 +503,11 @@ class WeightPusher:
             self.members = []  # an all-IPC pool holds no group
             return
         group, self.group = self.group, None
+        if self._broken:
+            # After a failed push a member may still wait in a collective of this group (it took
+            # a tensor the others never got): shut our connections now, whatever still holds a
+            # reference to the backend (a failed broadcast's work object), so it fails at once.
+            group.abort()
         try:
             group.destroy()
         except Exception as e:  # a group whose peer died may not tear down cleanly
