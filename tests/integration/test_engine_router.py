@@ -232,9 +232,10 @@ def test_a_handshake_that_cannot_complete_names_the_engine_and_why(models, logs)
     ((child, url),) = start_engines(
         1, models[0], logs, "engine.embedded.max_context_len=256", "push.group_timeout_s=30"
     )
-    pusher = WeightPusher([url], push_config(timeout_s=4))
-    pusher.ranks[url] = 2  # what the pusher would read from a tp_size=2 engine's /server_info
+    pusher = None
     try:
+        pusher = WeightPusher([url], push_config(timeout_s=4))
+        pusher.ranks[url] = 2  # what the pusher would read from a tp_size=2 engine's /server_info
         with pytest.raises(PushError) as e:
             pusher.connect()
         msg = str(e.value)
@@ -242,5 +243,6 @@ def test_a_handshake_that_cannot_complete_names_the_engine_and_why(models, logs)
         assert f"did not join: {url}: its init call is queued or blocked" in msg, msg
     finally:
         child.kill()  # its scheduler still waits in the rendezvous: no clean stop to wait for
-        pusher.close()
+        if pusher is not None:
+            pusher.close()
         child.stop()
