@@ -12,11 +12,10 @@ import os
 import pickle
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
-from aiohttp import ClientSession, web
+from aiohttp import ClientSession
 from transformers import AutoModelForCausalLM
 
 from slime_async.actors.engine.client import EngineClient, EngineRequestError
@@ -31,7 +30,7 @@ from slime_async.actors.engine.weight_push import WeightPusher
 from slime_async.config import EngineConfig
 from slime_async.metrics import names as M
 from slime_async.models.toy import make_tiny_model
-from slime_async.utils.procs import free_port
+from tests.support.engine_proxy import EngineProxy
 from tests.support.engine_util import hf_greedy, push_config, start_engine
 from tests.support.repo import REPO, pythonpath_with_repo
 
@@ -182,60 +181,6 @@ def test_an_engine_that_cannot_open_the_handles_tells_the_sender_to_fall_back(en
     assert fallback_reason(err) is not None and IPC_OPEN_FAILED in fallback_reason(err)
 
 
-class NoTensorRoute:
-    """An aiohttp proxy in front of a real engine that answers 404 on /update_weights_from_tensor
-    (an engine without the colocated path) and forwards everything else."""
-
-    def __init__(self, target: str):
-        self.target, self.port = target, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.seen_404 = 0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
-        if request.path == ROUTE:
-            self.seen_404 += 1
-            return web.json_response({"detail": "Not Found"}, status=404)
-        async with self._session.request(
-            request.method,
-            self.target + request.path_qs,
-            data=await request.read(),
-            headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
-        ) as r:
-            return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-
-        async def start():
-            self._session = ClientSession()
-            app = web.Application(client_max_size=64 << 20)
-            app.router.add_route("*", "/{tail:.*}", self._forward)
-            self._runner = web.AppRunner(app)
-            await self._runner.setup()
-            await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-        self._loop.run_until_complete(start())
-        self._ready.set()
-        self._loop.run_forever()
-
-    def __enter__(self) -> "NoTensorRoute":
-        self._thread.start()
-        assert self._ready.wait(30), "the 404 proxy did not start"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        async def stop():
-            await self._session.close()
-            await self._runner.cleanup()
-
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
-
-
 def test_pusher_by_handle_then_fallback_to_the_broadcast_on_404(engine, models, tmp_path):
     v1 = named_params(models[1])
     # the real path: push.backend = ipc, straight to the engine, no group
@@ -255,17 +200,18 @@ def test_pusher_by_handle_then_fallback_to_the_broadcast_on_404(engine, models, 
     v0 = named_params(models[0])
     child, other = start_engine(models[1], tmp_path)
     try:
-        with NoTensorRoute(other) as proxy:
+        with EngineProxy(other) as proxy:
+            proxy.answer[ROUTE] = (404, {"detail": "Not Found"})  # an engine without the route
             p = WeightPusher([engine, proxy.url], push_config(backend="ipc", timeout_s=60))
             try:
                 p.connect()
                 assert set(p.ipc) == {engine, proxy.url}
                 first = p.push([v0], version=12)
-                assert first["failed"] == 1.0 and proxy.seen_404 == 1
+                assert first["failed"] == 1.0 and len(proxy.calls(ROUTE)) == 1
                 assert p.resync_needed()
                 assert p.metrics()[M.PUSH_IPC_FALLBACKS] == 1.0
                 again = p.push([v0[:5], v0[5:]], version=12)  # resync: by handle + gloo group
-                assert again["failed"] == 0.0 and proxy.seen_404 == 1
+                assert again["failed"] == 0.0 and len(proxy.calls(ROUTE)) == 1
                 assert list(p.ipc) == [engine] and p.group is not None and p.backend == "gloo"
                 assert p.members == [engine, proxy.url]
                 for url in (engine, other):

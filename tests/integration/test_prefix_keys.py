@@ -3,7 +3,7 @@ engine's weight version, through the real sglang-router, and after an in_place v
 that keeps the prefix cache (as SGLang keeps its radix cache when an update does not flush) new
 requests do not run over KV cached under the old version; the generator counts what was reused.
 
-    RolloutContext --EnginePool--> sglang-router --> RecordingProxy --> embedded engine (strict)
+    RolloutContext --EnginePool--> sglang-router --> EngineProxy --> embedded engine (strict)
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from slime_async.metrics import (
 )
 from slime_async.models.tokenizer import load_tokenizer
 from slime_async.models.toy import make_tiny_model
+from tests.support.engine_proxy import EngineProxy
 from tests.support.engine_util import start_engine
-from tests.support.proxy import RecordingProxy
 from tests.support.router import Router
 
 BLOCK = 16  # engine.embedded.block_size's default: the cache shares whole blocks
@@ -67,7 +67,7 @@ def test_generator_keys_requests_by_version_through_the_router(model_dir, tmp_pa
     child, engine_url = start_engine(model_dir, tmp_path, "engine.embedded.strict_sglang=true")
     try:
         with (
-            RecordingProxy(engine_url) as proxy,
+            EngineProxy(engine_url) as proxy,
             Router([proxy.url], log_path=tmp_path / "router.log") as router,
         ):
             data = tmp_path / "d.jsonl"

@@ -7,6 +7,7 @@ on a thread of its own (its own event loop) and forwards every request to `targe
         proxy.answer["/begin_weight_update"] = (404, {"detail": "Not Found"})  # not forwarded
         proxy.rewrite["/server_info"] = lambda body: {**body, "pp_size": 2}   # engine's answer, changed
         proxy.requests                                  # [(method, path, Authorization or None)]
+        proxy.recorded("/generate")                     # [(request JSON, answer JSON)] answered
 
 `answer` and `rewrite` may be changed while it runs (read per request). Every request is
 recorded before it is answered or forwarded. A forwarded request waits as long as the engine
@@ -39,6 +40,8 @@ class EngineProxy:
         self.answer: dict[str, tuple[int, Any]] = {}
         self.rewrite: dict[str, Callable[[Any], Any]] = {}
         self.requests: list[tuple[str, str, str | None]] = []
+        self.exchanges: dict[str, list[tuple[Any, Any]]] = {}
+        """path -> (request body, answer body) of each call answered, JSON-decoded where JSON."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
@@ -49,6 +52,10 @@ class EngineProxy:
     def calls(self, path: str) -> list[tuple[str, str, str | None]]:
         """The recorded requests to `path`."""
         return [r for r in self.requests if r[1] == path]
+
+    def recorded(self, path: str) -> list[tuple[Any, Any]]:
+        """(request body, answer body) of each call of `path` answered so far."""
+        return list(self.exchanges.get(path, ()))
 
     def start(self) -> EngineProxy:
         """Bind the port and serve; returns once the port accepts connections."""
@@ -67,16 +74,15 @@ class EngineProxy:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         self.requests.append((request.method, path, request.headers.get("Authorization")))
+        sent = await request.read()
         if path in self.answer:
             status, body = self.answer[path]
+            self.exchanges.setdefault(path, []).append((_decoded(sent), body))
             return web.json_response(body, status=status)
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         async with self._session.request(
-            request.method,
-            self.target + request.path_qs,
-            data=await request.read(),
-            headers=headers,
+            request.method, self.target + request.path_qs, data=sent, headers=headers
         ) as resp:
             raw = await resp.read()
             status, ctype = resp.status, resp.headers.get("Content-Type", "application/json")
@@ -84,6 +90,7 @@ class EngineProxy:
         if fn is not None and status == 200:
             raw = json.dumps(fn(json.loads(raw))).encode()
             ctype = "application/json"
+        self.exchanges.setdefault(path, []).append((_decoded(sent), _decoded(raw)))
         return web.Response(body=raw, status=status, content_type=ctype.split(";")[0])
 
     def stop(self) -> None:
@@ -106,3 +113,10 @@ class EngineProxy:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _decoded(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return raw
