@@ -46,6 +46,8 @@ def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
     port 0 gives) can be taken by any outgoing connection on the machine before the child that
     was promised it binds it ("address already in use"). Ports already handed out by this
     process are not handed out again. Falls back to the OS's choice if nothing else is free.
+    The port must also be free on the wildcard address: a process elsewhere on the machine that
+    holds it on another address (a TCPStore listens on all of them) would make the bind fail.
     """
     low, high = _ephemeral_range()
     candidates = [r for r in ((20000, low - 1), (high + 1, 65535)) if r[0] <= r[1]]
@@ -55,11 +57,8 @@ def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
         port = rng.randint(start, end)
         if port in _PICKED:
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
+        if not _bindable(host, port) or not _bindable("0.0.0.0", port):
+            continue
         _PICKED.add(port)
         return port
     for _ in range(attempts):  # no room outside the range (or none free): the OS's choice
@@ -70,6 +69,16 @@ def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
             break
     _PICKED.add(port)
     return port
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether a TCP socket can bind host:port now (bound and closed at once, never listening)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 _PR_SET_PDEATHSIG = 1

@@ -59,6 +59,7 @@ import concurrent.futures
 import gc
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -89,12 +90,12 @@ from slime_async.actors.engine.weight_sync import (
     colocated_engines,
     gpu_uuid,
     init_weight_group,
+    listen_socket,
     routable_address,
 )
 from slime_async.config import PushConfig
 from slime_async.config.engine import LivenessConfig
 from slime_async.metrics import names as M
-from slime_async.utils.procs import free_port
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +310,11 @@ class WeightPusher:
             self.device = torch.device("cuda" if self.backend == "nccl" else "cpu")
             log.info("weight push over %s: %s (push.backend = auto)", self.backend, why)
         world = 1 + sum(ranks)
-        port = self.master_port or free_port(self.master_addr)
+        try:  # held from here until the store takes it over: the port cannot be taken meanwhile
+            listener = listen_socket(self.master_addr, self.master_port or 0)
+        except OSError as e:
+            raise PushError(",".join(live), "init_weights_update_group", str(e)) from e
+        port = listener.getsockname()[1]
         name = f"{self.group_prefix}_{uuid.uuid4().hex[:12]}"
         offsets = [1 + sum(ranks[:i]) for i in range(len(live))]
         futs = {
@@ -321,7 +326,7 @@ class WeightPusher:
             for u, off in zip(live, offsets, strict=True)
         }
         try:
-            self.group = self._host_group(port, world, name, futs)
+            self.group = self._host_group(port, world, name, futs, listener)
         except PushError:
             raise
         except Exception as e:
@@ -367,7 +372,9 @@ class WeightPusher:
                 log.info("weight push to %s by handle (%s): %s", url, ROUTE, why)
         return [u for u in live if u not in self.ipc]
 
-    def _host_group(self, port: int, world: int, name: str, futs) -> WeightGroup:
+    def _host_group(
+        self, port: int, world: int, name: str, futs, listener: socket.socket
+    ) -> WeightGroup:
         """Host rank 0 of the group while the engines join; an engine whose init call fails ends
         the wait at once (named), and the wait is logged every 10 s (never silent). When the wait
         fails, the message names each engine whose init call had not returned and why, as far
@@ -388,6 +395,7 @@ class WeightPusher:
                         self.device,
                         self.timeout_s,
                         keep_ports=http_ports,
+                        listener=listener,
                     )
                 )
             except BaseException as e:  # handed to the waiting thread

@@ -103,10 +103,14 @@ def init_weight_group(
     device: str | torch.device = "cpu",
     timeout_s: float = 300.0,
     keep_ports: Iterable[int] = (),
+    listener: socket.socket | None = None,
 ) -> WeightGroup:
     """Join (rank > 0) or host (rank 0) the group; blocks until all `world_size` ranks are in.
     `keep_ports`: ports of connections this process opens meanwhile that are not the group's
-    (the engines' HTTP ports, on the learner), never shut down by `WeightGroup.abort`."""
+    (the engines' HTTP ports, on the learner), never shut down by `WeightGroup.abort`.
+    `listener` (rank 0): a socket already listening at master_address:master_port
+    (`listen_socket`); the store takes it over. Without one the store binds the port itself,
+    on every address of the machine, so another process can have taken it meanwhile."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight-update backend must be gloo or nccl, got {backend!r}")
     if not 0 <= rank < world_size:
@@ -123,8 +127,14 @@ def init_weight_group(
         master_address,
         master_port,
     )
+    fd = listener.detach() if listener is not None and rank == 0 else None
     store = dist.TCPStore(
-        master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout
+        master_address,
+        int(master_port),
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        master_listen_fd=fd,
     )
     log.info(
         "weight-update group %s: rank %d/%d store up after %.2fs",
@@ -150,6 +160,26 @@ def init_weight_group(
     # Group-local ranks are the global ranks of this private group (used by broadcast's src).
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return WeightGroup(pg, group_name, rank, world_size, backend, torch.device(device), links)
+
+
+def listen_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening at host:port (port 0: one the kernel picks), for rank 0's store.
+
+    Held from the moment its port is chosen until the store takes it over, so no other process
+    can take the port in between; and it listens on `host` alone, where a store binding the
+    port itself would listen on every address (and fail when any process holds the port on any
+    of them). Raises OSError naming the address when the port is taken."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, int(port)))
+        s.listen(socket.SOMAXCONN)
+    except OSError as e:
+        s.close()
+        raise OSError(
+            e.errno, f"cannot listen at {host}:{port} for the weight-update group: {e}"
+        ) from e
+    return s
 
 
 def _socket_inode(fd: int) -> str | None:

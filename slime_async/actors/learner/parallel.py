@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from slime_async import megatron_compat
-from slime_async.utils.procs import free_port
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
@@ -78,9 +77,8 @@ def _init_distributed(tp: int, ep: int) -> tuple[bool, bool]:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend)  # torchrun's env:// rendezvous
         else:
-            dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-            )
+            # a world of one needs no rendezvous: an in-process store, no port to collide on
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         owns_dist = True
     world = dist.get_world_size()
     if world % tp or world % ep:
