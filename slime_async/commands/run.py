@@ -76,6 +76,12 @@ def main(args: argparse.Namespace) -> int:
                 "inputs not found (a relative path is relative to the config file "
                 "that sets it):\n  " + "\n  ".join(missing)
             )
+    if cfg.run.launcher == "local":
+        from slime_async.launch.gpu_memory import gpu_shares
+
+        shares = gpu_shares(cfg)  # refuses several engines on the learner's GPU
+    else:
+        shares = []
     if run_dir is None:
         try:
             run_dir = RunDir.create(cfg.run.runs_dir, cfg.run.name, cfg.run.run_dir)
@@ -85,6 +91,8 @@ def main(args: argparse.Namespace) -> int:
     cfg.run.run_dir = str(run_dir.path)  # every role finds the run directory here
     cfg.write_json(run_dir.config_json)
     print(f"[slime-async] run directory {run_dir.path}", flush=True)
+    for share in shares:
+        print(f"[slime-async] {share.note()}", flush=True)
 
     done = read_metrics(metrics_path(run_dir.path, "learner")) if args.resume else []
     progress = ProgressDisplay(

@@ -35,6 +35,12 @@ class EmbeddedEngineConfig(Section):
     mem_fraction: float = Field(0.8, gt=0, le=1)
     """On a GPU: the share of the GPU's memory the weights, activations and paged KV cache may
     take together; the cache gets what is left (and no more than is free)."""
+    gpu_reserve_gib: float | Literal["auto"] = "auto"
+    """GPU memory the engine leaves free for other processes on its GPU (GiB): it sizes its KV
+    cache from what is free minus this, and refuses to start when one request of
+    max_context_len does not fit. "auto": `slime-async run` sets it to the learner's estimated
+    peak where a learner rank shares the engine's GPU (the estimate is printed at start), else
+    0; an engine started by hand reads "auto" as 0."""
     block_size: int = Field(16, ge=1, le=1024)
     """Tokens per KV-cache block (a power of two; the Triton decode kernel needs >= 16)."""
     kv_cache_tokens: int | None = Field(None, ge=2)
@@ -71,6 +77,10 @@ class EmbeddedEngineConfig(Section):
             raise ValueError(
                 "engine.embedded.decode_attention = 'triton' needs engine.embedded.block_size "
                 f">= 16 (got {self.block_size})"
+            )
+        if self.gpu_reserve_gib != "auto" and self.gpu_reserve_gib < 0:
+            raise ValueError(
+                f"engine.embedded.gpu_reserve_gib must be >= 0 or 'auto', got {self.gpu_reserve_gib}"
             )
         # Values, not fields_set: config.json (what every child reads) spells out every default.
         if self.kv_cache_tokens is not None and self.mem_fraction != _default("mem_fraction"):

@@ -9,7 +9,8 @@ here (free now on 127.0.0.1); on --resume they are chosen afresh.
 | role        | command                                              | ready when                       |
 | ----------- | ---------------------------------------------------- | -------------------------------- |
 | buffer      | slime_async buffer                                   | ports open, stats round-trip     |
-| engine<i>   | slime_async engine, engine.port=P_i                  | GET /health is 200               |
+| engine<i>   | slime_async engine, engine.port=P_i (+ the learner's | GET /health is 200               |
+|             | reserve where it shares its GPU: gpu_memory.py)      |                                  |
 | router      | smg or sglang-router (num_engines > 1 only)          | GET /workers: all is_healthy     |
 | generator<i>| slime_async generator, engine.urls=[router or engine]| ready file (announce_ready)      |
 | learner     | slime_async learner (torchrun if learner_procs > 1)  | ready file (announce_ready)      |
@@ -34,6 +35,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from slime_async.config import BufferConfig, ConfigError, SlimeConfig
+from slime_async.launch.gpu_memory import gpu_shares, reserve_gib
 from slime_async.launch.router import http_ok, router_argv, router_ready
 from slime_async.launch.run_dir import RunDir
 from slime_async.launch.supervisor import RoleSpec, ready_file_exists
@@ -170,6 +172,12 @@ def plan_roles(
         model_args = []
         if eng.model_path is None and cfg.learner.model_path is not None:
             model_args = [_arg("engine.model_path", cfg.learner.model_path)]
+        # An engine on a learner's GPU keeps the learner's estimated peak free (gpu_memory.py).
+        reserve = {
+            s.engine: _arg("engine.embedded.gpu_reserve_gib", reserve_gib(s))
+            for s in (gpu_shares(cfg) if where is None else [])
+            if s.learner is not None
+        }
         for i, (port, url) in enumerate(zip(ports, engine_urls, strict=True)):
             template = cfg.run.ray.engine_command if where is not None else []
             if template:
@@ -193,6 +201,7 @@ def plan_roles(
                     _arg("engine.port", port),
                     *host_args,
                     *model_args,
+                    *([reserve[i]] if i in reserve else []),
                     # Each engine its own sampler stream (run.seed seeds the first).
                     _arg("engine.seed", eng.seed + i),
                 )

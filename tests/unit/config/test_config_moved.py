@@ -56,6 +56,7 @@ NOT_DEFAULT = {
     "strict_sglang": True,
     "initial_weight_version": "v0",
     "mem_fraction": 0.5,
+    "gpu_reserve_gib": 4.0,
     "block_size": 32,
     "kv_cache_tokens": 4096,
     "max_prefill_tokens": 1024,

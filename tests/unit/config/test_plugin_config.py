@@ -5,6 +5,7 @@ hooks that write only to their own cache, and a readable start-up failure."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -113,6 +114,48 @@ def test_prepare_writes_only_to_its_own_cache(tmp_path, monkeypatch, capsys):
     assert not mine.exists() and not mine.parent.exists()  # the user's path is left alone
     assert base_model.DATASET.is_file() and built == [tmp_path / "cache" / "base"]
     assert "generator.dataset" in capsys.readouterr().out  # and the user is told
+
+
+def test_the_gpu_config_builds_its_model_on_the_gpu_in_a_child(tmp_path, monkeypatch):
+    """configs/gpu_one_h200.toml's hook warms its 0.6B model up in a child process, so the
+    `slime-async run` that calls it holds no CUDA context on the GPU its roles share; a failed
+    warm-up stops the run naming the command."""
+    from examples.arithmetic import base_model
+
+    cfg = load_config([REPO / "configs" / "gpu_one_h200.toml"])
+    assert Path(cfg.learner.model_path) == base_model.MODEL_GPU
+    assert Path(cfg.generator.dataset) == base_model.DATASET
+    for name in ("DATASET", "EVAL", "EVAL_LARGE"):
+        monkeypatch.setattr(base_model, name, tmp_path / f"{name}.jsonl")
+    monkeypatch.setattr(base_model, "MODEL_GPU", tmp_path / "gpu-base")
+    calls = []
+
+    def child(cmd, cwd):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 3)
+
+    monkeypatch.setattr(base_model.subprocess, "run", child)
+    with pytest.raises(SystemExit, match="gpu-base failed \\(exit 3\\)"):
+        base_model.prepare_gpu(cfg)
+    (cmd,) = calls
+    assert cmd[1:3] == ["-m", "examples.arithmetic.base_model"]
+    assert {"--shape", "0.6b", "--dtype", "bfloat16", "--require-gpu"} <= set(cmd)
+    assert base_model.DATASET.is_file()
+
+
+def test_the_gpu_warm_up_refuses_a_machine_without_a_gpu():
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "examples.arithmetic.base_model", "--shape", "0.6b"),
+            *("--require-gpu", "--out", "/nonexistent/never-written"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        timeout=120,
+    )
+    assert done.returncode == 2 and "none is visible" in done.stderr
 
 
 def _cli(*args, cwd=REPO, timeout=120):

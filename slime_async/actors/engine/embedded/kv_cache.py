@@ -157,27 +157,42 @@ def blocks_for_memory(
     mem_fraction: float,
     bytes_per_block: int,
     reserve_bytes: int,
+    others_bytes: int = 0,
+    min_blocks: int = 2,
 ) -> tuple[int, dict[str, int]]:
     """How many KV blocks fit on `device`: the engine's whole footprint (weights already loaded,
     activations `reserve_bytes`, the cache) stays within `mem_fraction` of the GPU's memory, and
-    within what is free now (other processes on the same GPU keep theirs)."""
+    within what is free now less `others_bytes`, kept for another process on the same GPU (the
+    learner: `engine.embedded.gpu_reserve_gib`). Fewer than `min_blocks` (one request of the
+    longest context) is refused with the numbers."""
     total = torch.cuda.get_device_properties(device).total_memory
     free, _ = torch.cuda.mem_get_info(device)
     ours = torch.cuda.memory_reserved(device)
     budget = int(mem_fraction * total) - ours - reserve_bytes
-    budget = min(budget, free - reserve_bytes)
+    budget = min(budget, free - others_bytes - reserve_bytes)
     n = budget // bytes_per_block
     info = {
         "total_bytes": total,
         "free_bytes": free,
         "weights_bytes": ours,
         "reserve_bytes": reserve_bytes,
+        "others_bytes": others_bytes,
         "kv_bytes": max(n, 0) * bytes_per_block,
     }
-    if n < 2:
+    if n < min_blocks:
+        kept = (
+            f", kept free for the learner {others_bytes / 2**30:.1f} GiB "
+            "(engine.embedded.gpu_reserve_gib)"
+            if others_bytes
+            else ""
+        )
         raise ValueError(
-            f"engine.embedded.mem_fraction={mem_fraction}: no room for a KV cache on {device} "
-            f"(total {total / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB, weights "
-            f"{ours / 2**30:.1f} GiB, activations reserve {reserve_bytes / 2**30:.1f} GiB)"
+            f"no room for the KV cache on {device}: it needs {min_blocks} blocks "
+            f"({min_blocks * bytes_per_block / 2**30:.2f} GiB, one request of the longest "
+            f"context) and {max(n, 0)} fit (total {total / 2**30:.1f} GiB, free "
+            f"{free / 2**30:.1f} GiB, engine weights {ours / 2**30:.1f} GiB, activations "
+            f"reserve {reserve_bytes / 2**30:.1f} GiB{kept}, "
+            f"engine.embedded.mem_fraction = {mem_fraction}); lower max_context_len or "
+            "max_running_requests, or give the engine a GPU of its own"
         )
     return int(n), info

@@ -17,7 +17,8 @@ with attention over a paged KV cache (kv_cache.py: fixed-size blocks, a block ta
 
 Families: those of `slime_async.models.families` (the ones the learner converts); `self.math`
 (the fused layers of layers.py, or the family's `LayerMath`) is the per-layer hook. Memory: the weights, the KV cache (sized once at start: on a GPU from
-`mem_fraction` of its memory, on a CPU `max_slots * max_context_len` tokens unless given), and
+`mem_fraction` of its memory less what it keeps free for another process there,
+`gpu_reserve_bytes`; on a CPU `max_slots * max_context_len` tokens unless given), and
 the activations of one prefill of at most `max_prefill_tokens` or one decode of `max_slots`.
 """
 
@@ -59,6 +60,7 @@ class ModelRunner:
         block_size: int = 16,
         num_blocks: int | None = None,
         mem_fraction: float = 0.8,
+        gpu_reserve_bytes: int = 0,
         max_prefill_tokens: int = 8192,
         fused: bool | None = None,
         compile: bool = True,
@@ -106,10 +108,26 @@ class ModelRunner:
         per_token = kv_bytes_per_token(layers, self.num_kv_heads, self.head_dim, dtype)
         per_block = block_size * (per_token + routed_bytes)
         self.memory: dict[str, int | float] = {"mem_fraction": mem_fraction}
+        if num_blocks is not None and cuda and gpu_reserve_bytes:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            need = num_blocks * per_block + self._activation_bytes() + gpu_reserve_bytes
+            if need > free:
+                raise ValueError(
+                    f"engine.embedded.kv_cache_tokens: {num_blocks} blocks "
+                    f"({num_blocks * per_block / 2**30:.1f} GiB) with the activations and the "
+                    f"{gpu_reserve_bytes / 2**30:.1f} GiB kept free for the learner "
+                    f"(engine.embedded.gpu_reserve_gib) need {need / 2**30:.1f} GiB, and "
+                    f"{free / 2**30:.1f} GiB is free on {self.device}"
+                )
         if num_blocks is None:
             if cuda:
                 num_blocks, info = blocks_for_memory(
-                    self.device, mem_fraction, per_block, self._activation_bytes()
+                    self.device,
+                    mem_fraction,
+                    per_block,
+                    self._activation_bytes(),
+                    others_bytes=gpu_reserve_bytes,
+                    min_blocks=self.max_blocks_per_seq + 1,  # + the scratch block
                 )
                 self.memory.update(info)
             else:  # every slot can hold a whole context, as the old slot cache

@@ -58,6 +58,29 @@ from slime_async.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
+
+def gpu_reserve_bytes(emb: EmbeddedEngineConfig, device: torch.device) -> int:
+    """What the engine keeps free on its GPU for another process (`gpu_reserve_gib`), logged.
+    "auto" is resolved by `slime-async run` (the learner's estimated peak where it shares the
+    GPU); an engine started by hand with "auto" keeps nothing back, and says so."""
+    if device.type != "cuda":
+        return 0
+    if emb.gpu_reserve_gib == "auto":
+        log.info(
+            "engine.embedded.gpu_reserve_gib = auto and no learner shares this GPU as far as "
+            "this engine knows (slime-async run sets it when one does): the KV cache takes "
+            "up to engine.embedded.mem_fraction = %s",
+            emb.mem_fraction,
+        )
+        return 0
+    log.info(
+        "keeping %.1f GiB of %s free for another process (engine.embedded.gpu_reserve_gib)",
+        emb.gpu_reserve_gib,
+        device,
+    )
+    return int(emb.gpu_reserve_gib * 2**30)
+
+
 # Top-level /generate fields of SGLang that the engine serves.
 _GENERATE_FIELDS = {
     "input_ids",
@@ -148,6 +171,7 @@ class EmbeddedEngine:
             block_size=emb.block_size,
             num_blocks=num_blocks,
             mem_fraction=emb.mem_fraction,
+            gpu_reserve_bytes=gpu_reserve_bytes(emb, self.device),
             max_prefill_tokens=emb.max_prefill_tokens,
             compile=emb.compile,
             decode_attention=emb.decode_attention,
