@@ -73,6 +73,14 @@ def test_external_engines_behind_the_router_train_lose_one_and_take_it_back(pack
         api_key=KEY,
     )
     urls = [u for _, u in engines]
+    try:  # the engines are stopped whatever happens below
+        _run_and_check(engines, urls, package, root, model, data)
+    finally:
+        for child, _ in engines:
+            child.stop()
+
+
+def _run_and_check(engines, urls, package, root, model, data) -> None:
     proc = None
     try:
         with Router(
@@ -127,19 +135,15 @@ def test_external_engines_behind_the_router_train_lose_one_and_take_it_back(pack
             stop_group(proc)
         for child, _ in engines:
             child.signal(signal.SIGCONT)
-    try:
-        learner = read_metrics(run_dir / "metrics" / "learner.jsonl")
-        last = learner[-1]
-        pushes = [r for r in learner if r.get("push/seconds", 0) > 0]
-        assert len(learner) == STEPS and len(pushes) >= 5, (len(learner), len(pushes))
-        assert last["push/engines_hung"] >= 1 and last["push/engines_back"] >= 1
-        assert last["push/engines_left_out"] >= 1 and last["push/resyncs"] >= 1
-        assert last["push/engines"] == 2.0
-        gen = read_metrics(run_dir / "metrics" / "generator0.jsonl")
-        assert gen[-1]["gen/engines_hung"] >= 1 and gen[-1]["gen/engines_back"] >= 1
-        # The engine that was stopped serves the learner's last weights, as the other one does.
-        assert [_weight_version(u) for u in urls] == [str(last["version"])] * 2
-        assert_nothing_lost_nothing_twice(run_dir, STEPS, GROUPS, GROUP_SIZE)
-    finally:
-        for child, _ in engines:
-            child.stop()
+    learner = read_metrics(run_dir / "metrics" / "learner.jsonl")
+    last = learner[-1]
+    pushes = [r for r in learner if r.get("push/seconds", 0) > 0]
+    assert len(learner) == STEPS and len(pushes) >= 5, (len(learner), len(pushes))
+    assert last["push/engines_hung"] >= 1 and last["push/engines_back"] >= 1
+    assert last["push/engines_left_out"] >= 1 and last["push/resyncs"] >= 1
+    assert last["push/engines"] == 2.0
+    gen = read_metrics(run_dir / "metrics" / "generator0.jsonl")
+    assert gen[-1]["gen/engines_hung"] >= 1 and gen[-1]["gen/engines_back"] >= 1
+    # The engine that was stopped serves the learner's last weights, as the other one does.
+    assert [_weight_version(u) for u in urls] == [str(last["version"])] * 2
+    assert_nothing_lost_nothing_twice(run_dir, STEPS, GROUPS, GROUP_SIZE)

@@ -16,8 +16,11 @@ an answer whose first token comes from an older weight version (an engine that r
 the base model, or one still holding a dead learner's weights) is thrown away, counted
 (`behind`), logged, and the call sent again like a failed one; the engine is left out until its
 `weight_version` (GET /model_info, every `probe_interval_s`) reaches the version again; a router
-is used again once every engine behind it (`watch_urls`) that is up serves it. That check is apart
-from the liveness watch: an engine behind is alive, just not usable yet.
+is used again once one engine behind it (`watch_urls`) that is up serves it: answers of the others
+are still thrown away one by one, and waiting for all of them could wait forever (an engine that
+comes back after missing pushes is updated only by the learner's next push, which needs this
+generator's answers). That check is apart from the liveness watch: an engine behind is alive,
+just not usable yet.
 Memory: one client, one counter and one probe per engine, plus one version check per engine
 behind.
 """
@@ -303,14 +306,14 @@ class EnginePool:
                 return
 
     async def _served_version(self, url: str) -> int | None:
-        """The version `url` serves; behind a router, the oldest its up engines serve (None
-        while none is up)."""
+        """The version `url` serves; behind a router, the newest its up engines serve (None
+        while none is up): the router is usable once one of them is current."""
         if not self._watch_only:
             return await self.clients[url].get_weight_version()
         up = [u for u in self._watch_only if self.watch.state(u) == "up"]
         clients = [self.watch.engines[u].probe.client for u in up]
         served = await asyncio.gather(*(c.get_weight_version() for c in clients))
-        return min(served, default=None)
+        return max(served, default=None)
 
     async def for_all(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Call `EngineClient.<method>` on every engine concurrently; url -> result or exception."""
