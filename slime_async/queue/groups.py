@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -158,10 +158,12 @@ class ReadyGroups:
             self.tokens -= g.ntokens
         return g
 
-    def choose(self, num_groups: int | None, num_tokens: int | None) -> list[Group]:
+    def choose(
+        self, num_groups: int | None, num_tokens: int | None, first: Sequence[Group] = ()
+    ) -> list[Group]:
         """The next groups to deliver, or [] when not enough are ready: exactly `num_groups`, or
-        whole groups up to `num_tokens` (one group alone may exceed it). The chosen groups leave
-        the delivery order now: `pop` them."""
+        whole groups up to `num_tokens` (one group alone may exceed it); `first` (ready groups)
+        ahead of the delivery order. The chosen groups leave the delivery order now: `pop` them."""
         if num_groups is not None and num_tokens is None and len(self._groups) < num_groups:
             return []
         if num_tokens is not None and num_groups is None and self.tokens < num_tokens:
@@ -169,11 +171,24 @@ class ReadyGroups:
         chosen: list[Group] = []
         popped: list[tuple[int, int, str]] = []
         tokens = 0
-        while self._order and (num_groups is None or len(chosen) < num_groups):
+        taken: set[str] = set()
+        for g in first:
+            if num_groups is not None and len(chosen) >= num_groups:
+                break
+            if num_tokens is not None and chosen and tokens + g.ntokens > num_tokens:
+                break
+            chosen.append(g)
+            taken.add(g.group_id)
+            tokens += g.ntokens
+        full = num_tokens is not None and bool(chosen) and len(chosen) < len(first)
+        while self._order and not full and (num_groups is None or len(chosen) < num_groups):
             entry = self._order[0]
             g = self._groups.get(entry[2])
             if g is None or g.arrival != self._sign * entry[1]:
                 heapq.heappop(self._order)  # delivered or dropped since it was queued
+                continue
+            if g.group_id in taken:  # chosen ahead of the order
+                popped.append(heapq.heappop(self._order))
                 continue
             if num_tokens is not None and chosen and tokens + g.ntokens > num_tokens:
                 break  # the token budget is full

@@ -602,7 +602,7 @@ class BufferState:
             want = num_groups or self.groups_per_step
             chosen = mine[:want] if len(mine) >= want else []
         else:
-            chosen = self.ready.choose(num_groups, num_tokens)
+            chosen = self.ready.choose(num_groups, num_tokens, first=self._at_the_bound())
         if not chosen:
             return None
         gids = [g.group_id for g in chosen]
@@ -613,6 +613,22 @@ class BufferState:
         for g in chosen:
             self.staleness_hist[self.staleness(g)] += 1
         return self._apply_deliver(batch_id, consumer, session, gids, rid)
+
+    def _at_the_bound(self) -> list[Group]:
+        """While groups of superseded weights are held (kept by the stale policy after a
+        learner's restart): the groups on the run's line at or past max_staleness, oldest first,
+        to deliver ahead of them. Superseded versions are numbered below the fresh ones, so the
+        oldest-first order would deliver them first and let groups on the line cross the bound
+        meanwhile; superseded groups are counted apart and have no bound to keep."""
+        if not self.superseded:
+            return []
+        bound = self.admission.max_staleness
+        urgent = [
+            g
+            for g in self.ready
+            if g.group_id not in self.superseded and self.staleness(g) >= bound
+        ]
+        return sorted(urgent, key=lambda g: (-self.staleness(g), g.arrival))
 
     def _apply_deliver(
         self, batch_id: int, consumer: str, session: str, gids: list[str], rid: str

@@ -118,6 +118,34 @@ def test_with_keep_superseded_groups_are_trained_and_counted():
     assert state.counts[M.BUF_SUPERSEDED_DELIVERED] == 1
 
 
+def test_groups_on_the_line_at_the_bound_go_before_superseded_ones():
+    """Superseded versions are numbered below the fresh ones: oldest first, they went out first
+    and a group on the line crossed the bound meanwhile (seen in a learner killed mid-push)."""
+    state = _state("keep")
+    state.set_version(5, G)
+    _put(state, 1, "g-gone", 5)
+    state.set_version(7, G, [[4, 7]])
+    _put(state, 2, "g-line", 7)
+    _put(state, 3, "g-fresh", 8)
+    state.set_version(9, G, [[4, 7]])
+    assert state.staleness(state.ready.get(_key("g-line"))) == 2  # at the bound
+    batch = state.get("learner", "s", "r1", 1, None)
+    assert [g.group_id for g in batch.groups] == [_key("g-line")]
+    # Nothing at the bound: the usual order (the superseded group is the oldest).
+    batch = state.get("learner", "s", "r2", 2, None)
+    assert [g.group_id for g in batch.groups] == [_key("g-gone"), _key("g-fresh")]
+    assert state.counts[M.BUF_SUPERSEDED_DELIVERED] == 1
+
+
+def test_without_superseded_groups_the_order_is_unchanged():
+    state = _state("keep")
+    state.set_version(3, G)
+    for seq, (gid, v) in enumerate([("a", 1), ("b", 0), ("c", 2)]):
+        _put(state, seq, gid, v)
+    batch = state.get("learner", "s", "r1", 2, None)
+    assert [g.group_id for g in batch.groups] == [_key("b"), _key("a")]
+
+
 @pytest.mark.parametrize("segment_bytes", [1 << 20, 1024])  # replayed records; a snapshot
 def test_the_line_and_the_versions_used_survive_a_buffer_restart(tmp_path, segment_bytes):
     first = _state("keep", tmp_path, segment_bytes)
