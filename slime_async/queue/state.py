@@ -35,7 +35,7 @@ from slime_async.queue.groups import (
     scoped,
     shown,
 )
-from slime_async.queue.lineage import Line, LineError
+from slime_async.queue.lineage import SUPERSEDED_POSITION, Line, LineError
 from slime_async.queue.messages import AckStatus
 from slime_async.queue.schema import (
     SchemaError,
@@ -615,20 +615,32 @@ class BufferState:
         return self._apply_deliver(batch_id, consumer, session, gids, rid)
 
     def _at_the_bound(self) -> list[Group]:
-        """While groups of superseded weights are held (kept by the stale policy after a
-        learner's restart): the groups on the run's line at or past max_staleness, oldest first,
-        to deliver ahead of them. Superseded versions are numbered below the fresh ones, so the
-        oldest-first order would deliver them first and let groups on the line cross the bound
-        meanwhile; superseded groups are counted apart and have no bound to keep."""
+        """While groups with tokens of superseded weights are held (kept by the stale policy
+        after a learner's restart): the groups whose oldest token on the run's line is at or
+        past max_staleness, most stale first, to deliver ahead of the others. Superseded versions
+        are numbered below the fresh ones, so the oldest-first order alone would send superseded
+        groups first and let tokens on the line cross the bound meanwhile. A group of both kinds
+        (in flight across the restart) counts by its tokens on the line."""
         if not self.superseded:
             return []
         bound = self.admission.max_staleness
-        urgent = [
-            g
-            for g in self.ready
-            if g.group_id not in self.superseded and self.staleness(g) >= bound
-        ]
-        return sorted(urgent, key=lambda g: (-self.staleness(g), g.arrival))
+        urgent = []
+        for g in self.ready:
+            oldest = self._oldest_on_line(g) if g.group_id in self.superseded else g.oldest
+            if oldest is not None and self.admission.staleness(oldest) >= bound:
+                urgent.append((-self.admission.staleness(oldest), g.arrival, g))
+        return [g for *_, g in sorted(urgent, key=lambda u: u[:2])]
+
+    def _oldest_on_line(self, g: Group) -> int | None:
+        """The oldest model-token version of `g` that is on the run's line (None: none is)."""
+        oldest = None
+        for blob in g.blobs:
+            t = decode_trajectory(blob, copy=False)
+            v = t.versions[t.loss_mask.astype(bool)]
+            v = v[self.line.positions(v) != SUPERSEDED_POSITION]
+            if v.size:
+                oldest = int(v.min()) if oldest is None else min(oldest, int(v.min()))
+        return oldest
 
     def _apply_deliver(
         self, batch_id: int, consumer: str, session: str, gids: list[str], rid: str

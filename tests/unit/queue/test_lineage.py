@@ -137,6 +137,26 @@ def test_groups_on_the_line_at_the_bound_go_before_superseded_ones():
     assert state.counts[M.BUF_SUPERSEDED_DELIVERED] == 1
 
 
+def test_a_group_in_flight_across_the_restart_counts_by_its_tokens_on_the_line():
+    """Members generated before and after the learner's restart: the group holds superseded
+    tokens and tokens of the fresh version, whose bound still holds."""
+    state = _state("keep")
+    state.set_version(5, G)
+    _put(state, 1, "g-gone", 4)  # version 4 stays on the line
+    state.set_version(7, G, [[4, 7]])  # version 4 stays on the line, 5 and 6 are superseded
+    old = synthetic_group("g-mixed", 2, prompt_len=3, response_len=4, version=5, seed=2)
+    new = synthetic_group("g-mixed", 2, prompt_len=3, response_len=4, version=7, seed=2)
+    mixed = [old[0], new[1]]
+    state.put("p", 2, [encode_trajectory(t) for t in mixed], mixed)
+    assert _key("g-mixed") in state.superseded
+    state.set_version(9, G, [[4, 7]])  # its version-7 tokens are 2 updates old: the bound
+    _put(state, 3, "g-new", 9)
+    at_bound = [g.group_id for g in state._at_the_bound()]
+    assert at_bound == [_key("g-gone"), _key("g-mixed")]  # both 2 updates old, by arrival
+    batch = state.get("learner", "s", "r1", 2, None)
+    assert [g.group_id for g in batch.groups] == at_bound
+
+
 def test_without_superseded_groups_the_order_is_unchanged():
     state = _state("keep")
     state.set_version(3, G)
