@@ -474,16 +474,19 @@ class RolloutContext:
         keyed = getattr(part, "prefix_version", None)
         if keyed is not None and part.versions and part.versions[0] > keyed:
             self.stats.prefix_key_behind += 1
-            log.warning(
-                "request %s: %d cached prompt tokens under the key of version %d, answered by "
-                "version %d (the engine was updated after the latest answer; the reused KV may "
-                "be of the older weights; %d so far)",
-                rid,
-                cached,
-                keyed,
-                part.versions[0],
-                self.stats.prefix_key_behind,
-            )
+            n = self.stats.prefix_key_behind
+            if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...: every one is counted
+                log.warning(
+                    "request %s: %d cached prompt tokens under the key of version %d, answered "
+                    "by version %d (the engine was updated after the latest answer; the reused "
+                    "KV may be of the older weights; %d so far, all counted in the generator's "
+                    "records, logged at powers of two)",
+                    rid,
+                    cached,
+                    keyed,
+                    part.versions[0],
+                    n,
+                )
 
     async def _request(self, ids: list[int], params: dict, rid: str, routed_start: int) -> Any:
         self.stats.requests += 1

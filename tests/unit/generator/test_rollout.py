@@ -370,3 +370,13 @@ def test_generate_counts_cached_prompt_tokens_and_keys_behind_the_weights(tok, c
     assert (
         "16 cached prompt tokens under the key of version 0, answered by version 1" in caplog.text
     )
+
+
+def test_keys_behind_are_all_counted_and_logged_at_powers_of_two(tok, caplog):
+    engine = ScriptedEngine([_answer([6], 1, cached=16, keyed=0) for _ in range(9)])
+    ctx = RolloutContext(engine, tok, SamplingConfig(max_new_tokens=8))
+    for _ in range(9):
+        asyncio.run(ctx.generate([3, 10]))
+    assert ctx.stats.prefix_key_behind == 9
+    logged = [r.getMessage() for r in caplog.records if "under the key of version" in r.message]
+    assert [m.split("; ")[-1].split(" so far")[0] for m in logged] == ["1", "2", "4", "8"]
