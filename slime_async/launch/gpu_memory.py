@@ -1,7 +1,7 @@
 """One GPU shared by the learner and an embedded engine: how much of it the learner needs.
 
-    share = gpu_shares(cfg)            # {engine index: LearnerMemory} for engines on a learner GPU
-    share[0].total_gib, share[0].describe()
+    shares = gpu_shares(cfg)      # [GpuShare(engine, gpu, learner: LearnerMemory | None), ...]
+    shares[0].note()              # the line `slime-async run` prints
 
 On one GPU the learner and the engine run as two processes. The engine starts first and sizes its
 paged KV cache from the memory it sees; left to itself (`engine.embedded.mem_fraction`) it takes
@@ -11,14 +11,15 @@ and hands it to every embedded engine that shares a GPU with a learner rank as
 `engine.embedded.gpu_reserve_gib`; the engine keeps that much free and sizes its cache from the
 rest, or refuses to start with the numbers when one request of `max_context_len` does not fit.
 
-The estimate, per learner rank (bytes; P = parameters on the rank, T = `micro_batch_tokens`):
+The estimate, per learner rank (bytes; P = parameters on the rank, T = `micro_batch_tokens`),
+from the model's `ModelArch` (what the learner's builder reads):
 - weights: P x the learner's dtype size; a KL reference (`algo.kl_coef > 0`) holds another copy;
 - gradients: 4P (megatron's optimizer reduces in fp32; master AdamW keeps bf16 grads and an fp32
   copy: 6P);
 - optimizer: fp32 master weights (bf16 only) and two fp32 Adam moments, 12P or 8P, divided over
   the data-parallel ranks by megatron's distributed optimizer;
-- activations of one micro-batch: T x layers x the tensors each layer keeps for its backward
-  (`ACTIVATION_ELEMENTS`), in the dtype, x `ACTIVATION_SLACK`; with `recompute = "full"` one
+- activations of one micro-batch: T x the tensors each layer keeps for its backward
+  (`_activation_elements`), in the dtype, x `ACTIVATION_SLACK`; with `recompute = "full"` one
   layer's and every layer's input;
 - the output layer: one log-prob chunk's logits in fp32 (three buffers: logits, softmax,
   gradient) and the fp32 gradient of the output weight.
@@ -28,71 +29,48 @@ shape at 8 x 1,024 tokens measured 21.2 GB, a 3.67B one (Qwen3-4B's layers) 105.
 
 from __future__ import annotations
 
-import json
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slime_async.config import ConfigError, SlimeConfig
+
+if TYPE_CHECKING:  # the model package imports torch: only when an estimate is made
+    from slime_async.models.arch import ModelArch
 
 GIB = 2**30
 ACTIVATION_SLACK = 1.15
 """Norm statistics in fp32, attention's log-sum-exp and the allocator's rounding over the tensors
-`ACTIVATION_ELEMENTS` counts (fitted to the two H200 peaks in the module docstring)."""
+`_activation_elements` counts (fitted to the two H200 peaks in the module docstring)."""
 MARGIN_BYTES = 2 * GIB
 """Added to the estimate: the learner's CUDA context, NCCL/gloo buffers, fragmentation."""
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimate needs of a Hugging Face `config.json`."""
-
-    hidden: int
-    layers: int
-    q_width: int
-    """heads x head_dim"""
-    kv_width: int
-    """kv heads x head_dim"""
-    ffn: int
-    """Dense MLP width; for MoE layers the experts' width x experts per token."""
-    vocab: int
-    tied: bool
-    dense_params: int
-    """Parameters outside the experts."""
-    expert_params: int
-    """Parameters of every expert of every layer (0 for a dense model)."""
-
-    @classmethod
-    def from_config(cls, c: dict) -> ModelShape:
-        h, layers, vocab = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
-        heads = int(c["num_attention_heads"])
-        kv = int(c.get("num_key_value_heads") or heads)
-        hd = int(c.get("head_dim") or h // heads)
-        tied = bool(c.get("tie_word_embeddings", False))
-        attn = h * hd * (heads + 2 * kv) + heads * hd * h
-        experts = int(c.get("num_experts") or c.get("n_routed_experts") or 0)
-        if experts:
-            width = int(c["moe_intermediate_size"])
-            topk = int(c["num_experts_per_tok"])
-            expert = 3 * h * width * experts * layers
-            mlp = h * experts  # the router
-            ffn = width * topk
-        else:
-            ffn = int(c["intermediate_size"])
-            expert, mlp = 0, 3 * h * ffn
-        dense = layers * (attn + mlp + 2 * h) + vocab * h * (1 if tied else 2) + h
-        return cls(h, layers, heads * hd, kv * hd, ffn, vocab, tied, dense, expert)
+def _params(a: ModelArch) -> tuple[int, int]:
+    """(parameters outside the experts, parameters of every expert of every layer)."""
+    h, moe = a.hidden_size, len(a.moe_layers) if a.is_moe else 0
+    attn = h * a.head_dim * (a.num_heads + 2 * a.num_kv_heads) + a.num_heads * a.head_dim * h
+    dense_mlp = (a.num_layers - moe) * 3 * h * a.intermediate_size
+    router = moe * h * a.num_experts
+    embed = a.vocab_size * h * (1 if a.tie_word_embeddings else 2)
+    dense = a.num_layers * (attn + 2 * h) + dense_mlp + router + embed + h
+    return dense, moe * 3 * h * a.moe_intermediate_size * a.num_experts
 
 
-ACTIVATION_ELEMENTS = "5 h + 4 q + 4 kv + 3 ffn"
-"""Per token and layer: the norms' inputs and outputs and the residual (5 h), q through the
-qkv projection, the q/k norms, rotary and attention's output (4 q), k and v likewise (4 kv),
-gate, up and their product (3 ffn)."""
-
-
-def _activation_elements(s: ModelShape) -> int:
-    return 5 * s.hidden + 4 * s.q_width + 4 * s.kv_width + 3 * s.ffn
+def _activation_elements(a: ModelArch) -> int:
+    """Per token, summed over the layers, the tensors each layer keeps for its backward: the
+    norms' inputs and outputs and the residual (5 h), q through the qkv projection, the q/k
+    norms, rotary and attention's output (4 q), k and v likewise (4 kv), and gate, up and their
+    product (3 ffn; an MoE layer's ffn is its experts' width x experts per token)."""
+    moe = len(a.moe_layers) if a.is_moe else 0
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    attn = a.num_layers * (5 * a.hidden_size + 4 * q + 4 * kv)
+    mlp = 3 * (a.num_layers - moe) * a.intermediate_size
+    mlp += 3 * moe * a.moe_topk * a.moe_intermediate_size
+    return attn + mlp
 
 
 @dataclass(frozen=True)
@@ -137,40 +115,43 @@ class LearnerMemory:
         )
 
 
-def learner_memory(cfg: SlimeConfig, shape: ModelShape) -> LearnerMemory:
-    """The estimated peak GPU memory of one learner rank training `shape` under `cfg`."""
+def learner_memory(cfg: SlimeConfig, arch: ModelArch) -> LearnerMemory:
+    """The estimated peak GPU memory of one learner rank training `arch` under `cfg`."""
     lc = cfg.learner
     tp, ep = lc.tensor_parallel, lc.expert_parallel
     dp = max(1, cfg.run.learner_procs // tp)
     el = 2 if lc.dtype == "bfloat16" else 4
-    params = shape.dense_params // tp + shape.expert_params // ep
+    dense, experts = _params(arch)
+    params = dense // tp + experts // ep
     weights = params * el * (2 if cfg.algo.kl_coef > 0 else 1)
     megatron = lc.optimizer in ("auto", "megatron")  # "auto" is megatron's on a GPU
     gradients = params * (4 if megatron else 2 + (4 if el == 2 else 0))
     states = params * ((4 if el == 2 else 0) + 8)
     if megatron and lc.use_distributed_optimizer:
         states //= dp
-    per_layer = _activation_elements(shape) // tp * el
+    every_layer = _activation_elements(arch) // tp * el  # per token
     tokens = lc.micro_batch_tokens
-    if lc.recompute == "full":
-        acts = tokens * (shape.layers * shape.hidden * el + per_layer)
+    if lc.recompute == "full":  # each layer's input, and one layer recomputed at a time
+        acts = tokens * (arch.num_layers * arch.hidden_size * el + every_layer // arch.num_layers)
     else:
-        acts = tokens * shape.layers * per_layer
+        acts = tokens * every_layer
     activations = int(acts * ACTIVATION_SLACK)
-    vocab = shape.vocab // tp
+    vocab = arch.vocab_size // tp
     chunk = min(lc.logprob_chunk_tokens, tokens)
-    output_layer = 3 * chunk * vocab * 4 + vocab * shape.hidden * 4
+    output_layer = 3 * chunk * vocab * 4 + vocab * arch.hidden_size * 4
     return LearnerMemory(weights, gradients, states, activations, output_layer)
 
 
-def read_shape(model_path: str | None) -> ModelShape | None:
-    """The shape in `model_path`/config.json; None where there is none to read."""
+def read_arch(model_path: str | None) -> ModelArch | None:
+    """The architecture in `model_path`/config.json; None where there is none to read."""
+    from slime_async.models.arch import ModelArch
+    from slime_async.models.family import UnsupportedModel
+
     if not model_path:
         return None
-    path = Path(model_path) / "config.json"
     try:
-        return ModelShape.from_config(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError):
+        return ModelArch.from_hf_dir(model_path)
+    except (OSError, ValueError, KeyError, UnsupportedModel):
         return None
 
 
@@ -253,7 +234,7 @@ def gpu_shares(cfg: SlimeConfig) -> list[GpuShare]:
     shared = shared_gpus(cfg)
     if not shared:
         return []
-    crowded = sorted({g for g in shared.values() if list(shared.values()).count(g) > 1})
+    crowded = sorted(g for g, n in Counter(shared.values()).items() if n > 1)
     if crowded:
         raise ConfigError(
             f"engine.embedded.gpu_reserve_gib = auto: several engines on GPU(s) "
@@ -261,8 +242,8 @@ def gpu_shares(cfg: SlimeConfig) -> list[GpuShare]:
             "what the learner leaves: give each engine its own GPU (run.engine_cuda_devices) "
             "or size them by hand (engine.embedded.gpu_reserve_gib and mem_fraction)"
         )
-    shape = read_shape(cfg.learner.model_path)
-    memory = learner_memory(cfg, shape) if shape is not None else None
+    arch = read_arch(cfg.learner.model_path)
+    memory = learner_memory(cfg, arch) if arch is not None else None
     return [GpuShare(i, gpu, memory) for i, gpu in shared.items()]
 
 

@@ -100,6 +100,9 @@ class BufferState:
         """The highest version the run has used: announced, reserved by a line, or on a token."""
         self.superseded: set[str] = set()
         """Held groups with a model token of a superseded version (`lineage.Line`)."""
+        self._on_line_oldest: dict[str, int | None] = {}
+        """Ready superseded groups -> their oldest model-token version on the line (None: none
+        is), read from their tokens once per line (`_oldest_on_line`)."""
         self.awaiting_learner = False
         """Restarted from a log that holds a learner's version: no grants until a learner
         announces in this buffer's life (the engines may have restarted from the base model, and
@@ -464,6 +467,7 @@ class BufferState:
         if line == self.line:
             return
         self.admission.line = line
+        self._on_line_oldest.clear()  # read against the old line
         self.versions_used = max(self.versions_used, line.start)
         self.superseded = {
             g.group_id
@@ -555,6 +559,7 @@ class BufferState:
 
     def _forget(self, g: Group) -> None:
         self.superseded.discard(g.group_id)
+        self._on_line_oldest.pop(g.group_id, None)
         self.held_trajectories -= len(g.blobs)
         self.held_bytes -= g.nbytes
         if self.wal is not None:
@@ -632,7 +637,10 @@ class BufferState:
         return [g for *_, g in sorted(urgent, key=lambda u: u[:2])]
 
     def _oldest_on_line(self, g: Group) -> int | None:
-        """The oldest model-token version of `g` that is on the run's line (None: none is)."""
+        """The oldest model-token version of ready `g` that is on the run's line (None: none
+        is); its tokens are read once per line."""
+        if g.group_id in self._on_line_oldest:
+            return self._on_line_oldest[g.group_id]
         oldest = None
         for blob in g.blobs:
             t = decode_trajectory(blob, copy=False)
@@ -640,6 +648,7 @@ class BufferState:
             v = v[self.line.positions(v) != SUPERSEDED_POSITION]
             if v.size:
                 oldest = int(v.min()) if oldest is None else min(oldest, int(v.min()))
+        self._on_line_oldest[g.group_id] = oldest
         return oldest
 
     def _apply_deliver(
@@ -664,6 +673,7 @@ class BufferState:
         for g in groups:
             if g.group_id in self.superseded:  # kept by the stale policy: the learner counts it
                 self.superseded.discard(g.group_id)
+                self._on_line_oldest.pop(g.group_id, None)
                 self.counts[m.BUF_SUPERSEDED_DELIVERED] += 1
         self.in_training[batch_id] = len(groups)
         for g in groups:

@@ -10,6 +10,7 @@ import torch
 from slime_async.actors.engine.embedded import kv_cache
 from slime_async.config import ConfigError, SlimeConfig, load_config
 from slime_async.launch import gpu_memory as gm
+from slime_async.models.arch import ModelArch
 from tests.support.launch_plan import child_config, planned
 
 GB = 1e9
@@ -17,6 +18,7 @@ GB = 1e9
 
 def qwen3(hidden, layers, heads, kv_heads, ffn, vocab=151936, **extra) -> dict:
     return dict(
+        model_type="qwen3_moe" if "num_experts" in extra else "qwen3",
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -27,6 +29,10 @@ def qwen3(hidden, layers, heads, kv_heads, ffn, vocab=151936, **extra) -> dict:
         tie_word_embeddings=True,
         **extra,
     )
+
+
+def arch(config: dict) -> ModelArch:
+    return ModelArch.from_hf_config(config)
 
 
 BENCH = {"dtype": "bfloat16", "micro_batch_tokens": 8 * 1024}
@@ -44,14 +50,14 @@ BENCH = {"dtype": "bfloat16", "micro_batch_tokens": 8 * 1024}
 )
 def test_the_estimate_covers_measured_peaks(shape, measured_gb):
     cfg = SlimeConfig.model_validate({"learner": BENCH})
-    mem = gm.learner_memory(cfg, gm.ModelShape.from_config(shape))
+    mem = gm.learner_memory(cfg, arch(shape))
     assert mem.total / GB >= measured_gb  # never below what a real step took
     # and not wasteful: without the margin within 15% of the measured peak
     assert (mem.total - mem.margin) / GB <= 1.15 * measured_gb
 
 
 def test_the_estimate_follows_the_settings():
-    shape = gm.ModelShape.from_config(qwen3(1024, 28, 16, 8, 3072))
+    shape = arch(qwen3(1024, 28, 16, 8, 3072))
     base = gm.learner_memory(SlimeConfig.model_validate({"learner": BENCH}), shape)
     full = gm.learner_memory(
         SlimeConfig.model_validate({"learner": {**BENCH, "recompute": "full"}}), shape
@@ -78,9 +84,10 @@ def test_moe_counts_every_expert_and_routes_each_token_to_top_k():
     moe = qwen3(
         2048, 4, 32, 4, 6144, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768
     )
-    shape = gm.ModelShape.from_config(moe)
-    assert shape.expert_params == 3 * 2048 * 768 * 128 * 4
-    assert shape.ffn == 8 * 768
+    shape = arch(moe)
+    assert gm._params(shape)[1] == 3 * 2048 * 768 * 128 * 4
+    dense = arch(qwen3(2048, 4, 32, 4, 8 * 768))  # each token through 8 experts of 768
+    assert gm._activation_elements(shape) == gm._activation_elements(dense)
     cfg = SlimeConfig.model_validate({"learner": {**BENCH, "expert_parallel": 2}})
     one = gm.learner_memory(SlimeConfig.model_validate({"learner": BENCH}), shape)
     assert gm.learner_memory(cfg, shape).weights < one.weights
