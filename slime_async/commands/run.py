@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from slime_async.config import ConfigError, load_config, split_cli_args
+    from slime_async.launch.gpu_memory import gpu_shares, reserve_gib, shared_gpus
     from slime_async.launch.progress import ProgressDisplay
     from slime_async.launch.run_dir import RunDir, RunDirBusy
     from slime_async.launch.supervisor import WATCHDOG_GRACE_S, Supervisor, cleanup_leftovers
@@ -76,12 +77,12 @@ def main(args: argparse.Namespace) -> int:
                 "inputs not found (a relative path is relative to the config file "
                 "that sets it):\n  " + "\n  ".join(missing)
             )
-    if cfg.run.launcher == "local":
-        from slime_async.launch.gpu_memory import gpu_shares
+    shares = []
+    if shared_gpus(cfg):  # local runs only; the estimate imports the model package
+        from slime_async.models.memory import estimate_learner_memory
 
-        shares = gpu_shares(cfg)  # refuses several engines on the learner's GPU
-    else:
-        shares = []
+        # refuses several engines on the learner's GPU
+        shares = gpu_shares(cfg, estimate_learner_memory(cfg))
     if run_dir is None:
         try:
             run_dir = RunDir.create(cfg.run.runs_dir, cfg.run.name, cfg.run.run_dir)
@@ -113,7 +114,11 @@ def main(args: argparse.Namespace) -> int:
         else:
             supervisor = Supervisor(
                 run_dir,
-                plan_roles(cfg, run_dir),
+                plan_roles(
+                    cfg,
+                    run_dir,
+                    gpu_reserve={s.engine: reserve_gib(s) for s in shares if s.learner},
+                ),
                 resume=bool(args.resume),
                 restart_failed=cfg.run.restart_failed,
                 ready_timeout_s=cfg.run.ready_timeout_s,

@@ -35,7 +35,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from slime_async.config import BufferConfig, ConfigError, SlimeConfig
-from slime_async.launch.gpu_memory import gpu_shares, reserve_gib
 from slime_async.launch.router import http_ok, router_argv, router_ready
 from slime_async.launch.run_dir import RunDir
 from slime_async.launch.supervisor import RoleSpec, ready_file_exists
@@ -115,11 +114,17 @@ def _nonempty_dir(save_dir: Path) -> Path | None:
 
 
 def plan_roles(
-    cfg: SlimeConfig, run_dir: RunDir, where: RoleAddresses | None = None
+    cfg: SlimeConfig,
+    run_dir: RunDir,
+    where: RoleAddresses | None = None,
+    gpu_reserve: dict[int, float] | None = None,
 ) -> list[list[RoleSpec]]:
     """The launch table for `cfg`, in start stages; the config file the children read is
     `run_dir.config_json` (written by the caller, with run.run_dir set). `where`: the roles'
-    nodes and ports on a cluster (Ray); None: this machine, free ports on loopback."""
+    nodes and ports on a cluster (Ray); None: this machine, free ports on loopback.
+    `gpu_reserve`: engine index -> GiB that engine keeps free for the learner on their shared
+    GPU (`gpu_memory.gpu_shares`)."""
+    gpu_reserve = gpu_reserve or {}
     if cfg.run.run_dir is None or Path(cfg.run.run_dir).resolve() != run_dir.path:
         raise ConfigError(f"run.run_dir must be the run's directory {run_dir.path} before planning")
     config = str(run_dir.config_json)
@@ -174,9 +179,7 @@ def plan_roles(
             model_args = [_arg("engine.model_path", cfg.learner.model_path)]
         # An engine on a learner's GPU keeps the learner's estimated peak free (gpu_memory.py).
         reserve = {
-            s.engine: _arg("engine.embedded.gpu_reserve_gib", reserve_gib(s))
-            for s in (gpu_shares(cfg) if where is None else [])
-            if s.learner is not None
+            i: _arg("engine.embedded.gpu_reserve_gib", gib) for i, gib in gpu_reserve.items()
         }
         for i, (port, url) in enumerate(zip(ports, engine_urls, strict=True)):
             template = cfg.run.ray.engine_command if where is not None else []

@@ -4,6 +4,7 @@ each role's config as its child process would load it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from slime_async.config import SlimeConfig, load_config, split_cli_args
 from slime_async.launch import table as launch
@@ -18,13 +19,16 @@ FREE_PORTS = [
 ]
 
 
-def planned(tmp_path: Path, *overrides: str) -> tuple[SlimeConfig, RunDir, list[list[RoleSpec]]]:
-    """The default config with `overrides`, its run directory under `tmp_path`, its launch table."""
+def planned(
+    tmp_path: Path, *overrides: str, **plan: Any
+) -> tuple[SlimeConfig, RunDir, list[list[RoleSpec]]]:
+    """The default config with `overrides`, its run directory under `tmp_path`, its launch table
+    (`plan`: more arguments of `plan_roles`)."""
     cfg = load_config([], [*FREE_PORTS, *overrides])
     run_dir = RunDir.create(tmp_path, "t", tmp_path / "run")
     cfg.run.run_dir = str(run_dir.path)
     cfg.write_json(run_dir.config_json)
-    return cfg, run_dir, launch.plan_roles(cfg, run_dir)
+    return cfg, run_dir, launch.plan_roles(cfg, run_dir, **plan)
 
 
 def names(stages: list[list[RoleSpec]]) -> list[list[str]]:

@@ -10,6 +10,7 @@ import torch
 from slime_async.actors.engine.embedded import kv_cache
 from slime_async.config import ConfigError, SlimeConfig, load_config
 from slime_async.launch import gpu_memory as gm
+from slime_async.models import memory as mm
 from slime_async.models.arch import ModelArch
 from tests.support.launch_plan import child_config, planned
 
@@ -50,7 +51,7 @@ BENCH = {"dtype": "bfloat16", "micro_batch_tokens": 8 * 1024}
 )
 def test_the_estimate_covers_measured_peaks(shape, measured_gb):
     cfg = SlimeConfig.model_validate({"learner": BENCH})
-    mem = gm.learner_memory(cfg, arch(shape))
+    mem = mm.learner_memory(cfg, arch(shape))
     assert mem.total / GB >= measured_gb  # never below what a real step took
     # and not wasteful: without the margin within 15% of the measured peak
     assert (mem.total - mem.margin) / GB <= 1.15 * measured_gb
@@ -58,23 +59,23 @@ def test_the_estimate_covers_measured_peaks(shape, measured_gb):
 
 def test_the_estimate_follows_the_settings():
     shape = arch(qwen3(1024, 28, 16, 8, 3072))
-    base = gm.learner_memory(SlimeConfig.model_validate({"learner": BENCH}), shape)
-    full = gm.learner_memory(
+    base = mm.learner_memory(SlimeConfig.model_validate({"learner": BENCH}), shape)
+    full = mm.learner_memory(
         SlimeConfig.model_validate({"learner": {**BENCH, "recompute": "full"}}), shape
     )
     assert full.activations < base.activations / 10
-    dp4 = gm.learner_memory(
+    dp4 = mm.learner_memory(
         SlimeConfig.model_validate({"learner": BENCH, "run": {"learner_procs": 4}}), shape
     )
     assert dp4.optimizer * 4 == base.optimizer  # sharded by the distributed optimizer
-    tp2 = gm.learner_memory(
+    tp2 = mm.learner_memory(
         SlimeConfig.model_validate(
             {"learner": {**BENCH, "tensor_parallel": 2}, "run": {"learner_procs": 2}}
         ),
         shape,
     )
     assert tp2.weights == pytest.approx(base.weights / 2, rel=0.01)
-    kl = gm.learner_memory(
+    kl = mm.learner_memory(
         SlimeConfig.model_validate({"learner": BENCH, "algo": {"kl_coef": 0.01}}), shape
     )
     assert kl.weights == 2 * base.weights  # the frozen reference
@@ -85,12 +86,12 @@ def test_moe_counts_every_expert_and_routes_each_token_to_top_k():
         2048, 4, 32, 4, 6144, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768
     )
     shape = arch(moe)
-    assert gm._params(shape)[1] == 3 * 2048 * 768 * 128 * 4
+    assert mm._params(shape)[1] == 3 * 2048 * 768 * 128 * 4
     dense = arch(qwen3(2048, 4, 32, 4, 8 * 768))  # each token through 8 experts of 768
-    assert gm._activation_elements(shape) == gm._activation_elements(dense)
+    assert mm._activation_elements(shape) == mm._activation_elements(dense)
     cfg = SlimeConfig.model_validate({"learner": {**BENCH, "expert_parallel": 2}})
-    one = gm.learner_memory(SlimeConfig.model_validate({"learner": BENCH}), shape)
-    assert gm.learner_memory(cfg, shape).weights < one.weights
+    one = mm.learner_memory(SlimeConfig.model_validate({"learner": BENCH}), shape)
+    assert mm.learner_memory(cfg, shape).weights < one.weights
 
 
 def _cfg(*overrides: str) -> SlimeConfig:
@@ -126,9 +127,10 @@ def test_several_engines_on_the_learner_gpu_are_refused(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cfg = _cfg("engine.num_engines=2", 'run.engine_cuda_devices=["0", "0"]')
     with pytest.raises(ConfigError, match=r"several engines on GPU\(s\) 0"):
-        gm.gpu_shares(cfg)
+        gm.gpu_shares(cfg, None)
     # sized by hand: the launcher leaves them alone
-    assert gm.gpu_shares(_cfg("engine.num_engines=2", "engine.embedded.gpu_reserve_gib=10")) == []
+    by_hand = _cfg("engine.num_engines=2", "engine.embedded.gpu_reserve_gib=10")
+    assert gm.gpu_shares(by_hand, None) == []
 
 
 def test_the_engine_on_the_learner_gpu_gets_the_reserve(tmp_path, monkeypatch):
@@ -137,22 +139,25 @@ def test_the_engine_on_the_learner_gpu_gets_the_reserve(tmp_path, monkeypatch):
     model.mkdir()
     (model / "config.json").write_text(json.dumps(qwen3(1024, 28, 16, 8, 3072)))
     over = ("engine.embedded.device=cuda", f"learner.model_path={model}", "learner.dtype=bfloat16")
-    cfg, run_dir, stages = planned(tmp_path, *over)
+    cfg = _cfg(*over)
+    estimate = mm.estimate_learner_memory(cfg)
+    assert estimate is not None
+    (share,) = gm.gpu_shares(cfg, estimate)
+    reserve = {share.engine: gm.reserve_gib(share)}
+    cfg, run_dir, stages = planned(tmp_path, *over, gpu_reserve=reserve)
     engine = child_config(run_dir, stages[0][1].argv(False))
-    (share,) = gm.gpu_shares(cfg)
-    assert share.learner is not None
-    assert engine.engine.embedded.gpu_reserve_gib == gm.reserve_gib(share)
-    assert engine.engine.embedded.gpu_reserve_gib >= share.learner.total_gib
+    assert engine.engine.embedded.gpu_reserve_gib == reserve[0] >= estimate.total_gib
     assert "keeps" in share.note() and "activations" in share.note()
     # its own GPU: nothing kept back
-    cfg, run_dir, stages = planned(
-        tmp_path / "b", *over, 'run.engine_cuda_devices=["0"]', 'run.learner_cuda_devices="1"'
-    )
+    own = (*over, 'run.engine_cuda_devices=["0"]', 'run.learner_cuda_devices="1"')
+    assert gm.gpu_shares(_cfg(*own), estimate) == []
+    cfg, run_dir, stages = planned(tmp_path / "b", *own)
     assert child_config(run_dir, stages[0][1].argv(False)).engine.embedded.gpu_reserve_gib == "auto"
-    # no model config to read: no reserve, and the note says what to set
+    # no model config to read: no estimate, no reserve, and the note says what to set
     cfg = _cfg("learner.model_path=/nowhere")
-    (share,) = gm.gpu_shares(cfg)
-    assert share.learner is None and "engine.embedded.gpu_reserve_gib" in share.note()
+    assert mm.estimate_learner_memory(cfg) is None
+    (share,) = gm.gpu_shares(cfg, None)
+    assert "engine.embedded.gpu_reserve_gib" in share.note()
 
 
 class FakeGpu:
