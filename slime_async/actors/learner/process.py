@@ -177,15 +177,11 @@ class _Rank0:
         if run_dir is not None:
             self.metrics = MetricsLogger(run_dir, "learner")
 
-    def next_batch(self) -> tuple[Batch, float]:
-        """Block until the buffer delivers a batch; return it and the seconds waited."""
-        t0 = time.perf_counter()
-        while True:
-            batch = self.consumer.get_batch(
-                num_groups=self.cfg.learner.groups_per_step, timeout_s=1.0
-            )
-            if batch is not None:
-                return batch, time.perf_counter() - t0
+    def poll_batch(self, timeout_s: float = 1.0) -> Batch | None:
+        """The next batch, if the buffer delivers one within `timeout_s`."""
+        return self.consumer.get_batch(
+            num_groups=self.cfg.learner.groups_per_step, timeout_s=timeout_s
+        )
 
     def close(self) -> None:
         if self.pusher is not None:
@@ -343,6 +339,24 @@ RESYNC_ATTEMPTS = 3
 """Pushes in a row that may fail (an engine died midway) before the learner gives up."""
 
 
+def _next_batch(
+    learner: Learner, rank0: _Rank0 | None, has_pusher: bool, bucket_bytes: int
+) -> tuple[Batch | None, float, float, int]:
+    """Wait for the next batch (rank 0 asks the buffer, every rank waits with it); (the batch on
+    rank 0, seconds waited, seconds spent pushing meanwhile, pushes made). While it waits, an
+    engine that restarted or came back gets the current weights at once: a generator leaves an
+    engine behind the learner out until it serves the learner's version, so with the resync only
+    after the next step, an engine restarted while the buffer was empty stopped the run."""
+    t0, resync_s, resyncs = time.perf_counter(), 0.0, 0
+    while True:
+        batch = rank0.poll_batch() if rank0 is not None else None
+        if _broadcast_flag(batch is not None):
+            return batch, time.perf_counter() - t0 - resync_s, resync_s, resyncs
+        if has_pusher:
+            seconds, n = _resync(learner, rank0, bucket_bytes)
+            resync_s, resyncs = resync_s + seconds, resyncs + n
+
+
 def _resync(learner: Learner, rank0: _Rank0 | None, bucket_bytes: int) -> tuple[float, int]:
     """Push again while the pusher asks for it (an engine restarted, came back, or a push failed
     midway): the group is rebuilt with the live engines and they get the current weights.
@@ -395,9 +409,13 @@ def _train(
     pushed = learner.version  # what the engines hold (pushed at start-up when > 0)
     while learner.step < lc.num_steps:
         t_step = time.perf_counter()
-        batch, waited, info, given = None, 0.0, {}, None
+        info, given = {}, None
+        batch, waited, push_s, resyncs = _next_batch(
+            learner, rank0, has_pusher, cfg.push.bucket_bytes
+        )
+        if resyncs:
+            pushed = learner.version
         if rank0 is not None:
-            batch, waited = rank0.next_batch()
             given = train_groups(batch)
             info = batch_metrics(given)
         groups = _scatter_groups(learner, given)
@@ -412,14 +430,13 @@ def _train(
             token_record.write(
                 rank0.run_dir, learner.step, learner.version, token_rec, lc.token_record_keep
             )
-        push_s = 0.0
         last = learner.step == lc.num_steps
         due = learner.step % cfg.push.interval == 0 or last
         holds: dict[str, float] = {}
         if has_pusher and due and learner.version != pushed:
             if rank0 is not None:  # the other ranks wait in the export's collectives
                 holds = _hold_push(cfg, rank0, pushed, last)
-            push_s = _push(learner, rank0, cfg.push.bucket_bytes)
+            push_s += _push(learner, rank0, cfg.push.bucket_bytes)
             pushed = learner.version
         if has_pusher:  # a failed push, or an engine that restarted: the current weights again
             resync_s, resyncs = _resync(learner, rank0, cfg.push.bucket_bytes)

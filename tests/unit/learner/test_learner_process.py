@@ -1,5 +1,7 @@
 """The learner process's pieces that need no model: checkpoint discovery and batch metrics."""
 
+import time
+
 import numpy as np
 
 from slime_async.actors.learner.process import batch_metrics, latest_checkpoint, train_groups
@@ -35,3 +37,37 @@ def test_batch_metrics_counts_accuracy_lengths_and_staleness():
     assert m["staleness/mean"] == 1.0 and m["staleness/max"] == 2
     assert m["staleness/hist"] == {"values": [0, 2], "counts": [2, 2]}
     assert np.isfinite(m["response_len/max"])
+
+
+def test_an_engine_back_while_the_learner_waits_gets_the_weights_at_once(monkeypatch):
+    """An engine restarted while the buffer is empty: the generator leaves it out until it serves
+    the learner's version, so the learner must push to it while waiting for data (found as a run
+    that stopped on the simulated Ray cluster: the push came only after a step that never came)."""
+    from slime_async.actors.learner import process
+
+    batch = Batch(batch_id=1, groups=[synthetic_group("a", 2)], staleness=[0])
+    polls = iter([None, None, batch])
+    wants = iter([False, True, False])  # the engine is back during the second wait
+    pushes = []
+
+    class Pusher:
+        def resync_needed(self):
+            return next(wants)
+
+    class Rank0:
+        pusher = Pusher()
+
+        def poll_batch(self):
+            return next(polls)
+
+    learner = type("L", (), {"version": 3})()
+
+    def push(lr, r0, bucket_bytes):
+        pushes.append(lr.version)
+        time.sleep(0.05)
+        return 0.05
+
+    monkeypatch.setattr(process, "_push", push)
+    got, waited, push_s, resyncs = process._next_batch(learner, Rank0(), True, 1 << 20)
+    assert got is batch and pushes == [3] and resyncs == 1 and push_s == 0.05
+    assert 0 <= waited < 1  # the push is not counted as waiting
