@@ -119,7 +119,7 @@ def test_run_command_run_dir_config_progress_and_resume(tmp_path, monkeypatch, c
 
     (tmp_path / "learner.py").write_text(LEARNER)
 
-    def fake_plan(cfg, run_dir):  # the real table would start the real roles
+    def fake_plan(cfg, run_dir, gpu_reserve=None):  # the real table starts the real roles
         argv = [sys.executable, str(tmp_path / "learner.py"), str(run_dir.config_json)]
         return [
             [
