@@ -14,8 +14,9 @@ idle % (waiting for a batch), tokens/s and the reward (mean of the first and of 
 
 Equal work, not time per step: both runs evaluate the policy every `--eval-interval`
 versions on the held-out set (pinned evaluation, `eval.interval`), and the comparison is
-(a) the wall-clock each needs to first reach sync's final evaluation accuracy (the "time to
-accuracy" ratio, AReaL's 2.77x), and (b) trained tokens per second (the async run may train
+(a) the wall-clock each needs to first make a version whose evaluation reaches sync's final
+accuracy (the "time to accuracy" ratio, AReaL's 2.77x; a version's time is the end of the step
+that made it, not of its evaluation, which runs beside training), and (b) trained tokens per second (the async run may train
 shorter responses than the sync one in the same number of steps). Both are printed as ratios.
 
 On the 2-core CPU machine each role runs with one torch thread, so the engine and the learner
@@ -94,9 +95,18 @@ def summarize(run_dir: Path, total_s: float, metric: str = m.EVAL_ACC_SAMPLED) -
     gen_span = [r for g in gens for r in g if ready <= r["time"] <= end]
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     evals = [r for r in _records(run_dir / "metrics" / "eval.jsonl") if metric in r]
+    made = {0: ready}  # when each version came to be: the end of the step that made it
+    for r in learner:
+        if m.VERSION in r:
+            made.setdefault(int(r[m.VERSION]), r["time"])
     return {
-        # (version, seconds since the learner was ready, accuracy) of each pinned evaluation
-        "eval_curve": [(r["step"], r["time"] - ready, r[metric]) for r in evals],
+        # (version, seconds from the learner's start to the step that made the version,
+        # accuracy) of each pinned evaluation: the version's time, not its evaluation's end, so
+        # the evaluation's own length (it runs beside training) does not count
+        "eval_curve": [
+            (r["step"], made.get(r["step"], r["time"]) - ready, r[metric]) for r in evals
+        ],
+        "eval_done_s": [r["time"] - ready for r in evals],
         "steps": len(learner),
         "wall_s": span,
         "total_s": total_s,

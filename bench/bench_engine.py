@@ -77,6 +77,7 @@ import torch.multiprocessing as mp
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime_async.actors.engine.client import EngineClient
+from slime_async.actors.engine.weight_push import PHASES as PUSH_PHASES
 from slime_async.actors.engine.weight_push import WeightPusher
 from slime_async.actors.engine.weight_sync import init_weight_group
 from slime_async.config import PushConfig
@@ -699,6 +700,7 @@ def bench_push_backends(args: argparse.Namespace, work: Path) -> None:
     buckets = buckets_of(state, args.bucket_mb << 20)
     total = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
     rows = {"raw copy_ (same device, same bytes)": raw_copy_seconds(buckets, args.reps)}
+    phases: dict[str, dict[str, float]] = {}
     child, url = start_engine(
         model_dir, dev, args.dtype, 8, work / "engine.log", 0 if gpu else args.cpu_threads
     )
@@ -712,17 +714,21 @@ def bench_push_backends(args: argparse.Namespace, work: Path) -> None:
             pusher = WeightPusher([url], cfg)  # gloo: buckets moved to host memory, as "auto" did
             try:
                 pusher.connect()
-                times, failed = [], 0.0
+                times, failed, laps = [], 0.0, []
                 for v in range(args.reps + 1):  # the first push sets the path up
                     sync(dev)
                     stats = pusher.push(buckets, version=f"{backend}-{v}")
                     failed += stats["failed"]
                     times.append(stats["seconds"])
+                    laps.append({p: stats.get(f"{p}_s", 0.0) for p in PUSH_PHASES})
                 if failed:
                     sys.exit(
                         f"--push-backend {backend}: {failed:.0f} pushes failed (engine log: {work / 'engine.log'})"
                     )
                 rows[f"WeightPusher, push.backend = {backend}"] = times[1:]
+                phases[backend] = {
+                    p: statistics.median(x[p] for x in laps[1:]) for p in PUSH_PHASES
+                }
             finally:
                 pusher.close()
     finally:
@@ -737,6 +743,20 @@ def bench_push_backends(args: argparse.Namespace, work: Path) -> None:
     print("| --- | --- | --- |")
     for name, xs in rows.items():
         print(f"| {name} | {_spread(xs)} | {total / statistics.median(xs) / 1e9:.2f} |")
+    opened = [
+        ln.split(" INFO ")[-1].strip()
+        for ln in (work / "engine.log").read_text().splitlines()
+        if "opened in" in ln
+    ]
+    if opened:
+        print("the engine's last calls by handle:\n  " + "\n  ".join(opened[-3:]))
+    raw = statistics.median(rows["raw copy_ (same device, same bytes)"])
+    print("\nparts of a push, median ms (transfer: the buckets' calls; the rest: control calls)")
+    print("| backend | " + " | ".join(PUSH_PHASES) + " | transfer / raw copy |")
+    print("| --- |" + " --- |" * (len(PUSH_PHASES) + 1))
+    for backend, ph in phases.items():
+        cells = " | ".join(f"{ph[p] * 1e3:.2f}" for p in PUSH_PHASES)
+        print(f"| {backend} | {cells} | {ph['transfer'] / raw:.1f}x |")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -178,6 +178,9 @@ PUSH_IPC_GB_PER_S = "push/ipc_gb_per_s"
 PUSH_IPC_FALLBACKS = "push/ipc_fallbacks"
 """Engines moved to the broadcast after refusing the handles (404, or they did not open there;
 each logged): that push fails and its resync push uses the group."""
+PUSH_IPC_FLAT_REFUSED = "push/ipc_flat_refused"
+"""Engines that refused a flattened bucket (400 naming `flattened_bucket`; logged): they get the
+tensors one by one, one handle each, from then on."""
 
 # ----- buffer stats (`slime-async buffer`, `ConsumerClient.stats()`, buffer_final.json) ---------
 BUF_INCOMPLETE_TIMEOUT = "incomplete_timeout"

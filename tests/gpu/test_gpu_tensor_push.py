@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slime_async.actors.engine.tensor_push import request_body
+from slime_async.actors.engine.tensor_push import flatten, request_body
 from slime_async.actors.engine.weight_push import WeightPusher
 from slime_async.metrics import names as M
 from slime_async.models.toy import make_tiny_model
@@ -37,6 +37,9 @@ def test_push_by_cuda_ipc_to_an_engine_on_the_learners_gpu(tmp_path, monkeypatch
     raw = base64.b64decode(body["serialized_named_tensors"][0])
     assert b"rebuild_cuda_tensor" in raw and b"rebuild_storage_filename" not in raw
     assert len(raw) < 2048 < named[0][1].numel() * named[0][1].element_size()
+    # a flattened bucket: one handle for all its tensors (what the pusher sends)
+    flat = base64.b64decode(request_body(flatten(named))["serialized_named_tensors"][0])
+    assert flat.count(b"rebuild_cuda_tensor") == 1 and b"rebuild_storage_filename" not in flat
 
     child, url = start_engine(
         d0, tmp_path, "engine.embedded.device=cuda:0", "engine.embedded.dtype=float32"
@@ -71,6 +74,7 @@ def test_push_by_cuda_ipc_to_an_engine_on_the_learners_gpu(tmp_path, monkeypatch
         assert pusher.served_versions() == {url: 3}
         m = pusher.metrics()
         assert m[M.PUSH_IPC_ENGINES] == 1.0 and m[M.PUSH_IPC_FALLBACKS] == 0.0
+        assert m[M.PUSH_IPC_FLAT_REFUSED] == 0.0
         req = urllib.request.Request(
             f"{url}/generate",
             data=json.dumps(

@@ -24,6 +24,7 @@ from slime_async.actors.engine.tensor_push import (
     IPC_OPEN_FAILED,
     ROUTE,
     fallback_reason,
+    flatten,
     request_body,
 )
 from slime_async.actors.engine.weight_push import WeightPusher
@@ -117,6 +118,13 @@ def _bogus_shm_payload() -> str:
     return base64.b64encode(pickle.dumps([("model.norm.weight", Fake())])).decode()
 
 
+def _flat_past_the_end(t: torch.Tensor):
+    flat, metas = flatten([("model.norm.weight", t)])
+    metas[0].end_idx += 4  # one element more than the flat tensor holds
+    metas[0].start_idx += 4
+    return flat, metas
+
+
 def _unsafe_payload() -> str:
     buf = io.BytesIO()
     pickle.Pickler(buf).dump([("x", print)])
@@ -132,7 +140,15 @@ def _unsafe_payload() -> str:
         ),
         (lambda b, t: b.update(serialized_named_tensors=[]), "serialized_named_tensors"),
         (lambda b, t: b.update(serialized_named_tensors=[_unsafe_payload()]), "not admitted"),
-        (lambda b, t: b.update(load_format="flattened_bucket"), "load_format"),
+        (lambda b, t: b.update(load_format="my_pkg.loader"), "load_format"),
+        (  # a flattened bucket whose metadata points past its flat tensor
+            lambda b, t: b.update(request_body(_flat_past_the_end(t))),
+            "do not hold",
+        ),
+        (  # a flattened bucket of an unknown name: checked before any copy, as unflattened
+            lambda b, t: b.update(request_body(flatten([("model.no_such.weight", t)]))),
+            "model.no_such.weight",
+        ),
         (
             lambda b, t: b.update(request_body([("model.no_such.weight", t)])),
             "model.no_such.weight",
@@ -149,7 +165,18 @@ def _unsafe_payload() -> str:
         ),
         (lambda b, t: b.update(serialized_named_tensors=[_bogus_shm_payload()]), IPC_OPEN_FAILED),
     ],
-    ids=["base64", "empty", "unsafe-global", "load-format", "name", "shape", "dtype", "no-shm"],
+    ids=[
+        "base64",
+        "empty",
+        "unsafe-global",
+        "load-format",
+        "flat-bounds",
+        "flat-name",
+        "name",
+        "shape",
+        "dtype",
+        "no-shm",
+    ],
 )
 def test_bad_input_is_refused_naming_the_field_and_changes_nothing(engine, models, mutate, says):
     before_version, before_ids = version(engine), generate(engine)
@@ -193,6 +220,7 @@ def test_pusher_by_handle_then_fallback_to_the_broadcast_on_404(engine, models, 
         assert generate(engine) == reference(models[1])
         m = p.metrics()
         assert m[M.PUSH_IPC_ENGINES] == 1.0 and m[M.PUSH_IPC_FALLBACKS] == 0.0
+        assert m[M.PUSH_IPC_FLAT_REFUSED] == 0.0  # each bucket went flattened
         assert m[M.PUSH_IPC_BYTES] == stats["bytes"] > 0 and m[M.PUSH_IPC_GB_PER_S] > 0
     finally:
         p.close()
@@ -236,11 +264,18 @@ def test_the_colocated_push_bench_runs_on_the_cpu_at_tiny_size(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
-    assert [r.split(" | ")[0] for r in rows[2:]] == [
+    assert [r.split(" | ")[0] for r in rows[2:5]] == [
         "| raw copy_ (same device, same bytes)",
         "| WeightPusher, push.backend = ipc",
         "| WeightPusher, push.backend = gloo",
     ]
+    # the parts of a push, each backend: probe .. continue, then the transfer against the copy
+    assert (
+        rows[5]
+        == "| backend | probe | pause | begin | transfer | end | continue | transfer / raw copy |"
+    )
+    assert [r.split(" | ")[0] for r in rows[7:]] == ["| ipc", "| gloo"]
+    assert "opened in" in out.stdout  # the engine's own timing of each call by handle
 
 
 async def test_a_strict_engine_takes_tensors_only_inside_a_weight_update_session(models):

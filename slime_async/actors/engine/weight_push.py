@@ -83,7 +83,7 @@ from slime_async.actors.engine.push_session import (
     engine_ranks,
 )
 from slime_async.actors.engine.push_watch import PushLiveness, RestartRequester, StallWatch
-from slime_async.actors.engine.tensor_push import ROUTE, TensorSender, fallback_reason, shareable
+from slime_async.actors.engine.tensor_push import ROUTE, TensorSender, fallback_reason, flatten
 from slime_async.actors.engine.weight_sync import (
     WeightGroup,
     choose_backend,
@@ -611,6 +611,7 @@ class WeightPusher:
             M.PUSH_IPC_SECONDS: s.seconds,
             M.PUSH_IPC_GB_PER_S: s.last_gb_per_s,
             M.PUSH_IPC_FALLBACKS: float(s.fallbacks),
+            M.PUSH_IPC_FLAT_REFUSED: float(s.flat_refused),
         }
 
     # ---- the push ----------------------------------------------------------------------------
@@ -620,7 +621,8 @@ class WeightPusher:
     ) -> dict[str, float]:
         """Send every bucket; the engines report `version` from this push on. Returns bytes,
         seconds, bytes_per_s, buckets, tensors, engines, failed (1.0: the push failed midway,
-        the engines stay paused and `resync_needed()` is true)."""
+        the engines stay paused and `resync_needed()` is true) and the seconds of each part
+        reached (`PHASES`, as `<name>_s`)."""
         t0 = time.perf_counter()
         try:
             return self._push(buckets, version, t0)
@@ -659,19 +661,25 @@ class WeightPusher:
             why = {u: self.liveness.unavailable(u) or "down" for u in down}
             log.warning("pushing version %s without %s (they rejoin when back)", version, why)
         stats = {"bytes": 0.0, "buckets": 0.0, "tensors": 0.0}
+        lap = _Laps(stats, t0)
+        lap("probe")
         members = list(self.members)
         try:
             self._wait("pause_generation", self._each(members, "pause_generation", self.pause_mode))
             if self.pause_mode in ("abort", "retract"):
                 self._flush(members)
+            lap("pause")
             opened = self.sessions.begin(members)  # refused: nothing was broadcast
+            lap("begin")
             try:
                 self._send(buckets, str(version), members, stats)
             except BaseException:
                 unavailable = {u: why for u in opened if (why := self.liveness.unavailable(u))}
                 self.sessions.end(opened, skip=unavailable)  # logged, counted; the error stands
                 raise
+            lap("transfer")
             failed = self.sessions.end(opened)
+            lap("end")
             if failed:  # the weights are in, but not finalized there: rebuilt and pushed again
                 url, why = next(iter(failed.items()))
                 raise PushError(url, "end_weight_update", why)
@@ -692,6 +700,7 @@ class WeightPusher:
         self.pushed_version = str(version)
         try:
             self._wait("continue_generation", self._each(members, "continue_generation"))
+            lap("continue")
         except PushError as e:  # the weights are in; the group is rebuilt and the rest continued
             self._broken = True
             self.counters["failed_pushes"] += 1
@@ -707,13 +716,14 @@ class WeightPusher:
             failed=0.0,
         )
         log.info(
-            "pushed version %s to %d engines: %.1f MB in %d buckets, %.3f s, %.2f GB/s",
+            "pushed version %s to %d engines: %.1f MB in %d buckets, %.3f s, %.2f GB/s (ms: %s)",
             version,
             len(members),
             stats["bytes"] / 1e6,
             stats["buckets"],
             seconds,
             stats["bytes_per_s"] / 1e9,
+            ", ".join(f"{p} {1e3 * stats[f'{p}_s']:.1f}" for p in PHASES if f"{p}_s" in stats),
         )
         return stats
 
@@ -788,11 +798,13 @@ class WeightPusher:
         tensors until the engines answer (`_wait_by_handle`)."""
         if not urls:
             return {}
-        shared = [(n, shareable(t)) for n, t in bucket]
-        self.stall.step(f"{ROUTE} ({len(shared)} tensors)", urls)
+        named = [(n, t.detach()) for n, t in bucket]
+        # flattened once for every engine that takes the format (tensor_push: one handle a bucket)
+        flat = flatten(named) if any(u not in self.sender.one_by_one for u in urls) else None
+        self.stall.step(f"{ROUTE} ({len(named)} tensors)", urls)
         ranks = {u: int(self.infos.get(u, {}).get("tp_size") or 1) for u in urls}
         return {
-            u: self._submit(self.sender.send(self.clients[u], shared, ranks[u], version))
+            u: self._submit(self.sender.send(self.clients[u], named, ranks[u], version, flat))
             for u in urls
         }
 
@@ -883,3 +895,22 @@ class WeightPusher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+PHASES = ("probe", "pause", "begin", "transfer", "end", "continue")
+"""The parts of a push, in order, each timed into its stats as `<name>_s`: probe (versions
+asked, the group rebuilt when needed), pause (pause_generation, and the flush after an abort or
+retract), begin (the sessions opened), transfer (every bucket: broadcast and by handle), end
+(the sessions closed), continue (continue_generation)."""
+
+
+class _Laps:
+    """Writes the seconds since the previous lap into `stats[<name>_s]`."""
+
+    def __init__(self, stats: dict[str, float], t0: float):
+        self.stats, self.last = stats, t0
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stats[f"{name}_s"] = now - self.last
+        self.last = now

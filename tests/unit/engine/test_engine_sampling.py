@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from slime_async.actors.engine.embedded.sampling import SamplingParams, sample
+from slime_async.actors.engine.embedded.sampling import SamplingParams, murmur_hash32, sample
+from tests.support import sglang_wheel as sw
 
 
 def _row(values):
@@ -124,23 +125,87 @@ def test_sampling_params_defaults_and_sglang_names():
 def test_sampling_seed_gives_the_same_tokens_whatever_the_batch():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(8))
     ones, k, p = torch.ones(4), torch.full((4,), -1), torch.ones(4)
-    a, _ = sample(
-        logits,
-        ones,
-        k,
-        p,
-        torch.Generator().manual_seed(1),
-        [torch.Generator().manual_seed(42), None, None, None],
-    )
-    b, _ = sample(
-        logits,
-        ones,
-        k,
-        p,
-        torch.Generator().manual_seed(99),
-        [torch.Generator().manual_seed(42), None, None, None],
-    )
+    a, _ = sample(logits, ones, k, p, torch.Generator().manual_seed(1), [(0, 42, 7)])
+    b, _ = sample(logits, ones, k, p, torch.Generator().manual_seed(99), [(0, 42, 7)])
     assert a[0].item() == b[0].item()
+    # the same row elsewhere in another batch: the same token
+    c, _ = sample(logits[[2, 0]], ones[:2], k[:2], p[:2], None, [(1, 42, 7)])
+    assert c[1].item() == a[0].item()
+    # restricted (top-k, top-p) rows too, and the token stays in the allowed set
+    k3, p9 = torch.full((4,), 3), torch.full((4,), 0.9)
+    r1, _ = sample(logits, ones, k3, p9, torch.Generator().manual_seed(1), [(0, 5, 1), (3, 6, 1)])
+    r2, _ = sample(logits, ones, k3, p9, torch.Generator().manual_seed(2), [(0, 5, 1), (3, 6, 1)])
+    assert r1[[0, 3]].tolist() == r2[[0, 3]].tolist()
+    for row in (0, 3):
+        assert r1[row].item() in logits[row].topk(3).indices.tolist()
+
+
+def _murmur3_x86_32(data: bytes, seed: int = 0) -> int:
+    """MurmurHash3 x86 32 as published (Appleby), whole 4-byte blocks and the tail."""
+    m = 0xFFFFFFFF
+    rotl = lambda x, r: ((x << r) | (x >> (32 - r))) & m  # noqa: E731
+    h, n = seed, len(data)
+    for i in range(0, n - n % 4, 4):
+        k = rotl((int.from_bytes(data[i : i + 4], "little") * 0xCC9E2D51) & m, 15)
+        h = rotl(h ^ ((k * 0x1B873593) & m), 13)
+        h = (h * 5 + 0xE6546B64) & m
+    tail = data[n - n % 4 :]
+    if tail:
+        k = rotl((int.from_bytes(tail, "little") * 0xCC9E2D51) & m, 15)
+        h ^= (k * 0x1B873593) & m
+    h ^= n
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & m
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & m
+    return h ^ (h >> 16)
+
+
+def test_the_seed_hash_is_murmur3_of_seed_position_and_column():
+    """The reference against the published vectors, then the engine's hash against the reference
+    on the 16 bytes SGLang's kernel hashes (seed low, seed high, position, column)."""
+    assert _murmur3_x86_32(b"hello") == 613153351
+    assert _murmur3_x86_32(b"foo") == (-156908512) & 0xFFFFFFFF
+    seeds = torch.tensor([0, 42, 2**40 + 7, -3])
+    positions = torch.tensor([0, 9, 123456, 5])
+    cols = torch.tensor([0, 1, 77, 151935])
+    got = murmur_hash32(seeds, positions, cols)
+    for i, (sd, pos) in enumerate(zip(seeds.tolist(), positions.tolist(), strict=True)):
+        for j, col in enumerate(cols.tolist()):
+            msg = b"".join((v & 0xFFFFFFFF).to_bytes(4, "little") for v in (sd, sd >> 32, pos, col))
+            assert got[i, j].item() == _murmur3_x86_32(msg), (sd, pos, col)
+
+
+def test_sglangs_seed_hash_has_these_constants():
+    """The wheel's kernel (kernels/ops/sampling/murmur_hash.py) mixes with the constants and
+    block order the engine's hash uses, and its sampler adds the noise to float64 log-probs."""
+    api = sw.api_or_skip()
+    kernel = api.files.read("kernels/ops/sampling/murmur_hash.py")
+    for const in ("0xCC9E2D51", "0x1B873593", "0xE6546B64", "0x85EBCA6B", "0xC2B2AE35"):
+        assert const in kernel, const
+    for order in ("h = murmur3_mix(h, k)", "h = murmur3_mix(h, pos)", "h = murmur3_mix(h, col)"):
+        assert order in kernel
+    assert "h ^= 16" in kernel and "r1: tl.constexpr = 15" in kernel
+    sampler = api.files.read("srt/layers/sampler.py")
+    assert "hashed.to(torch.float64) / torch.iinfo(torch.uint32).max" in sampler
+    assert "else forward_batch.seq_lens - 1" in api.files.read("srt/model_executor/model_runner.py")
+
+
+def test_seeded_draws_follow_the_distribution():
+    """Over many seeds the seeded Gumbel-max draws follow softmax(logits / T), filtered."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
+    n = 6000
+    rows = logits.expand(n, -1)
+    ones, k, p = torch.ones(n), torch.full((n,), -1), torch.ones(n)
+    seeded = [(i, 1000 + i, 3) for i in range(n)]
+    tok, _ = sample(rows, ones, k, p, None, seeded)
+    freq = torch.bincount(tok, minlength=5).float() / n
+    want = torch.softmax(logits[0], -1)
+    assert torch.allclose(freq, want, atol=4 * (want * (1 - want) / n).sqrt().max().item())
+    tok2, _ = sample(rows, ones, torch.full((n,), 2), p, None, seeded)  # top-k 2, renormalised
+    freq2 = torch.bincount(tok2, minlength=5).float() / n
+    want2 = torch.softmax(logits[0, :2], -1)
+    assert freq2[2:].sum() == 0 and abs(freq2[0] - want2[0]) < 0.03
 
 
 @pytest.mark.parametrize(

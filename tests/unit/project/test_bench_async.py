@@ -29,3 +29,35 @@ def test_default_eval_interval_is_one_the_config_accepts(config, capsys):
 
 def test_an_asked_interval_is_kept():
     assert bench_async.eval_interval(["configs/quickstart.toml"], [], 3) == 3
+
+
+def test_a_versions_time_is_the_step_that_made_it_not_its_evaluations_end(tmp_path):
+    """Evaluation runs beside training: a slow evaluation must not make its version look late."""
+    import json
+    import os
+
+    from slime_async.metrics import names as m
+
+    (tmp_path / "ready").mkdir()
+    (tmp_path / "metrics").mkdir()
+    ready = tmp_path / "ready" / "learner"
+    ready.touch()
+    os.utime(ready, (100.0, 100.0))
+    learner = [
+        {"step": s, "time": 100.0 + 2 * s, m.VERSION: s, m.REWARD: 0.5, m.LEARNER_WAIT_S: 0.5}
+        | {m.TOKENS: 10, m.RESPONSE_LEN: 4, m.RESPONSE_LEN_MAX: 6}
+        for s in range(1, 5)
+    ]
+    evals = [  # each evaluation ends 30 s after its version was made
+        {"step": 0, "time": 130.0, m.EVAL_ACC_SAMPLED: 0.5},
+        {"step": 2, "time": 134.0, m.EVAL_ACC_SAMPLED: 0.9},
+        {"step": 4, "time": 138.0, m.EVAL_ACC_SAMPLED: 0.95},
+    ]
+    for name, recs in (("learner", learner), ("eval", evals)):
+        (tmp_path / "metrics" / f"{name}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in recs)
+        )
+    s = bench_async.summarize(tmp_path, 10.0)
+    assert s["eval_curve"] == [(0, 0.0, 0.5), (2, 4.0, 0.9), (4, 8.0, 0.95)]
+    assert s["eval_done_s"] == [30.0, 34.0, 38.0]
+    assert s["wall_s"] == 8.0 and s["learner_idle_pct"] == pytest.approx(25.0)

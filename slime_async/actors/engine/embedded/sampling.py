@@ -11,8 +11,16 @@ filtering (the learner computes exactly that at the trajectory's temperature and
 - temperature 0 (greedy, T < 1e-5 as in SGLang, which samples it as T = 1 with top_k = 1):
   token = argmax(logits) and logprob = `log_softmax(logits)[token]` (T = 1.0).
 
-`sampling_seed` (SGLang's per-request seed): a request that sets it draws from its own generator
-seeded with it, so the same request with the same seed gives the same tokens whatever else runs.
+`sampling_seed` (SGLang's per-request seed): a request that sets it draws its token by Gumbel-max
+with noise hashed from (seed, position, token column), SGLang 0.5.23's `multinomial_with_seed`
+(`srt/layers/sampler.py`, the hash `kernels/ops/sampling/murmur_hash.py`: MurmurHash3 x86 32 of
+the 16 bytes seed low, seed high, position, column, hash seed 0; u = hash / (2^32 - 1), noise
+-log(-log u) in float64, clamped as SGLang clamps it). Position is that of the last token already
+in the sequence (the prompt's last at the first draw), as SGLang passes it. So the same request
+with the same seed gives the same tokens whatever else runs, a retracted and recomputed request
+draws the same tokens again, and every seeded row of a batch is drawn at once (no per-row
+generator). With top-k/top-p the columns are the ranks in descending order, as SGLang's sorted
+path hashes them.
 """
 
 from __future__ import annotations
@@ -124,19 +132,70 @@ def _as_int(value: object, name: str) -> int:
     return int(value)
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _M32
+
+
+def _murmur_mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """One 4-byte block into MurmurHash3's state (int64 tensors holding uint32 values; the
+    products wrap modulo 2^64, whose low 32 bits are the uint32 products)."""
+    k = _rotl32((k * 0xCC9E2D51) & _M32, 15)
+    h = _rotl32(h ^ ((k * 0x1B873593) & _M32), 13)
+    return (h * 5 + 0xE6546B64) & _M32
+
+
+def _murmur_final(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def murmur_hash32(seed: torch.Tensor, positions: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """[n, m] uint32 values (in int64): MurmurHash3 x86 32 (hash seed 0) of the 16 bytes seed low
+    word, seed high word, position, column of each row's seed and position and each column, as
+    SGLang's `murmur_hash32` computes it."""
+    seed, positions, cols = seed.long(), positions.long(), cols.long()
+    h = _murmur_mix(torch.zeros_like(seed), seed & _M32)
+    h = _murmur_mix(h, (seed >> 32) & _M32)
+    h = _murmur_mix(h, positions & _M32)
+    return _murmur_final(_murmur_mix(h[:, None], (cols & _M32)[None, :]) ^ 16)
+
+
+def seeded_argmax(
+    logprobs: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Each row's Gumbel-max draw from `logprobs` ([n, m], -inf where a column may not be drawn)
+    with the noise of (seed, position, column): SGLang's `multinomial_with_seed`."""
+    cols = torch.arange(logprobs.shape[-1], device=logprobs.device)
+    u = murmur_hash32(seed, positions, cols).double() / _M32
+    noise = u.log_().clamp_(min=torch.finfo(torch.float64).min, max=-(2.0**-32)).neg_()
+    noise = noise.log_().neg_()  # -log(-log u)
+    return (noise + logprobs.double()).argmax(-1)
+
+
+SEEDED_ROWS_AT_ONCE = 64
+"""Seeded rows hashed together (the noise is [rows, V] int64 and float64: 77 MB at a 151k vocab)."""
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
-    row_generators: list[torch.Generator | None] | None = None,
+    seeded: list[tuple[int, int, int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; returns (tokens [n] int64, logprobs [n] float32).
 
     logits: [n, V]; temperature, top_p: [n] float32; top_k: [n] int64 (<= 0: no limit); the
-    parameters may live on the host (they are read there to pick the code path). A row whose
-    `row_generators` entry is set draws with that generator (a request's sampling_seed).
+    parameters may live on the host (they are read there to pick the code path). `seeded`:
+    (row, sampling_seed, position) of each row of a request with a seed, drawn by the seeded
+    Gumbel-max (module docstring); the other rows draw with `generator`.
     Each row's logprob is `log_softmax(logits / T)` of its token, unfiltered (module docstring).
     """
     logits = logits.float()
@@ -158,6 +217,7 @@ def sample(
     scaled = logits / temp[:, None]
     report = torch.log_softmax(scaled, -1)  # [n, V]: what SGLang returns, before any filtering
     draw = scaled
+    sorted_logits = order = None
     if restrict:
         # Restrict in sorted order: first top-k, then the top-p nucleus of the renormalised top-k.
         sorted_logits, order = scaled.sort(-1, descending=True)
@@ -172,8 +232,14 @@ def sample(
         draw = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
     probs = torch.softmax(draw, -1)
     tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
-    for i, g in enumerate(row_generators or ()):
-        if g is not None:  # its own stream: independent of the batch it happens to run in
-            tok[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    for at in range(0, len(seeded or ()), SEEDED_ROWS_AT_ONCE):
+        chunk = seeded[at : at + SEEDED_ROWS_AT_ONCE]  # type: ignore[index]
+        rows, seeds, positions = (torch.tensor(c, device=dev) for c in zip(*chunk, strict=True))
+        # SGLang hashes the filtered distribution's columns: ranks when sorted, else token ids
+        source = draw if sorted_logits is None else sorted_logits
+        picked = seeded_argmax(torch.log_softmax(source[rows].float(), -1), seeds, positions)
+        if order is not None:
+            picked = order[rows].gather(1, picked[:, None])[:, 0]
+        tok = tok.index_copy(0, rows, picked)
     tok_logp = report.gather(1, tok[:, None])[:, 0]
     return torch.where(greedy, greedy_tok, tok), torch.where(greedy, raw_logp, tok_logp)

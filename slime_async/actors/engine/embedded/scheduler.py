@@ -71,8 +71,9 @@ class Request:
     output_versions: list[str] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     created_at: float = field(default_factory=time.time)
-    generator: torch.Generator | None = None
-    """The request's own sampler stream (its sampling_seed), None: the engine's."""
+    seed: int | None = None
+    """The request's sampling_seed (its draws depend on it and the position only), None: the
+    engine's random stream."""
     error: str | None = None
     """Set when an engine error (not the client) ended the request: answered with a 5xx."""
     on_token: Callable[[Request], None] | None = None
@@ -535,7 +536,7 @@ class Scheduler:
         extras = [
             (i, r)
             for i, r in enumerate(rows)
-            if r.params.min_new_tokens or r.generator is not None or r.top_logprobs_num
+            if r.params.min_new_tokens or r.seed is not None or r.top_logprobs_num
         ]
         for i, r in extras:  # min_new_tokens: stop tokens cannot be drawn yet
             if r.issued < r.params.min_new_tokens and r.stop_set:
@@ -550,10 +551,11 @@ class Scheduler:
                 ),
                 torch.tensor(float("-inf"), device=logits.device),
             )
-        row_gens = None
-        if any(r.generator is not None for _, r in extras):
-            row_gens = [r.generator for r in rows]
-        tokens, logprobs = sample(logits, temperature, top_k, top_p, self._gen, row_gens)
+        # (row, seed, position of the last token in the sequence: SGLang's for the seeded draw)
+        seeded = [
+            (i, r.seed, len(r.input_ids) + r.issued - 1) for i, r in extras if r.seed is not None
+        ]
+        tokens, logprobs = sample(logits, temperature, top_k, top_p, self._gen, seeded or None)
         tops = self._top_logprobs(extras, logits, temperature)
         cuda = tokens.device.type == "cuda"
         tok_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)

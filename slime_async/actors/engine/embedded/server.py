@@ -400,10 +400,7 @@ class EmbeddedEngine:
                 extra_key=extra_key,
                 cache_salt=cache_salt,
             )
-            if params.sampling_seed is not None:
-                r.generator = torch.Generator(device=self.runner.device).manual_seed(
-                    params.sampling_seed
-                )
+            r.seed = params.sampling_seed
             key = (id(prompt), params)
             if key in groups:  # the n samples of one prompt share its prefill
                 groups[key].append(r)

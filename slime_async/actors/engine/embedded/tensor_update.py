@@ -8,7 +8,11 @@ what a learner on the same GPU (or, on the CPU, the same host) sends instead of 
     serialized_named_tensors  list, one base64 pickle per TP rank (this engine has one: entry 0,
                               as `srt/managers/tp_worker.py: deserialize_own_rank` reads its own)
     load_format               null or "direct" (HF names, loaded as the distributed update loads
-                              them); "flattened_bucket" and custom loaders are refused (400)
+                              them), or "flattened_bucket" (SGLang's `FlattenedTensorBucket`:
+                              the entry is `{"flattened_tensor": uint8 tensor, "metadata":
+                              [FlattenedTensorMetadata, ...]}`, each tensor a view of the flat
+                              one; `weight_updater.py: _update_weights_from_flattened_bucket`);
+                              custom loaders are refused (400)
     flush_cache               default true (SGLang's); abort_all_requests default false
     weight_version            applied only when the update succeeded
     selector                  "all" or "target" ("draft": this engine has no draft model, 400)
@@ -40,6 +44,7 @@ import binascii
 import io
 import logging
 import pickle
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +52,14 @@ import torch.multiprocessing.reductions as reductions
 from aiohttp import web
 
 from slime_async.actors.engine.embedded.http import read_body
-from slime_async.actors.engine.tensor_push import IPC_OPEN_FAILED, ROUTE
+from slime_async.actors.engine.tensor_push import (
+    FLAT_FORMAT,
+    IPC_OPEN_FAILED,
+    ROUTE,
+    SGLANG_BUCKET_MODULE,
+    FlattenedTensorMetadata,
+    view_of,
+)
 
 if TYPE_CHECKING:
     from slime_async.actors.engine.embedded.server import EmbeddedEngine
@@ -56,8 +68,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CALL = ROUTE.removeprefix("/")
-LOAD_FORMATS = (None, "direct")
-"""Both load HF checkpoint names here (this engine's parameters carry the HF names)."""
+LOAD_FORMATS = (None, "direct", FLAT_FORMAT)
+"""Each loads HF checkpoint names here (this engine's parameters carry the HF names)."""
 
 
 def _device_index(device: int | str) -> int:
@@ -101,6 +113,8 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
             return _rebuild_cuda_tensor
+        if (module, name) == (SGLANG_BUCKET_MODULE, "FlattenedTensorMetadata"):
+            return FlattenedTensorMetadata  # SGLang's dataclass, field for field
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if (module, name) in self._ALLOWED:
@@ -122,14 +136,19 @@ def decode(entry: object, field: str) -> bytes:
         raise BadTensors(f"{field} is not valid base64 ({e})") from None
 
 
-def open_tensors(raw: bytes, field: str) -> list[tuple[str, torch.Tensor]]:
-    """Unpickle one entry (opening its handles) into (name, tensor) pairs."""
+def open_tensors(
+    raw: bytes, field: str, load_format: str | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """Unpickle one entry (opening its handles) into (name, tensor) pairs; a flattened bucket's
+    tensors are views of its flat tensor."""
     try:
         obj = _Unpickler(io.BytesIO(raw)).load()
     except pickle.UnpicklingError as e:
         raise BadTensors(f"{field}: not a pickle of named tensors ({e})") from None
     except Exception as e:  # a handle that does not open (no CUDA here, no such file, ...)
         raise BadTensors(f"{IPC_OPEN_FAILED} of {field}: {type(e).__name__}: {e}") from None
+    if load_format == FLAT_FORMAT:
+        return _unflatten(obj, field)
     if not isinstance(obj, list | tuple) or not all(
         isinstance(p, list | tuple)
         and len(p) == 2
@@ -139,6 +158,46 @@ def open_tensors(raw: bytes, field: str) -> list[tuple[str, torch.Tensor]]:
     ):
         raise BadTensors(f"{field} must hold a list of (name, tensor) pairs")
     return [(n, t) for n, t in obj]
+
+
+def _unflatten(obj: object, field: str) -> list[tuple[str, torch.Tensor]]:
+    """A flattened bucket's (name, view) pairs, each entry of its metadata checked against the
+    flat tensor first (types, bounds, size and alignment): a bad one names itself."""
+    if not isinstance(obj, dict) or set(obj) != {"flattened_tensor", "metadata"}:
+        raise BadTensors(
+            f"{field} with load_format {FLAT_FORMAT!r} must hold a dict of flattened_tensor and "
+            "metadata"
+        )
+    flat, metas = obj["flattened_tensor"], obj["metadata"]
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise BadTensors(f"{field}: flattened_tensor must be a 1-D uint8 tensor")
+    if not isinstance(metas, list | tuple) or not metas:
+        raise BadTensors(f"{field}: metadata must be a non-empty list")
+    out = []
+    for i, m in enumerate(metas):
+        where = f"{field}: metadata[{i}]"
+        if not isinstance(m, FlattenedTensorMetadata):
+            raise BadTensors(f"{where} is not a FlattenedTensorMetadata")
+        name, shape = getattr(m, "name", None), getattr(m, "shape", None)
+        dtype = getattr(m, "dtype", None)
+        ints = [getattr(m, k, None) for k in ("start_idx", "end_idx", "numel")]
+        if not isinstance(name, str) or not isinstance(dtype, torch.dtype):
+            raise BadTensors(f"{where}: name must be a string and dtype a torch dtype")
+        if not isinstance(shape, tuple) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise BadTensors(f"{where} ({name!r}): shape {shape!r} is not a tuple of sizes")
+        if not all(isinstance(v, int) for v in ints):
+            raise BadTensors(f"{where} ({name!r}): start_idx, end_idx and numel must be integers")
+        start, end, size = ints
+        want = torch.Size(shape).numel() * dtype.itemsize
+        if not 0 <= start <= end <= flat.numel() or end - start != want or size != want:
+            raise BadTensors(
+                f"{where} ({name!r}): bytes [{start}, {end}) of {flat.numel()} do not hold a "
+                f"{dtype} tensor of shape {tuple(shape)} ({want} bytes, numel {size})"
+            )
+        if start % dtype.itemsize:
+            raise BadTensors(f"{where} ({name!r}): byte offset {start} is not aligned to {dtype}")
+        out.append((name, view_of(flat, m)))
+    return out
 
 
 class TensorUpdate:
@@ -156,7 +215,7 @@ class TensorUpdate:
         eng = self.engine
         body = await read_body(request)
         try:
-            raw, _, flush, abort_all, _version = self._parse(body)
+            raw, load_format, flush, abort_all, _version = self._parse(body)
         except BadTensors as e:
             return self._refuse(e, error=True)
         if abort_all:
@@ -170,12 +229,26 @@ class TensorUpdate:
             return refusal
 
         def update() -> None:
-            tensors = open_tensors(raw, "serialized_named_tensors[0]")
+            t0 = time.perf_counter()
+            tensors = open_tensors(raw, "serialized_named_tensors[0]", load_format)
+            t1 = time.perf_counter()
             try:
                 self._check(tensors)
                 eng.runner.load_weights(tensors)
+                t2 = time.perf_counter()
                 if eng.device.type == "cuda":  # the copy is done before the sender hears of it
                     torch.cuda.current_stream(eng.device).synchronize()
+                t3 = time.perf_counter()
+                log.info(
+                    "%s: %d tensors, %.1f MB: opened in %.1f ms, copies queued in %.1f ms, "
+                    "done %.1f ms later",
+                    ROUTE,
+                    len(tensors),
+                    sum(t.numel() * t.element_size() for _, t in tensors) / 1e6,
+                    (t1 - t0) * 1e3,
+                    (t2 - t1) * 1e3,
+                    (t3 - t2) * 1e3,
+                )
             finally:
                 del tensors  # the handles close here, not when the scheduler next collects
 
@@ -200,7 +273,7 @@ class TensorUpdate:
         if load_format not in LOAD_FORMATS:
             raise BadTensors(
                 f"load_format {load_format!r} is not served by the embedded engine "
-                "(null or 'direct': HF names)"
+                f"(null, 'direct' or {FLAT_FORMAT!r}: HF names)"
             )
         selector = body.get("selector", "all")
         if selector not in ("all", "target"):
