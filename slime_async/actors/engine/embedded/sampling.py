@@ -163,7 +163,18 @@ def murmur_hash32(seed: torch.Tensor, positions: torch.Tensor, cols: torch.Tenso
     h = _murmur_mix(torch.zeros_like(seed), seed & _M32)
     h = _murmur_mix(h, (seed >> 32) & _M32)
     h = _murmur_mix(h, positions & _M32)
-    return _murmur_final(_murmur_mix(h[:, None], (cols & _M32)[None, :]) ^ 16)
+    return _murmur_last_block(h, _column_keys(cols))
+
+
+def _column_keys(cols: torch.Tensor) -> torch.Tensor:
+    """The column's block as `_murmur_mix` scrambles it before it meets the state."""
+    return (_rotl32(((cols & _M32) * 0xCC9E2D51) & _M32, 15) * 0x1B873593) & _M32
+
+
+def _murmur_last_block(h: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[n, m]: each row's state mixed with each column's scrambled block, then finalised."""
+    h = _rotl32(h[:, None] ^ keys[None, :], 13)
+    return _murmur_final(((h * 5 + 0xE6546B64) & _M32) ^ 16)
 
 
 def seeded_argmax(
