@@ -20,6 +20,7 @@
 #   onegpu_learn  bench_async.py on configs/gpu_one_h200.toml (a 0.6B model warmed up on the GPU,
 #          engine and learner sharing it, memory split by the launcher): sync vs async, 30 steps,
 #          evaluation every 5 versions, LEARN_SEEDS seeds (default 0 1 2; about 5 minutes each)
+#   twogpu_learn  the same on two GPUs: engine on GPU 0, learner on GPU 1, the push over NCCL
 #   roofline  one H200, about 7 minutes (ROOFLINE_BUDGET_S, default 460, caps the whole part:
 #          each run gets at most what is left): the embedded engine at the 0.6B Qwen3 shape at 1
 #          and 256 requests (prompt 32, 128 new) vs HF generate, the GRPO load (64 prompts x 8,
@@ -158,14 +159,15 @@ for part in $SUITE; do
         echo "exit $?"; tail -6 "$OUT/onegpu_async_$seed.log"
         cp "/tmp/bench_onegpu_$seed/summary.json" "$OUT/onegpu_async_$seed.json" 2>/dev/null
       done ;;
-    onegpu_learn)
+    onegpu_learn|twogpu_learn)
+      gpus=(); [[ $part == twogpu_learn ]] && gpus=('run.learner_cuda_devices="1"')
       for seed in ${LEARN_SEEDS:-0 1 2}; do
-        echo "== sync vs async on one GPU, the 0.6B learning config, seed $seed"
+        echo "== sync vs async, $part, the 0.6B learning config, seed $seed"
         timeout "${LEARN_S:-420}" python3 bench/bench_async.py --steps "${LEARN_STEPS:-30}" \
-          --out "/tmp/bench_learn_$seed" configs/gpu_one_h200.toml "run.seed=$seed" "$@" \
-          >"$OUT/onegpu_learn_$seed.log" 2>&1
-        echo "exit $?"; tail -6 "$OUT/onegpu_learn_$seed.log"
-        cp "/tmp/bench_learn_$seed/summary.json" "$OUT/onegpu_learn_$seed.json" 2>/dev/null
+          --out "/tmp/bench_${part}_$seed" configs/gpu_one_h200.toml "${gpus[@]}" \
+          "run.seed=$seed" "$@" >"$OUT/${part}_$seed.log" 2>&1
+        echo "exit $?"; tail -6 "$OUT/${part}_$seed.log"
+        cp "/tmp/bench_${part}_$seed/summary.json" "$OUT/${part}_$seed.json" 2>/dev/null
       done ;;
   esac
 done
