@@ -29,6 +29,11 @@ def char_sum_reward(sample, response_text: str, info: dict | None = None) -> flo
     return (sum(map(ord, response_text)) % 11) / 10.0
 
 
+def zero_reward(sample, response_text: str, info: dict | None = None) -> float:
+    """Every answer scores 0: every group's advantages are 0, no batch has a gradient."""
+    return 0.0
+
+
 def _defaults(model: Path, data: Path, run_dir: Path | None) -> dict[str, dict[str, Any]]:
     where = {"name": run_dir.name, "run_dir": str(run_dir)} if run_dir else {"name": "tiny"}
     return {

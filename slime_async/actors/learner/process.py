@@ -230,6 +230,9 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
         temperature=temperature,
         max_staleness=cfg.buffer.max_staleness,
         stale_policy=cfg.buffer.stale_policy,
+        # buffer.fixed_lag pairs every batch with one version: a batch that changes nothing must
+        # still make one, or the next batch (generated at that version's successor) never comes
+        version_per_batch=cfg.buffer.fixed_lag is not None,
         stop_ban=stop_ban(
             cfg.generator.sampling.min_new_tokens,
             cfg.generator.sampling.stop_token_ids,
@@ -348,6 +351,7 @@ def _next_batch(
     engine behind the learner out until it serves the learner's version, so with the resync only
     after the next step, an engine restarted while the buffer was empty stopped the run."""
     t0, resync_s, resyncs = time.perf_counter(), 0.0, 0
+    next_log = WAIT_LOG_S
     while True:
         batch = rank0.poll_batch() if rank0 is not None else None
         if _broadcast_flag(batch is not None):
@@ -355,6 +359,45 @@ def _next_batch(
         if has_pusher:
             seconds, n = _resync(learner, rank0, bucket_bytes)
             resync_s, resyncs = resync_s + seconds, resyncs + n
+        waited = time.perf_counter() - t0
+        if rank0 is not None and waited >= next_log:
+            next_log += WAIT_LOG_S
+            _report_wait(learner, rank0, waited)
+
+
+WAIT_LOG_S = 60.0
+"""While the learner waits for a batch, what the buffer holds is logged this often."""
+
+
+def _report_wait(learner: Learner, rank0: _Rank0, waited: float) -> None:
+    """Log what a long wait for a batch waits on; with buffer.fixed_lag past its timeout, stop
+    (no group of the version the batch needs will come)."""
+    try:
+        st = rank0.consumer.stats()
+    except Exception as e:  # the buffer does not answer: say so, keep waiting
+        log.warning("waited %.0fs for a batch; the buffer's stats did not come: %s", waited, e)
+        return
+    need = rank0.cfg.learner.groups_per_step
+    fixed = rank0.cfg.buffer.fixed_lag
+    log.warning(
+        "waited %.0fs for a batch of %d groups at version %d: the buffer holds %d ready, %d "
+        "pending, %d grants outstanding, %d producers%s",
+        waited,
+        need,
+        learner.version,
+        st.get("groups_ready", 0),
+        st.get("groups_pending", 0),
+        st.get("grants_outstanding", 0),
+        st.get("producers", 0),
+        f"; buffer.fixed_lag = {fixed}: {st.get('fixed_lag')}" if fixed is not None else "",
+    )
+    limit = rank0.cfg.buffer.fixed_lag_timeout_s
+    if fixed is not None and waited > limit:
+        raise RuntimeError(
+            f"buffer.fixed_lag = {fixed}: no batch of version {max(0, learner.version - fixed)} within "
+            f"buffer.fixed_lag_timeout_s = {limit:.0f}s (the buffer holds "
+            f"{st.get('groups_ready', 0)} ready groups)"
+        )
 
 
 def _resync(learner: Learner, rank0: _Rank0 | None, bucket_bytes: int) -> tuple[float, int]:

@@ -77,12 +77,15 @@ class Learner:
         max_staleness: int | None = None,
         stale_policy: str = "keep",
         stop_ban: StopBan | None = None,
+        version_per_batch: bool = False,
     ):
         """`temperature`: the run's sampling temperature, for trajectories that record none.
         `max_staleness` / `stale_policy`: the buffer's bound and what to do with tokens beyond it
         ("mask" zeroes their loss mask; "drop" and "keep" train on them; None: not checked).
         `stop_ban`: the engines' min_new_tokens rule, so the learner scores the first tokens of
-        each turn with the stop ids left out, as they were sampled (`stop_ban.py`)."""
+        each turn with the stop ids left out, as they were sampled (`stop_ban.py`).
+        `version_per_batch`: every batch makes a version, also one whose updates were all skipped
+        (its weights are the previous version's; buffer.fixed_lag needs one version a batch)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (got {temperature})")
         if stale_policy not in ("drop", "mask", "keep"):
@@ -91,6 +94,7 @@ class Learner:
         self.algo_cfg = algo_cfg
         self.temperature = float(temperature)
         self.stop_ban = stop_ban if stop_ban is not None and stop_ban.active else None
+        self.version_per_batch = version_per_batch
         # Plug-ins first: a wrong name or a broken function fails before any process group.
         # The learner resolves pi_prox itself (forward pass or interpolation, it knows the
         # weights' versions) and hands it to the loss as prox_logp, which the loss then uses as is.
@@ -191,6 +195,7 @@ class Learner:
             lr_at=lambda step: lr_at(step, cfg),
             with_entropy=self.algo.needs_entropy,
             ess_scaled_lr=self.algo.ess_scaled_lr,
+            version_per_batch=self.version_per_batch,
         )
         if self.is_rank0:
             log.info(

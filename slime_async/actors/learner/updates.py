@@ -61,13 +61,16 @@ class Updates:
         lr_at: Callable[[int], float],
         with_entropy: bool,
         ess_scaled_lr: bool = False,
+        version_per_batch: bool = False,
     ):
         """`optimizer`: a `MasterAdamW` or `MegatronOptim` ("master_adamw" or "megatron", the
         `optimizer_kind`); `train_model`: what training micro-batches run through (megatron's
         DDP wrapper, whose gradient hooks reduce, or the model itself); `lr_at(step)`: the LR
         schedule; `with_entropy`: the forward passes compute the entropy (the loss reads it);
         `ess_scaled_lr`: each update's LR is multiplied by sqrt of the ESS of its answers'
-        behaviour weights, from the loss's raw metrics over all DP ranks (VCPO's step size)."""
+        behaviour weights, from the loss's raw metrics over all DP ranks (VCPO's step size);
+        `version_per_batch`: a batch whose updates were all skipped still makes a version (with
+        the previous weights), as buffer.fixed_lag needs."""
         self.layout = layout
         self.microbatches = microbatches
         self.optimizer = optimizer
@@ -76,10 +79,12 @@ class Updates:
         self.lr_at = lr_at
         self.with_entropy = with_entropy
         self.ess_scaled_lr = ess_scaled_lr
+        self.version_per_batch = version_per_batch
         self.step = 0
         """Optimizer steps taken (batches trained on, applied or not)."""
         self.version = 0
-        """The policy version of the weights: one more after each batch with an update applied."""
+        """The policy version of the weights: one more after each batch with an update applied
+        (after every batch with `version_per_batch`)."""
         self.recorder: TokenRecorder | None = None
         """Set by the RL step for a step whose tokens are recorded (`token_record.py`)."""
 
@@ -229,14 +234,16 @@ class Updates:
         t_fb = time.perf_counter()
         updates = epochs * mini_batches - sum(skipped.values())
         self.step += 1
-        if updates:
+        if updates or self.version_per_batch:
             self.version += 1
-        else:
+        if not updates:
             log.warning(
-                "step %d: no update applied (%s): weights and version %d unchanged",
+                "step %d: no update applied (%s): weights unchanged, %s",
                 self.step,
                 ", ".join(f"{k} x{v}" for k, v in sorted(skipped.items())),
-                self.version,
+                f"as version {self.version} (one version a batch: buffer.fixed_lag)"
+                if self.version_per_batch
+                else f"version {self.version} unchanged",
             )
         t_opt = time.perf_counter()
 

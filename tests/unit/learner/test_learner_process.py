@@ -71,3 +71,52 @@ def test_an_engine_back_while_the_learner_waits_gets_the_weights_at_once(monkeyp
     got, waited, push_s, resyncs = process._next_batch(learner, Rank0(), True, 1 << 20)
     assert got is batch and pushes == [3] and resyncs == 1 and push_s == 0.05
     assert 0 <= waited < 1  # the push is not counted as waiting
+
+
+def test_a_long_wait_for_a_batch_says_what_the_buffer_holds_and_fixed_lag_stops_it(
+    monkeypatch, caplog
+):
+    """Every wait names what it waits on: past WAIT_LOG_S the learner logs the buffer's counts;
+    with buffer.fixed_lag, past fixed_lag_timeout_s it stops (no batch of v - k will come)."""
+    import logging
+
+    import pytest
+
+    from slime_async.actors.learner import process
+    from slime_async.config import load_config
+
+    monkeypatch.setattr(process, "WAIT_LOG_S", 0.05)
+    stats = {"groups_ready": 0, "groups_pending": 2, "grants_outstanding": 0, "producers": 1}
+
+    def rank0_of(*overrides):
+        class Rank0:
+            cfg = load_config([], list(overrides))
+            pusher = None
+            consumer = type("C", (), {"stats": lambda self: stats | {"fixed_lag": {"v": 35}}})()
+
+            def poll_batch(self):
+                time.sleep(0.02)
+                return None
+
+        return Rank0()
+
+    learner = type("L", (), {"version": 35})()
+    fixed = rank0_of(
+        "buffer.fixed_lag=8", "buffer.max_staleness=8", "buffer.fixed_lag_timeout_s=0.1"
+    )
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="version 27 within"):
+        process._next_batch(learner, fixed, False, 1 << 20)
+    assert "for a batch of" in caplog.text and "2 pending" in caplog.text
+    assert "buffer.fixed_lag = 8" in caplog.text
+    # without fixed_lag: logged again and again, never raised (generators may be slow)
+    caplog.clear()
+    plain = rank0_of()
+    calls = iter(range(30))
+    plain.poll_batch = lambda: (
+        (time.sleep(0.01), None)[1]
+        if next(calls) < 29
+        else Batch(batch_id=1, groups=[synthetic_group("a", 2)], staleness=[0])
+    )
+    got, *_ = process._next_batch(learner, plain, False, 1 << 20)
+    assert got is not None and caplog.text.count("for a batch of") >= 2
+    assert "fixed_lag" not in caplog.text

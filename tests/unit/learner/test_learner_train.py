@@ -118,6 +118,28 @@ def test_zero_gradient_batch_moves_nothing_and_keeps_the_version(model_dir, lear
         assert torch.equal(p, before[n]), n
 
 
+def test_with_one_version_a_batch_a_zero_gradient_batch_still_makes_a_version(
+    model_dir, learner_factory
+):
+    """buffer.fixed_lag trains the batch generated at v - k at version v: a batch that moved
+    nothing must still make a version (same weights), or the batch of the next version, whose
+    groups the buffer holds for a version that never comes, is never delivered (a run stopped
+    so: lag 8, every reward 0)."""
+    learner = learner_factory(
+        learner_cfg(str(model_dir)), algo_cfg(mini_batches=2), version_per_batch=True
+    )
+    learner.train_step(make_groups(1, 2))
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    groups = make_groups(5, 1, group_size=2)
+    for t in groups[0]:
+        t.reward = 0.5
+    metrics = learner.train_step(groups)
+    assert metrics["learner/updates"] == 0 and metrics["learner/batch_skipped"] == 1
+    assert (learner.step, learner.version) == (2, 2)  # a version, with the same weights
+    for n, p in learner.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
 def test_non_finite_gradient_is_skipped_without_a_version(model_dir, learner_factory):
     learner = learner_factory(learner_cfg(str(model_dir)))
     groups = make_groups(6, 2)
