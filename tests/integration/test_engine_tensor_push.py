@@ -278,10 +278,16 @@ def test_the_colocated_push_bench_runs_on_the_cpu_at_tiny_size(tmp_path):
     assert "opened in" in out.stdout  # the engine's own timing of each call by handle
 
 
-async def test_a_strict_engine_takes_tensors_only_inside_a_weight_update_session(models):
+@pytest.mark.parametrize("flat", [False, True], ids=["one-by-one", "flattened"])
+async def test_a_strict_engine_takes_tensors_only_inside_a_weight_update_session(models, flat):
     """SGLang 0.5.23 (scheduler_components/weight_updater.py: update_weights_from_tensor):
     outside /begin_weight_update .. /end_weight_update the call is refused, 400 {success: false}
-    with the wheel's message, and the weights stay as they were; inside a session it loads."""
+    with the wheel's message, and the weights stay as they were; inside a session it loads.
+    Both forms the pusher sends: tensor by tensor, and a flattened bucket."""
+
+    def body_of(named, **kw):
+        return request_body(flatten(named) if flat else named, **kw)
+
     eng = EmbeddedEngine(
         EngineConfig(
             model_path=str(models[0]),
@@ -295,7 +301,7 @@ async def test_a_strict_engine_takes_tensors_only_inside_a_weight_update_session
     tensors = eng.weights.tensors
     try:
         async with ClientSession() as s:
-            body = request_body([("model.norm.weight", norm)], weight_version="s1")
+            body = body_of([("model.norm.weight", norm)], weight_version="s1")
             async with s.post(url + ROUTE, json=body) as r:
                 out = await r.json()
                 assert r.status == 400 and out["success"] is False
@@ -307,7 +313,7 @@ async def test_a_strict_engine_takes_tensors_only_inside_a_weight_update_session
             assert torch.equal(eng.runner.model.get_parameter("model.norm.weight"), before)
             async with s.post(url + "/begin_weight_update", json={}) as r:
                 assert r.status == 200, await r.text()
-            body = request_body([("model.norm.weight", norm)], weight_version="s1")
+            body = body_of([("model.norm.weight", norm)], weight_version="s1")
             async with s.post(url + ROUTE, json=body) as r:
                 assert r.status == 200, await r.text()
             async with s.post(url + "/end_weight_update", json={}) as r:

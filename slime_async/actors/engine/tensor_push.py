@@ -216,6 +216,10 @@ def shareable(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous()
 
 
+def _shared(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    return [(n, shareable(t)) for n, t in named]
+
+
 def fallback_reason(e: BaseException) -> str | None:
     """Why an engine's refusal means "push to it by broadcast instead", or None when it does not:
     404 (no such route: an engine without the colocated path) or its handles did not open there."""
@@ -262,25 +266,23 @@ class TensorSender:
         engine) unless this engine refused that format; the tensors stay referenced here until
         the engine answered (it has copied them by then). Raises EngineError naming the engine."""
         t0 = time.perf_counter()
-        if flat is not None and client.url not in self.one_by_one:
-            try:
-                out = await self._call(client, request_body(flat, ranks, weight_version))
-            except EngineRequestError as e:
-                if e.status != 400 or FLAT_FORMAT not in e.message:
-                    raise
-                self.one_by_one[client.url] = e.message
-                self.stats.flat_refused += 1
-                log.warning(
-                    "engine %s refused the %s format, it gets the tensors one by one from now "
-                    "on: %s",
-                    client.url,
-                    FLAT_FORMAT,
-                    e.message,
-                )
-                out = await self._call(client, request_body(named, ranks, weight_version))
-        else:
-            shared = [(n, shareable(t)) for n, t in named]
-            out = await self._call(client, request_body(shared, ranks, weight_version))
+        use_flat = flat is not None and client.url not in self.one_by_one
+        try:
+            out = await self._call(
+                client, request_body(flat if use_flat else _shared(named), ranks, weight_version)
+            )
+        except EngineRequestError as e:
+            if not use_flat or e.status != 400 or FLAT_FORMAT not in e.message:
+                raise
+            self.one_by_one[client.url] = e.message
+            self.stats.flat_refused += 1
+            log.warning(
+                "engine %s refused the %s format, it gets the tensors one by one from now on: %s",
+                client.url,
+                FLAT_FORMAT,
+                e.message,
+            )
+            out = await self._call(client, request_body(_shared(named), ranks, weight_version))
         self.stats.seconds += time.perf_counter() - t0
         self.stats.calls += 1
         return out

@@ -17,9 +17,9 @@ with noise hashed from (seed, position, token column), SGLang 0.5.23's `multinom
 the 16 bytes seed low, seed high, position, column, hash seed 0; u = hash / (2^32 - 1), noise
 -log(-log u) in float64, clamped as SGLang clamps it). Position is that of the last token already
 in the sequence (the prompt's last at the first draw), as SGLang passes it. So the same request
-with the same seed gives the same tokens whatever else runs, a retracted and recomputed request
-draws the same tokens again, and every seeded row of a batch is drawn at once (no per-row
-generator). With top-k/top-p the columns are the ranks in descending order, as SGLang's sorted
+with the same seed gives the same tokens whatever else runs, a draw depends on no generator
+state (a retracted request's recomputed steps draw with the same noise), and every seeded row
+of a batch is drawn at once. With top-k/top-p the columns are the ranks in descending order, as SGLang's sorted
 path hashes them.
 """
 
@@ -247,8 +247,9 @@ def sample(
         chunk = seeded[at : at + SEEDED_ROWS_AT_ONCE]  # type: ignore[index]
         rows, seeds, positions = (torch.tensor(c, device=dev) for c in zip(*chunk, strict=True))
         # SGLang hashes the filtered distribution's columns: ranks when sorted, else token ids
-        source = draw if sorted_logits is None else sorted_logits
-        picked = seeded_argmax(torch.log_softmax(source[rows].float(), -1), seeds, positions)
+        # (unfiltered, the draw's log-probs are the reported ones)
+        logp = report[rows] if sorted_logits is None else torch.log_softmax(sorted_logits[rows], -1)
+        picked = seeded_argmax(logp, seeds, positions)
         if order is not None:
             picked = order[rows].gather(1, picked[:, None])[:, 0]
         tok = tok.index_copy(0, rows, picked)
