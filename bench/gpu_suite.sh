@@ -5,7 +5,8 @@
 #   async  bench_async.py on the same config: sync vs async, same steps
 #   buffer the buffer benchmark pinned to two of the host's cores (BUFFER_CPUS, default 0,1), then
 #          the trajectory codec's (compiled against reference path)
-#   engine the embedded engine on one GPU: its -m gpu tests, the decode kernels, the throughput
+#   engine the embedded engine on one GPU: its -m gpu tests, the token draw (bench_sampling.py:
+#          unseeded vs seeded, top_p 1.0 and 0.95), the decode kernels, the throughput
 #          table (1/64/128/256 concurrent vs HF generate); engine_grpo: the GRPO-shaped load with
 #          prompt sharing on and off, and peak memory against engine.embedded.mem_fraction
 #   learner the learner on one GPU: its -m gpu tests (megatron optimizer vs MasterAdamW, packed
@@ -19,7 +20,8 @@
 #          sync vs async with pinned evaluation, ONEGPU_SEEDS seeds (default 0 1 2)
 #   onegpu_learn  bench_async.py on configs/gpu_one_h200.toml (a 0.6B model warmed up on the GPU,
 #          engine and learner sharing it, memory split by the launcher): sync vs async, 30 steps,
-#          evaluation every 5 versions, LEARN_SEEDS seeds (default 0 1 2; about 5 minutes each)
+#          evaluation every 5 versions, LEARN_SEEDS seeds (default 0 1 2; about 5 minutes each on
+#          an H100; a seed cut short by LEARN_S: bench_async.py --summarize --out its directory)
 #   twogpu_learn  the same on two GPUs: engine on GPU 0, learner on GPU 1, the push over NCCL
 #   roofline  one H200, about 7 minutes (ROOFLINE_BUDGET_S, default 460, caps the whole part:
 #          each run gets at most what is left): the embedded engine at the 0.6B Qwen3 shape at 1
@@ -97,6 +99,11 @@ for part in $SUITE; do
       echo "== embedded engine: -m gpu tests"
       timeout "${ENGINE_TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/gpu/test_engine_gpu.py 2>&1 | tee "$OUT/engine_tests.log" | tail -15
+      echo "== embedded engine: one step's draw, unseeded vs seeded (eager, compiled)"
+      for top_p in 1.0 0.95; do
+        timeout "${SAMPLING_S:-90}" python3 bench/bench_sampling.py --device cuda --top-p "$top_p" \
+          2>&1 | grep -v -i warn | tee -a "$OUT/engine_sampling.log" | tail -8
+      done
       echo "== embedded engine: decode kernels and steps"
       timeout "${KERNELS_S:-150}" python3 bench/bench_engine.py --kernels --model qwen3-0.5b \
         --device cuda 2>&1 | grep -v -i warn | tee "$OUT/engine_kernels.log"

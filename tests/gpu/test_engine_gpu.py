@@ -8,7 +8,11 @@ from transformers import AutoModelForCausalLM
 
 from slime_async.actors.engine.embedded import attention
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
-from slime_async.actors.engine.embedded.sampling import SamplingParams
+from slime_async.actors.engine.embedded.sampling import (
+    SamplingParams,
+    sample,
+    seeded_argmax,
+)
 from slime_async.actors.engine.embedded.scheduler import Scheduler
 from slime_async.models.toy import make_tiny_model
 from tests.support.engine_util import PROMPTS, hf_greedy, random_paged, run_all
@@ -25,6 +29,28 @@ def test_paged_decode_kernel_on_gpu(dtype):
     ref = attention.decode_reference(q.float(), kc.float(), vc.float(), bt, lens, 128**-0.5)
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+@pytest.mark.gpu
+@needs_cuda
+def test_seeded_draws_on_the_gpu_equal_the_cpus(top_p):
+    """A seeded request draws the same tokens on a GPU as on the CPU, eager and compiled (the
+    runner's draw on a GPU): the noise is an integer hash of seed, position and column, so a
+    pinned evaluation is the same on either. A 151k vocabulary (several hashing chunks) and a
+    64-token one (one chunk), two batch sizes each (the compiled draw's shapes are dynamic)."""
+    compiled = torch.compile(seeded_argmax, dynamic=True)
+    for vocab, n in ((151_936, 160), (151_936, 37), (64, 256), (64, 5)):
+        logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(n)) * 4
+        temperature, top_k = torch.full((n,), 0.8), torch.zeros(n, dtype=torch.long)
+        seeded = [(r, 1000 + r // 8, 7 + r % 8) for r in range(n)]
+        args = (temperature, top_k, torch.full((n,), top_p))
+        cpu_tok, cpu_logp = sample(logits, *args, seeded=seeded)
+        for draw in (seeded_argmax, compiled):
+            tok, logp = sample(logits.cuda(), *args, seeded=seeded, seeded_draw=draw)
+            assert torch.equal(tok.cpu(), cpu_tok), (vocab, n, draw)
+            # float32 log-softmax over the vocabulary: the two devices sum in different orders
+            torch.testing.assert_close(logp.cpu(), cpu_logp, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("graphs", [False, True])

@@ -294,3 +294,22 @@ def test_requests_share_cached_prefixes_only_under_one_extra_key(qwen3, strict):
     finally:
         sched.stop()
     _assert_hf(hf, first + again + twins, [prompt] * 7, [3] * 7)
+
+
+def test_the_seeded_draw_is_eager_on_a_cpu_and_falls_back_to_eager_when_its_compile_fails(
+    qwen3, caplog
+):
+    """A GPU runner compiles the seeded draw at start; a compile that fails is logged and the
+    draw stays eager (the same tokens, only slower), so no seeded request ever meets the error."""
+    from slime_async.actors.engine.embedded.sampling import seeded_argmax
+
+    runner = ModelRunner(qwen3[0], max_slots=2, max_context_len=32)
+    assert runner.seeded_draw is seeded_argmax and runner.warm_seeded_draw() is False
+
+    def broken(*_args):
+        raise RuntimeError("no compiler for this device")
+
+    runner.seeded_draw = broken
+    assert runner.warm_seeded_draw() is False
+    assert runner.seeded_draw is seeded_argmax
+    assert "compiling the seeded draw failed" in caplog.text

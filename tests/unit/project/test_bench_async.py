@@ -61,3 +61,15 @@ def test_a_versions_time_is_the_step_that_made_it_not_its_evaluations_end(tmp_pa
     assert s["eval_curve"] == [(0, 0.0, 0.5), (2, 4.0, 0.9), (4, 8.0, 0.95)]
     assert s["eval_done_s"] == [30.0, 34.0, 38.0]
     assert s["wall_s"] == 8.0 and s["learner_idle_pct"] == pytest.approx(25.0)
+
+
+def test_time_to_a_share_of_syncs_gain_when_async_misses_syncs_final_by_noise():
+    """Near a ceiling async may never reach sync's last figure; the 90%-of-gain target (from
+    sync's first evaluation to its last) still dates both runs."""
+    s = {"eval_curve": [(0, 0.0, 0.48), (10, 24.0, 0.968), (20, 44.0, 0.99), (29, 64.0, 0.992)]}
+    a = {"eval_curve": [(0, 0.0, 0.484), (10, 19.0, 0.952), (20, 35.0, 0.988), (29, 51.0, 0.989)]}
+    t = bench_async.time_to_accuracy(s, a, 0.9)
+    assert t["async_s"] is None and "async never reached sync's final accuracy" in t["lines"][2]
+    assert t["gain_target"] == pytest.approx(0.48 + 0.9 * (0.992 - 0.48))
+    assert (t["gain_sync_s"], t["gain_async_s"]) == (24.0, 19.0)
+    assert t["lines"][3].endswith("sync 24 s, async 19 s: 1.26x")

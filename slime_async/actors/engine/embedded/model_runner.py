@@ -40,6 +40,7 @@ from slime_async.actors.engine.embedded.kv_cache import (
     kv_bytes_per_token,
 )
 from slime_async.actors.engine.embedded.layers import FusedLayerMath, fusable
+from slime_async.actors.engine.embedded.sampling import SeededDraw, seeded_argmax
 from slime_async.models.families import FAMILIES
 from slime_async.models.family import Family
 from slime_async.models.layer_math import LayerMath
@@ -97,6 +98,12 @@ class ModelRunner:
             if fused
             else self.family.layer_math(self.model, self.head_dim)
         )
+        # The seeded draw (requests with a sampling_seed, e.g. pinned evaluation): its hash and
+        # Gumbel noise are some 40 elementwise ops over [rows, vocab]; compiled on a GPU they are
+        # one kernel (integer ops, so the draws are the same as eager's and the CPU's).
+        self.seeded_draw: SeededDraw = (
+            torch.compile(seeded_argmax, dynamic=True) if compile and cuda else seeded_argmax
+        )
         # ---- the paged KV cache
         self.block_size = block_size
         self.max_blocks_per_seq = math.ceil(self.max_context_len / block_size)
@@ -146,6 +153,7 @@ class ModelRunner:
         self.keep_prefixes_on_update = False
         """Keep the prefix index through a weight update (strict mode: SGLang's radix cache
         outlives an update that does not flush)."""
+        self._param_table: dict[str, torch.Tensor] | None = None
         self.memory.update(
             num_blocks=num_blocks, block_size=block_size, kv_bytes=num_blocks * per_block
         )
@@ -398,6 +406,22 @@ class ModelRunner:
 
     # ---- CUDA graphs -----------------------------------------------------------------------
 
+    def warm_seeded_draw(self) -> bool:
+        """Compile the seeded draw now rather than at the first seeded request (seconds in which
+        the whole batch would wait): for one row and for several (torch compiles a size of 1
+        apart). False if it runs eager; a failed compile is logged and the draw stays eager."""
+        if self.seeded_draw is seeded_argmax:
+            return False
+        try:
+            for n in (1, 2):
+                zeros = torch.zeros(n, dtype=torch.long, device=self.device)
+                self.seeded_draw(torch.zeros(n, self.vocab_size, device=self.device), zeros, zeros)
+        except Exception:  # no compiler for this device or build: eager gives the same draws
+            log.exception("compiling the seeded draw failed; seeded rows are drawn eagerly")
+            self.seeded_draw = seeded_argmax
+            return False
+        return True
+
     def capture_cuda_graphs(self) -> list[int]:
         """Capture the decode step for batch sizes 1, 2, 4, 8, 16, 32, ... and max_slots (GPU)."""
         if self.device.type != "cuda":
@@ -431,27 +455,44 @@ class ModelRunner:
         SGLang 0.5.23 keeps its radix cache through an update that is not asked to flush
         (scheduler_components/weight_updater.py: flush_cache_after_weight_update flushes only
         when `flush_cache` is true), so requests of the same `extra_key` reuse that KV there."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params = self._params()
         # A checkpoint name may fill a slice of a fused parameter (Qwen3-MoE's experts).
         targets = [self.family.param_view(params, name) for name, _ in named]
         for (name, t), target in zip(named, targets, strict=True):
             if target is None:
                 raise ValueError(f"unknown parameter {name!r} for this model")
-            if tuple(target.shape) != tuple(t.shape):
+            if target.shape != t.shape:
                 raise ValueError(
                     f"parameter {name!r}: shape {tuple(t.shape)} != model's {tuple(target.shape)}"
                 )
+        # One grouped copy for the tensors already of the parameter's device and dtype (a push
+        # by handle or broadcast: all of them), one copy each for the rest.
+        same = [
+            (target, t)
+            for (_, t), target in zip(named, targets, strict=True)
+            if t.device == target.device and t.dtype == target.dtype
+        ]
+        if same:
+            torch._foreach_copy_(*map(list, zip(*same, strict=True)))
         for (_, t), target in zip(named, targets, strict=True):
-            target.copy_(t.to(device=self.device, dtype=target.dtype))
+            if t.device != target.device or t.dtype != target.dtype:
+                target.copy_(t.to(device=self.device, dtype=target.dtype))
         if not self.keep_prefixes_on_update:
             self.pool.clear_index()
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        """The model's parameters by HF name (tied ones under each name), built once: the set is
+        fixed after construction and every weight load copies into these tensors in place."""
+        if self._param_table is None:
+            self._param_table = dict(self.model.named_parameters(remove_duplicate=False))
+        return self._param_table
 
     def load_from_disk(self, model_path: str | Path) -> None:
         """Load every safetensors tensor of an HF directory into the running model."""
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise ValueError(f"no *.safetensors files in {model_path}")
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params = self._params()
         named: list[tuple[str, torch.Tensor]] = []
         for f in files:
             tensors = load_file(str(f)).items()

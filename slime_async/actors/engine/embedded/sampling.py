@@ -25,6 +25,7 @@ path hashes them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -189,8 +190,13 @@ def seeded_argmax(
     return (noise + logprobs.double()).argmax(-1)
 
 
-SEEDED_ROWS_AT_ONCE = 64
-"""Seeded rows hashed together (the noise is [rows, V] int64 and float64: 77 MB at a 151k vocab)."""
+SeededDraw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""`seeded_argmax`'s signature (the engine's runner may pass a compiled copy)."""
+
+SEEDED_ELEMENTS_AT_ONCE = 64 * 151_936
+"""Noise entries (rows x vocabulary) hashed together: 64 rows at Qwen's 151,936-token vocabulary
+(the noise is int64 and float64: 156 MB), every row of a step at a small one (each chunk costs
+some 40 kernel launches, so few large chunks beat many small ones)."""
 
 
 def sample(
@@ -200,13 +206,15 @@ def sample(
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
     seeded: list[tuple[int, int, int]] | None = None,
+    seeded_draw: SeededDraw = seeded_argmax,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; returns (tokens [n] int64, logprobs [n] float32).
 
     logits: [n, V]; temperature, top_p: [n] float32; top_k: [n] int64 (<= 0: no limit); the
     parameters may live on the host (they are read there to pick the code path). `seeded`:
     (row, sampling_seed, position) of each row of a request with a seed, drawn by the seeded
-    Gumbel-max (module docstring); the other rows draw with `generator`.
+    Gumbel-max (module docstring, `seeded_draw`: `seeded_argmax` or a compiled copy of it); the
+    other rows draw with `generator`.
     Each row's logprob is `log_softmax(logits / T)` of its token, unfiltered (module docstring).
     """
     logits = logits.float()
@@ -243,13 +251,15 @@ def sample(
         draw = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
     probs = torch.softmax(draw, -1)
     tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
-    for at in range(0, len(seeded or ()), SEEDED_ROWS_AT_ONCE):
-        chunk = seeded[at : at + SEEDED_ROWS_AT_ONCE]  # type: ignore[index]
-        rows, seeds, positions = (torch.tensor(c, device=dev) for c in zip(*chunk, strict=True))
+    # (row, seed, position) of every seeded row: one copy to the device for the step
+    table = torch.tensor(seeded, dtype=torch.long).to(dev, non_blocking=True) if seeded else None
+    at_once = max(1, SEEDED_ELEMENTS_AT_ONCE // vocab)
+    for at in range(0, len(seeded or ()), at_once):
+        rows, seeds, positions = table[at : at + at_once].unbind(1)  # type: ignore[index]
         # SGLang hashes the filtered distribution's columns: ranks when sorted, else token ids
         # (unfiltered, the draw's log-probs are the reported ones)
         logp = report[rows] if sorted_logits is None else torch.log_softmax(sorted_logits[rows], -1)
-        picked = seeded_argmax(logp, seeds, positions)
+        picked = seeded_draw(logp, seeds, positions)
         if order is not None:
             picked = order[rows].gather(1, picked[:, None])[:, 0]
         tok = tok.index_copy(0, rows, picked)

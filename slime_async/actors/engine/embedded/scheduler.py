@@ -555,7 +555,9 @@ class Scheduler:
         seeded = [
             (i, r.seed, len(r.input_ids) + r.issued - 1) for i, r in extras if r.seed is not None
         ]
-        tokens, logprobs = sample(logits, temperature, top_k, top_p, self._gen, seeded or None)
+        tokens, logprobs = sample(
+            logits, temperature, top_k, top_p, self._gen, seeded or None, self.runner.seeded_draw
+        )
         tops = self._top_logprobs(extras, logits, temperature)
         cuda = tokens.device.type == "cuda"
         tok_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)

@@ -177,6 +177,9 @@ class EmbeddedEngine:
             decode_attention=emb.decode_attention,
         )
         self.runner.keep_prefixes_on_update = emb.strict_sglang
+        t0 = time.perf_counter()
+        if self.runner.warm_seeded_draw():
+            log.info("compiled the seeded draw in %.1f s", time.perf_counter() - t0)
         if emb.cuda_graphs and self.device.type == "cuda":
             t0 = time.perf_counter()
             try:

@@ -1,0 +1,91 @@
+"""The embedded engine's token draw, one decode step's worth: unseeded rows against seeded rows
+(SGLang's seeded Gumbel-max, what a request with `sampling_seed` and every pinned evaluation
+pays), eager and compiled (the runner compiles the seeded draw on a GPU), each beside the
+memory-bandwidth floor of reading the step's float32 logits once.
+
+    python bench/bench_sampling.py --device cuda                     # 256 rows, vocab 64 and 151,936
+    python bench/bench_sampling.py --device cpu --rows 64 --vocab 64,32000 --reps 3
+
+Median over `--reps` timed draws after two warm-ups (compiling included in the warm-ups), with
+[min, max]; `--hbm-tbps` (default 4.8, an H200) sets the floor. The draws of each variant are
+checked equal before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from slime_async.actors.engine.embedded.sampling import sample, seeded_argmax
+
+
+def _timed(fn, reps: int, cuda: bool) -> list[float]:
+    for _ in range(2):
+        fn()
+    out = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _rows(vocab: int, n: int, dev: torch.device, args, compiled) -> list[str]:
+    """The table's rows of one vocabulary size."""
+    cuda = dev.type == "cuda"
+    logits = torch.randn(n, vocab, device=dev) * 4
+    params = (torch.ones(n), torch.zeros(n, dtype=torch.long), torch.full((n,), args.top_p))
+    seeded = [(r, 1000 + r, 40 + r % 7) for r in range(n)]
+    variants = {
+        "unseeded": lambda: sample(logits, *params),
+        "seeded, eager": lambda: sample(logits, *params, seeded=seeded),
+    }
+    if cuda:  # the runner compiles the seeded draw on a GPU only
+        variants["seeded, compiled"] = lambda: sample(
+            logits, *params, seeded=seeded, seeded_draw=compiled
+        )
+        if not torch.equal(variants["seeded, compiled"]()[0], variants["seeded, eager"]()[0]):
+            raise SystemExit(f"vocab {vocab}: the compiled seeded draw differs from eager")
+    floor_ms = n * vocab * 4 / (args.hbm_tbps * 1e12) * 1e3
+    rows, base = [], None
+    for name, fn in variants.items():
+        ts = _timed(fn, args.reps, cuda)
+        med = statistics.median(ts)
+        base = base or med
+        rows.append(
+            f"| {vocab} | {name} | {med * 1e3:.3f} [{min(ts) * 1e3:.3f}, {max(ts) * 1e3:.3f}] "
+            f"| {med / base:.2f}x | {floor_ms:.4f} |"
+        )
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rows", type=int, default=256, help="rows in the step (running requests)")
+    ap.add_argument("--vocab", default="64,151936", help="vocabulary sizes, comma-separated")
+    ap.add_argument("--top-p", type=float, default=1.0, help="top_p of every row (1.0: off)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--hbm-tbps", type=float, default=4.8)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    n = args.rows
+    compiled = torch.compile(seeded_argmax, dynamic=True)
+    print(f"one step's draw, {n} rows, temperature 1, top_p {args.top_p}, on {dev}")
+    print("| vocab | draw | median ms [min, max] | x unseeded | floor ms (logits read once) |")
+    print("| --- | --- | --- | --- | --- |")
+    for vocab in (int(v) for v in args.vocab.split(",")):
+        for row in _rows(vocab, n, dev, args, compiled):
+            print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
