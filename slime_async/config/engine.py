@@ -186,6 +186,15 @@ class EngineConfig(Section):
     max_retries: int = Field(10, ge=0)
     """Client-side retries of a failed call, with exponential back-off (doubling from 0.2 s,
     capped at 30 s: about 110 s in all, enough to ride out an engine's restart)."""
+    deterministic_inference: bool = False
+    """The engines run with SGLang's `--enable-deterministic-inference`. SGLang 0.5.23 honours a
+    request's `sampling_seed` only then (without it the seed is ignored, so `eval.seed` pins
+    nothing), and then draws every request that has none with seed 42: the samples of one prompt
+    would all be one answer. With this on, the generator gives each rollout request a seed of its
+    own (from generator.seed). It must match the engines' own setting (each engine's
+    /server_info is checked when the generator starts). Started embedded engines take it as
+    SGLang does; without it, a non-strict embedded engine still honours `sampling_seed` and a
+    strict one ignores it, as SGLang."""
     liveness: LivenessConfig = LivenessConfig()
     """Health probes of running engines: what is probed, how often, when an engine is hung and
     when `slime-async run` restarts it."""

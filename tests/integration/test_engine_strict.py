@@ -16,7 +16,7 @@ from slime_async.actors.engine.embedded.weights import FLUSH_FAILED
 from slime_async.actors.engine.weight_sync import init_weight_group
 from slime_async.models.toy import make_tiny_model
 from slime_async.utils.procs import free_port
-from tests.support.engine_util import start_engine
+from tests.support.engine_util import serve_engine
 
 KEY, ADMIN = "plain-key", "admin-key"
 OUTSIDE = (
@@ -33,13 +33,9 @@ def model_dir(tmp_path_factory):
 
 
 def _engine(model_dir, logs, *overrides, **kw):
-    child, url = start_engine(
+    yield from serve_engine(
         model_dir, logs, "engine.embedded.max_context_len=1000", *overrides, **kw
     )
-    try:
-        yield url
-    finally:
-        child.stop()
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,15 @@ def start_engine(model_dir: Path, log_dir: Path, *overrides: str, **kw) -> tuple
     return start_engines(1, model_dir, log_dir, *overrides, **kw)[0]
 
 
+def serve_engine(model_dir: Path, log_dir: Path, *overrides: str, **kw):
+    """A fixture's body: yields the URL of an engine started with `overrides`, stops it after."""
+    child, url = start_engine(model_dir, log_dir, *overrides, **kw)
+    try:
+        yield url
+    finally:
+        child.stop()
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """Reference greedy decoding with HF transformers: (tokens, log_softmax of each chosen token)."""
     ids = torch.tensor([prompt])

@@ -21,6 +21,9 @@ are still thrown away one by one, and waiting for all of them could wait forever
 comes back after missing pushes is updated only by the learner's next push, which needs this
 generator's answers). That check is apart from the liveness watch: an engine behind is alive,
 just not usable yet.
+With `seed_requests` (engine.deterministic_inference) every request without a `sampling_seed`
+gets one drawn from the pool's seed: SGLang under deterministic inference draws all of them with
+42 (the generator's start-up check: actors/generator/seeding.py).
 Memory: one client, one counter and one probe per engine, plus one version check per engine
 behind.
 """
@@ -63,11 +66,14 @@ class EnginePool:
         watch_urls: list[str] | None = None,
         owner: str = "engine pool",
         admin_api_key: str | None = None,
+        seed_requests: bool = False,
     ):
         """`api_key`, `admin_api_key`: engine.api_key and engine.admin_api_key (the admin key
         goes with the admin routes, e.g. /abort_request: `client.ADMIN_ROUTES`); `liveness`: the probes (default `LivenessConfig()`; `probe_interval_s` overrides its
         interval); `watch_urls`: engines probed and reported but not sent requests (behind a
-        router); `owner` names the role in liveness messages."""
+        router); `owner` names the role in liveness messages; `seed_requests`
+        (engine.deterministic_inference): every request without a `sampling_seed` gets one of its
+        own, drawn from `seed` (SGLang with deterministic inference draws them all with 42)."""
         if not urls:
             raise ValueError("EnginePool needs at least one engine URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -79,6 +85,10 @@ class EnginePool:
         }
         self.retry = engine_retry_policy(backoff_s, max_attempts=max_retries + 1)
         self._rng = random.Random(seed)
+        self.seed_requests = seed_requests
+        self._seeds = random.Random(f"sampling_seed/{seed}")
+        self.seeded_requests = 0
+        """Requests given a sampling_seed of their own (`seed_requests`)."""
         liveness = liveness or LivenessConfig()
         if probe_interval_s is not None:
             liveness = liveness.model_copy(update={"probe_interval_s": probe_interval_s})
@@ -126,6 +136,7 @@ class EnginePool:
             liveness=cfg.liveness,
             watch_urls=[u for u in cfg.urls if u not in urls],
             owner=owner,
+            seed_requests=cfg.deterministic_inference,
         )
 
     @property
@@ -174,6 +185,9 @@ class EnginePool:
     ) -> GenerateOutput:
         """/generate on the least busy engine that is up, failing over as described above
         (`routed_start`: see `EngineClient.generate`)."""
+        if self.seed_requests and sampling_params.get("sampling_seed") is None:
+            sampling_params = {**sampling_params, "sampling_seed": self._seeds.getrandbits(31)}
+            self.seeded_requests += 1  # kept through retries: one draw per request
         attempt, last_error = 0, None
         while True:
             self.watch.start()  # a pool used without `async with`
@@ -333,6 +347,7 @@ class EnginePool:
             "behind": dict(self.behind),
             "backoffs": self.backoffs,
             "hung_cancelled": self.hung_cancelled,
+            "seeded_requests": self.seeded_requests,
             "liveness": dict(self.watch.counts),
             "watched": {u: self.watch.state(u) for u in self.watch.engines},
         }

@@ -107,6 +107,8 @@ class Evaluator:
         self.apply_chat_template = apply_chat_template
         self.reruns = 0
         self.discarded = 0
+        self.seeds_ignored = 0
+        """Engines found ignoring `sampling_seed` when the generator started (seeding.py)."""
         self.done: list[dict[str, Any]] = []
 
     # ----------------------------------------------------------------------------- the watch
@@ -205,6 +207,7 @@ class Evaluator:
             M.EVAL_RESPONSE_LEN: sum(n for *_, n in results) / max(len(results), 1),
             M.EVAL_RERUNS: self.reruns,
             M.EVAL_DISCARDED: self.discarded,
+            M.EVAL_SEEDS_IGNORED: self.seeds_ignored,
         }
         if greedy:
             rec[M.EVAL_ACC_GREEDY] = sum(greedy) / len(greedy)

@@ -19,6 +19,7 @@ import sys
 
 from slime_async.actors.engine.pool import EnginePool
 from slime_async.actors.generator.loop import Generator, GeneratorError
+from slime_async.actors.generator.seeding import check_engines
 from slime_async.config import ConfigError, SlimeConfig
 from slime_async.metrics import MetricsLogger
 from slime_async.models.tokenizer import load_tokenizer
@@ -91,6 +92,14 @@ async def _run(cfg: SlimeConfig, gen_cfg, urls: list[str], tok_path: str) -> int
                 # Answers must come from the weights the learner announced at the grant, or
                 # later ones: an engine behind them (restarted) is not used until it catches up.
                 pool.min_version = lambda: producer.version
+                # sampling_seed as the engines treat it (SGLang: only with deterministic inference)
+                honoured = await check_engines(
+                    pool.watch_clients(),
+                    cfg.engine.deterministic_inference,
+                    eval_seeded=gen.evaluator is not None and cfg.eval.seed is not None,
+                )
+                if gen.evaluator is not None:
+                    gen.evaluator.seeds_ignored = sum(h is False for h in honoured.values())
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, gen.stop)

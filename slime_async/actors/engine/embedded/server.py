@@ -115,6 +115,10 @@ _OFF_ONLY_FIELDS = {
     "data_parallel_rank",
 }
 SGLANG_VERSION = "0.5.23"
+
+DETERMINISTIC_DEFAULT_SEED = 42
+"""What SGLang 0.5.23 draws a request without `sampling_seed` with under deterministic inference
+(srt/sampling/sampling_batch_info.py): one seed for all of them."""
 """The SGLang release whose HTTP API (routes, fields, status codes) this server follows."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -216,6 +220,8 @@ class EmbeddedEngine:
         self.health_delay_s = _health_delay(emb)
         """Least time /health and /health_generate take (SGLang's wait loop sleeps 1 s first)."""
         self.ignored_fields = 0
+        self.ignored_seeds = 0
+        """Requests whose sampling_seed strict mode ignored (no deterministic inference)."""
         """/generate requests that carried top-level fields SGLang ignores (each one logged)."""
         self.routed_unavailable = 0
         """return_routed_experts answers left without routed_experts: the request was aborted
@@ -403,7 +409,7 @@ class EmbeddedEngine:
                 extra_key=extra_key,
                 cache_salt=cache_salt,
             )
-            r.seed = params.sampling_seed
+            r.seed = self._seed_of(params.sampling_seed)
             key = (id(prompt), params)
             if key in groups:  # the n samples of one prompt share its prefill
                 groups[key].append(r)
@@ -416,6 +422,24 @@ class EmbeddedEngine:
             if r.group is not None and len(r.group) == 1:
                 r.group = None
         return reqs
+
+    def _seed_of(self, asked: int | None) -> int | None:
+        """The seed a request draws with, as SGLang 0.5.23 decides it
+        (srt/sampling/sampling_batch_info.py): with --enable-deterministic-inference
+        (`engine.deterministic_inference`) its `sampling_seed`, else 42 for every request without
+        one; without it, no seed at all: SGLang ignores `sampling_seed` (strict mode does too,
+        counted in `ignored_seeds` and logged once), where a non-strict engine honours it."""
+        if self.cfg.deterministic_inference:
+            return DETERMINISTIC_DEFAULT_SEED if asked is None else asked
+        if asked is not None and self.cfg.embedded.strict_sglang:
+            if not self.ignored_seeds:
+                log.warning(
+                    "/generate: sampling_seed ignored, as SGLang ignores it without "
+                    "--enable-deterministic-inference (engine.deterministic_inference = false)"
+                )
+            self.ignored_seeds += 1
+            return None
+        return asked
 
     async def _run(self, r: Request, on_token=None) -> Request:
         loop = asyncio.get_running_loop()
@@ -641,6 +665,11 @@ class EmbeddedEngine:
                 "weight_version": self.reported_version,
                 "paused": self.scheduler.paused,
                 "strict_sglang": self.cfg.embedded.strict_sglang,
+                # ServerArgs' fields: sampling_seed is honoured only with deterministic inference,
+                # which sets the sampling backend to pytorch (arg_groups/overrides.py)
+                "enable_deterministic_inference": self.cfg.deterministic_inference,
+                "sampling_backend": "pytorch",
+                "ignored_seeds": self.ignored_seeds,
                 **self.weights.info(),
                 "decode_steps": self.scheduler.steps,
                 **self.scheduler.stats(),
