@@ -115,11 +115,10 @@ _OFF_ONLY_FIELDS = {
     "data_parallel_rank",
 }
 SGLANG_VERSION = "0.5.23"
-
+"""The SGLang release whose HTTP API (routes, fields, status codes) this server follows."""
 DETERMINISTIC_DEFAULT_SEED = 42
 """What SGLang 0.5.23 draws a request without `sampling_seed` with under deterministic inference
 (srt/sampling/sampling_batch_info.py): one seed for all of them."""
-"""The SGLang release whose HTTP API (routes, fields, status codes) this server follows."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -220,9 +219,9 @@ class EmbeddedEngine:
         self.health_delay_s = _health_delay(emb)
         """Least time /health and /health_generate take (SGLang's wait loop sleeps 1 s first)."""
         self.ignored_fields = 0
+        """/generate requests that carried top-level fields SGLang ignores (each one logged)."""
         self.ignored_seeds = 0
         """Requests whose sampling_seed strict mode ignored (no deterministic inference)."""
-        """/generate requests that carried top-level fields SGLang ignores (each one logged)."""
         self.routed_unavailable = 0
         """return_routed_experts answers left without routed_experts: the request was aborted
         while waiting, before its forward passes ran (or ran again after a retraction); each
