@@ -152,16 +152,20 @@ def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
     ]
 
 
-async def engine_tokens_per_s(url: str, prompts: list[list[int]], new_tokens: int) -> float:
+async def engine_tokens_per_s(
+    url: str, prompts: list[list[int]], new_tokens: int
+) -> tuple[float, dict]:
+    """Tokens/s of the timed run (after a warm-up) and /get_server_info just before it."""
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     async with EngineClient(url, timeout_s=3600) as c:
         await asyncio.gather(
             *(c.generate(p, {**params, "max_new_tokens": 4}) for p in prompts)
         )  # warm-up
+        before = await asyncio.to_thread(server_info, url)
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(c.generate(p, params) for p in prompts))
         dt = time.perf_counter() - t0
-    return sum(len(o.token_ids) for o in outs) / dt
+    return sum(len(o.token_ids) for o in outs) / dt, before
 
 
 def hf_tokens_per_s(model, prompts: list[list[int]], new_tokens: int, device: str) -> float:
@@ -266,9 +270,11 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
     try:
         for b in batches:
             prompts = prompts_for(b, args.prompt_len, vocab)
-            before = server_info(url)["prefill_tokens"]
-            eng = asyncio.run(engine_tokens_per_s(url, prompts, args.new_tokens))
-            prefilled = server_info(url)["prefill_tokens"] - before
+            before = server_info(url)
+            eng, timed_before = asyncio.run(engine_tokens_per_s(url, prompts, args.new_tokens))
+            after = server_info(url)
+            prefilled = after["prefill_tokens"] - before["prefill_tokens"]
+            timing = loop_timing(timed_before, after)
             try:
                 with torch.inference_mode():
                     ref = hf_tokens_per_s(hf, prompts, args.new_tokens, device)
@@ -284,13 +290,14 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
             row = with_roofline(row, shape, b, args.prompt_len, args.new_tokens, args.hbm_tbps)
             row["ratio_engine_over_hf"] = eng / ref if ref else None
             row["prompt_tokens_prefilled"] = prefilled  # the warm-up and the timed run
+            row["engine_loop"] = timing  # the timed run only
             rows.append(row)
             write_json(args.json, {"rows": rows, "hbm_tbps": args.hbm_tbps}, partial=True)
             print(
                 f"batch {b:4d}: engine {eng:9.1f} tok/s   HF generate {fmt(ref, '9.1f')} tok/s   "
                 f"ratio {fmt(row['ratio_engine_over_hf'], '5.2f')}x   roofline "
                 f"{row['roofline_tokens_per_s']:9.1f} tok/s "
-                f"(engine {row['engine_of_roofline']:.3g} of it)",
+                f"(engine {row['engine_of_roofline']:.3g} of it)\n    {describe_loop(timing)}",
                 flush=True,
             )
     finally:
@@ -377,6 +384,36 @@ def server_info(url: str) -> dict:
         return json.loads(r.read())
 
 
+LOOP_KEYS = ("loop_s", "host_wait_s", "decode_steps_timed", "decode_rows_timed", "decode_device_s")
+
+
+def loop_timing(before: dict, after: dict) -> dict:
+    """The engine loop's time between two /get_server_info answers: working wall time, device
+    time of the decode steps (GPU), host waits on the device, mean decode batch."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in LOOP_KEYS}
+    steps = d["decode_steps_timed"]
+    return {
+        "loop_s": d["loop_s"],
+        "host_wait_s": d["host_wait_s"],
+        "decode_steps": steps,
+        "mean_decode_batch": d["decode_rows_timed"] / steps if steps else None,
+        "decode_device_ms_per_step": 1e3 * d["decode_device_s"] / steps if steps else None,
+        "loop_ms_per_decode_step": 1e3 * d["loop_s"] / steps if steps else None,
+        "device_share_of_loop": d["decode_device_s"] / d["loop_s"] if d["loop_s"] else None,
+    }
+
+
+def describe_loop(t: dict) -> str:
+    if not t["decode_steps"]:
+        return f"engine loop {t['loop_s']:.3f} s (no decode step timed on a device)"
+    return (
+        f"engine loop {t['loop_s']:.3f} s: {t['decode_steps']} decode steps (mean batch "
+        f"{t['mean_decode_batch']:.1f}), {t['loop_ms_per_decode_step']:.2f} ms of loop and "
+        f"{t['decode_device_ms_per_step']:.2f} ms of device time a step (device "
+        f"{t['device_share_of_loop']:.0%} of the loop), host waited {t['host_wait_s']:.3f} s"
+    )
+
+
 def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     model_dir = make_model(work / Path(args.model).name, args.model, dtype)
@@ -426,6 +463,7 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
                         "prompt_tokens_prefilled": info["prefill_tokens"]
                         - before["prefill_tokens"],
                         "memory": info.get("memory", {}),
+                        "engine_loop": loop_timing(before, info),  # warm-up included
                     }
                     with_roofline(row, shape, slots, args.grpo_prompt_len, new, args.hbm_tbps)
                     rows.append(row)
@@ -435,7 +473,9 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
                         f"tok/s ({tokens} tokens in {dt:.1f} s), prompt tokens prefilled "
                         f"{row['prompt_tokens_prefilled']}, roofline "
                         f"{row['roofline_tokens_per_s']:,.0f} tok/s "
-                        f"({row['engine_of_roofline']:.3g} of it)",
+                        f"({row['engine_of_roofline']:.3g} of it)\n    "
+                        f"{describe_loop(row['engine_loop'])}; CUDA graphs up to batch "
+                        f"{max(info.get('cuda_graph_batch_sizes') or [0])}",
                         flush=True,
                     )
         finally:
@@ -519,14 +559,15 @@ def bench_kernels(args: argparse.Namespace, work: Path) -> None:
             tg = _median_ms(attention.decode_reference, q, kc, vc, bt, lens, D**-0.5, L)
             print(f"| {n} | {L} | {tk * 1e3:.1f} | {tg * 1e3:.1f} |", flush=True)
     model_dir = make_model(work / args.model, args.model, dt)
+    shape = decode_shape(model_dir, dt)
     for attn in ("triton", "gathered"):
         runner = ModelRunner(
             model_dir,
             dev,
             dt,
             max_slots=256,
-            max_context_len=1024,
-            num_blocks=256 * 64 + 1,
+            max_context_len=4096,
+            num_blocks=256 * 64 + 1,  # 64 requests of 4,096 tokens, or 256 of 1,024
             decode_attention=attn,
         )
         runner.capture_cuda_graphs()
@@ -534,21 +575,198 @@ def bench_kernels(args: argparse.Namespace, work: Path) -> None:
             f"\nwhole decode step from its CUDA graph ({attn} attention, fused layers: "
             f"{type(runner.math).__name__})"
         )
-        print("| requests | context | ms per step | tokens/s |")
-        print("| --- | --- | --- | --- |")
-        for n in (1, 64, 256):
-            for L in (160, 1024):
-                per = L // bs
-                bt = torch.arange(1, n * per + 1, dtype=torch.int32).view(n, per)
-                table = torch.zeros((n, runner.max_blocks_per_seq), dtype=torch.int32)
-                table[:, :per] = bt
-                ids = torch.randint(5, 1000, (n,), device=dev)
-                pos = torch.full((n,), L - 1, dtype=torch.long)
-                ms = _median_ms(runner.decode, ids, pos, table)
-                print(f"| {n} | {L} | {ms:.2f} | {n / ms * 1e3:,.0f} |", flush=True)
+        print(
+            f"| requests | context | ms per step | tokens/s | roofline ms ({args.hbm_tbps} TB/s) "
+            "| roofline / step |"
+        )
+        print("| --- | --- | --- | --- | --- | --- |")
+        for n, L in [(n, L) for n in (1, 64, 256) for L in (160, 1024, 4096) if n * L <= 2**18]:
+            if attn == "gathered" and L > 1024:
+                continue  # SDPA over gathered blocks pads every row to the longest: minutes
+            per = L // bs
+            bt = torch.arange(1, n * per + 1, dtype=torch.int32).view(n, per)
+            table = torch.zeros((n, runner.max_blocks_per_seq), dtype=torch.int32)
+            table[:, :per] = bt
+            ids = torch.randint(5, 1000, (n,), device=dev)
+            pos = torch.full((n,), L - 1, dtype=torch.long)
+            ms = _median_ms(runner.decode, ids, pos, table)
+            floor = (shape.weight_bytes + n * L * shape.kv_bytes_per_token) / (args.hbm_tbps * 1e9)
+            print(
+                f"| {n} | {L} | {ms:.2f} | {n / ms * 1e3:,.0f} | {floor:.2f} | {floor / ms:.2f} |",
+                flush=True,
+            )
+        if attn == "triton":
+            profile_step(runner)
         runner.drop_cuda_graphs()
         runner = None
         torch.cuda.empty_cache()
+
+
+def profile_step(runner, n: int = 256, context: int = 160) -> None:
+    """Where a decode step's device time goes: the kernels of one eager step, of the graph's
+    replay, and of the sampler (greedy; temperature 1 at top_p 1.0 and 0.95), by CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from slime_async.actors.engine.embedded.sampling import sample
+
+    dev, bs = runner.device, runner.block_size
+    per = context // bs
+    table = torch.zeros((n, runner.max_blocks_per_seq), dtype=torch.int32)
+    table[:, :per] = torch.arange(1, n * per + 1, dtype=torch.int32).view(n, per)
+    ids = torch.randint(5, 1000, (n,), device=dev)
+    pos = torch.full((n,), context - 1, dtype=torch.long)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    k = torch.full((n,), -1, dtype=torch.long)
+
+    def sampler(t: float, top_p: float):
+        logits = runner.decode(ids, pos, table)
+        temp = torch.full((n,), t)
+        return lambda: sample(logits, temp, k, torch.full((n,), top_p), gen, picks=runner.picks)
+
+    cases = {
+        "eager decode step": lambda: runner.decode_step(ids, pos.to(dev), table.to(dev), context),
+        "graph replay": lambda: runner.decode(ids, pos, table),
+        "sample greedy": sampler(0.0, 1.0),
+        "sample T=1 top_p 1.0": sampler(1.0, 1.0),
+        "sample T=1 top_p 0.95": sampler(1.0, 0.95),
+    }
+    for name, fn in cases.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        total = sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / 5
+        print(f"\n{name}, {n} rows, context {context}: {total / 1e3:.3f} ms of kernels a call")
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:14]
+        for e in top:
+            if e.self_device_time_total <= 0:
+                continue
+            print(
+                f"  {e.self_device_time_total / 5 / 1e3:8.3f} ms  x{e.count // 5:<4d} {e.key[:110]}"
+            )
+
+
+# ---- the scheduler in process ------------------------------------------------------------------
+
+
+def bench_scheduler(args: argparse.Namespace, work: Path) -> None:
+    """The engine's scheduler and runner in this process, no HTTP: B requests of prompt
+    `--prompt-len`, `--new-tokens` each (greedy, or `--temperature`), after a warm-up; tokens/s
+    and the loop's timing (`StepTiming`) per batch size. `--trace DIR` writes a torch profiler
+    trace of the timed run (chrome format, gzipped) and prints the device's busy share and the
+    scheduler thread's top host functions (cProfile)."""
+    import cProfile
+    import gzip
+    import pstats
+    import threading
+
+    from slime_async.actors.engine.embedded.model_runner import ModelRunner
+    from slime_async.actors.engine.embedded.sampling import SamplingParams
+    from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
+
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    model_dir = make_model(work / Path(args.model).name, args.model, dtype)
+    shape = decode_shape(model_dir, dtype)
+    batches = [int(b) for b in args.batches.split(",")]
+    runner = ModelRunner(
+        model_dir,
+        args.device,
+        dtype,
+        max_slots=max(batches),
+        max_context_len=max(1024, args.prompt_len + args.new_tokens),
+        mem_fraction=args.mem_fraction,
+    )
+    runner.warm_sampling()
+    if args.device.startswith("cuda"):
+        runner.capture_cuda_graphs()
+    sched = Scheduler(runner)
+    sched.start()
+    vocab = runner.vocab_size
+
+    def run(b: int, new: int) -> float:
+        left, done = [b], threading.Event()
+
+        def on_done(r: Request) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                done.set()
+
+        params = SamplingParams(max_new_tokens=new, temperature=args.temperature, ignore_eos=True)
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts_for(b, args.prompt_len, vocab)):
+            sched.submit(Request(rid=f"{b}-{new}-{i}", input_ids=p, params=params, on_done=on_done))
+        if not done.wait(600):
+            raise TimeoutError(f"{left[0]} of {b} requests unfinished after 600 s")
+        return time.perf_counter() - t0
+
+    try:
+        for b in batches:
+            run(b, 4)  # warm-up
+            before = sched.timing.stats()
+            prof = None
+            if args.trace and b == max(batches):
+                from torch.profiler import ProfilerActivity, profile
+
+                prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                prof.__enter__()
+                host = cProfile.Profile()
+                sched.call(host.enable).result()
+            dt = run(b, args.new_tokens)
+            after = sched.timing.stats()
+            t = loop_timing(before, after)
+            row = with_roofline(
+                {"batch": b, "engine_tokens_per_s": b * args.new_tokens / dt},
+                shape,
+                b,
+                args.prompt_len,
+                args.new_tokens,
+                args.hbm_tbps,
+            )
+            print(
+                f"batch {b:4d}: scheduler in process {row['engine_tokens_per_s']:9.1f} tok/s "
+                f"(T={args.temperature}), roofline {row['roofline_tokens_per_s']:9.1f} "
+                f"({row['engine_of_roofline']:.3g} of it)\n    {describe_loop(t)}",
+                flush=True,
+            )
+            if prof is not None:
+                sched.call(host.disable).result()
+                prof.__exit__(None, None, None)
+                out = Path(args.trace)
+                out.mkdir(parents=True, exist_ok=True)
+                raw = work / "trace.json"
+                prof.export_chrome_trace(str(raw))
+                with open(raw, "rb") as f, gzip.open(out / f"trace_b{b}.json.gz", "wb") as g:
+                    g.write(f.read())
+                print(f"    {device_busy(raw)}; trace: {out / f'trace_b{b}.json.gz'}")
+                pstats.Stats(host).sort_stats("tottime").print_stats(20)
+    finally:
+        sched.stop()
+
+
+def device_busy(trace: Path) -> str:
+    """The share of the traced time during which some kernel or copy ran on the device."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0))
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    if not spans:
+        return "no device events in the trace"
+    busy, (cur_s, cur_e) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    wall = spans[-1][1] - spans[0][0]
+    return f"device busy {busy / wall:.0%} of {wall / 1e3:.1f} ms ({len(spans)} device events)"
 
 
 # ---- weight push --------------------------------------------------------------------------------
@@ -834,6 +1052,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--kernels", action="store_true", help="decode attention and step timings (GPU)"
     )
+    ap.add_argument(
+        "--scheduler",
+        action="store_true",
+        help="the scheduler and runner in this process, no HTTP (tokens/s and loop timing)",
+    )
+    ap.add_argument("--temperature", type=float, default=0.0, help="--scheduler's sampling")
+    ap.add_argument("--trace", help="--scheduler: write a profiler trace of the largest batch here")
     return ap
 
 
@@ -883,6 +1108,8 @@ def main() -> None:
             record = bench_grpo(args, Path(tmp))
         elif args.kernels:
             bench_kernels(args, Path(tmp))
+        elif args.scheduler:
+            bench_scheduler(args, Path(tmp))
         else:
             record = bench_generation(args, Path(tmp))
         if record is not None:

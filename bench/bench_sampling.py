@@ -1,7 +1,8 @@
 """The embedded engine's token draw, one decode step's worth: unseeded rows against seeded rows
 (SGLang's seeded Gumbel-max, what a request with `sampling_seed` and every pinned evaluation
-pays), eager and compiled (the runner compiles the seeded draw on a GPU), each beside the
-memory-bandwidth floor of reading the step's float32 logits once.
+pays), eager and compiled (the runner compiles the seeded draw and the unfiltered picks on a
+GPU, which read the graph's bf16 logits), each beside the memory-bandwidth floor of reading
+the step's float32 logits once. `--temperature 0` times the greedy draw.
 
     python bench/bench_sampling.py --device cuda                     # 256 rows, vocab 64 and 151,936
     python bench/bench_sampling.py --device cpu --rows 64 --vocab 64,32000 --reps 3
@@ -19,7 +20,13 @@ import time
 
 import torch
 
-from slime_async.actors.engine.embedded.sampling import sample, seeded_argmax
+from slime_async.actors.engine.embedded.sampling import (
+    Picks,
+    greedy_pick,
+    sample,
+    seeded_argmax,
+    temperature_pick,
+)
 
 
 def _timed(fn, reps: int, cuda: bool) -> list[float]:
@@ -41,17 +48,27 @@ def _rows(vocab: int, n: int, dev: torch.device, args, compiled) -> list[str]:
     """The table's rows of one vocabulary size."""
     cuda = dev.type == "cuda"
     logits = torch.randn(n, vocab, device=dev) * 4
-    params = (torch.ones(n), torch.zeros(n, dtype=torch.long), torch.full((n,), args.top_p))
+    params = (
+        torch.full((n,), args.temperature),
+        torch.zeros(n, dtype=torch.long),
+        torch.full((n,), args.top_p),
+    )
     seeded = [(r, 1000 + r, 40 + r % 7) for r in range(n)]
     variants = {
         "unseeded": lambda: sample(logits, *params),
         "seeded, eager": lambda: sample(logits, *params, seeded=seeded),
     }
-    if cuda:  # the runner compiles the seeded draw on a GPU only
-        variants["seeded, compiled"] = lambda: sample(
-            logits, *params, seeded=seeded, seeded_draw=compiled
+    if cuda:  # the runner compiles the seeded draw and the picks on a GPU only
+        half = logits.bfloat16()
+        variants["unseeded, compiled picks (the engine's), bf16 logits"] = lambda: sample(
+            half, *params, picks=compiled[1]
         )
-        if not torch.equal(variants["seeded, compiled"]()[0], variants["seeded, eager"]()[0]):
+        variants["seeded, compiled"] = lambda: sample(
+            logits, *params, seeded=seeded, seeded_draw=compiled[0]
+        )
+        if args.temperature > 0 and not torch.equal(
+            variants["seeded, compiled"]()[0], variants["seeded, eager"]()[0]
+        ):
             raise SystemExit(f"vocab {vocab}: the compiled seeded draw differs from eager")
     floor_ms = n * vocab * 4 / (args.hbm_tbps * 1e12) * 1e3
     rows, base = [], None
@@ -72,13 +89,21 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=256, help="rows in the step (running requests)")
     ap.add_argument("--vocab", default="64,151936", help="vocabulary sizes, comma-separated")
     ap.add_argument("--top-p", type=float, default=1.0, help="top_p of every row (1.0: off)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="of every row (0: greedy)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--hbm-tbps", type=float, default=4.8)
     args = ap.parse_args()
     dev = torch.device(args.device)
     n = args.rows
-    compiled = torch.compile(seeded_argmax, dynamic=True)
-    print(f"one step's draw, {n} rows, temperature 1, top_p {args.top_p}, on {dev}")
+    compiled = (
+        torch.compile(seeded_argmax, dynamic=True),
+        Picks(
+            torch.compile(greedy_pick, dynamic=True), torch.compile(temperature_pick, dynamic=True)
+        ),
+    )
+    print(
+        f"one step's draw, {n} rows, temperature {args.temperature}, top_p {args.top_p}, on {dev}"
+    )
     print("| vocab | draw | median ms [min, max] | x unseeded | floor ms (logits read once) |")
     print("| --- | --- | --- | --- | --- |")
     for vocab in (int(v) for v in args.vocab.split(",")):

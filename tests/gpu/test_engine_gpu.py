@@ -10,8 +10,10 @@ from slime_async.actors.engine.embedded import attention
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
 from slime_async.actors.engine.embedded.sampling import (
     SamplingParams,
+    greedy_pick,
     sample,
     seeded_argmax,
+    temperature_pick,
 )
 from slime_async.actors.engine.embedded.scheduler import Scheduler
 from slime_async.models.toy import make_tiny_model
@@ -20,15 +22,68 @@ from tests.support.engine_util import PROMPTS, hf_greedy, random_paged, run_all
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+@pytest.mark.parametrize("splits", [None, 1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.gpu
 @needs_cuda
-def test_paged_decode_kernel_on_gpu(dtype):
+def test_paged_decode_kernel_on_gpu(dtype, splits):
     q, kc, vc, bt, lens = random_paged("cuda", dtype, bs=16, hkv=8, h=16, d=128, seed=1)
-    got = attention.paged_decode(q, kc, vc, bt, lens, 128**-0.5).float()
+    got = attention.paged_decode(q, kc, vc, bt, lens, 128**-0.5, splits=splits).float()
     ref = attention.decode_reference(q.float(), kc.float(), vc.float(), bt, lens, 128**-0.5)
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    # Long rows over many tiles, split or not
+    g = torch.Generator(device="cuda").manual_seed(3)
+    kc = torch.randn(300, 16, 8, 128, generator=g, device="cuda").to(dtype)
+    vc = torch.randn(kc.shape, generator=g, device="cuda").to(dtype)
+    bt = torch.stack([torch.randperm(299, device="cuda")[:80] + 1 for _ in range(3)]).int()
+    lens = torch.tensor([1280, 1, 777], dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 16, 128, generator=g, device="cuda").to(dtype)
+    got = attention.paged_decode(q, kc, vc, bt, lens, 128**-0.5, splits=splits).float()
+    ref = attention.decode_reference(q.float(), kc.float(), vc.float(), bt, lens, 128**-0.5)
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compiled_picks_equal_eager_on_bf16_logits():
+    """The runner's compiled greedy and temperature picks (bf16 logits upcast inside) give the
+    eager picks' tokens and log-probs at Qwen's vocabulary."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    logits = (torch.randn(64, 151_936, generator=g, device="cuda") * 4).bfloat16()
+    greedy_c = torch.compile(greedy_pick, dynamic=True)
+    temp_c = torch.compile(temperature_pick, dynamic=True)
+    (ta, la), (tb, lb) = greedy_pick(logits), greedy_c(logits)
+    assert torch.equal(ta, tb)
+    torch.testing.assert_close(la, lb, atol=1e-4, rtol=0)
+    temp = torch.full((64,), 0.7, device="cuda")
+    greedy = torch.arange(64, device="cuda") % 4 == 0
+    noise = torch.empty(logits.shape, device="cuda").exponential_(generator=g)
+    (ta, la), (tb, lb) = (
+        temperature_pick(logits, temp, greedy, noise),
+        temp_c(logits, temp, greedy, noise),
+    )
+    assert int((ta != tb).sum()) <= 1  # a near-tie may round apart once in a while
+    same = ta == tb
+    torch.testing.assert_close(la[same], lb[same], atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_store_kv_kernel_on_gpu():
+    """The engine's K/V store (one Triton kernel on CUDA) equals two index copies, bf16."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    qkv = torch.randn(37, 32 * 128, generator=g, device="cuda").bfloat16()
+    _, k, v = qkv.split([16 * 128, 8 * 128, 8 * 128], -1)
+    k, v = k.reshape(37, 8, 128), v.view(37, 8, 128)
+    slots = torch.randperm(64 * 16, device="cuda")[:37]
+    got = [torch.zeros(64, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    want = [c.clone() for c in got]
+    attention.write_kv(*got, slots, k, v)
+    for cache, x in zip(want, (k, v), strict=True):
+        cache.view(-1, 8, 128).index_copy_(0, slots, x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])

@@ -248,12 +248,46 @@ def test_cpu_decode_plan_equals_the_reference():
     attention.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs Triton and TRITON_INTERPRET=1 (the CPU interpreter) set before it is imported",
 )
-def test_paged_decode_kernel_in_triton_interpreter():
-    """The Triton kernel (CPU interpreter) equals the gathered reference in fp32."""
-    q, kc, vc, bt, lens = random_paged("cpu", torch.float32)
-    got = attention.paged_decode(q, kc, vc, bt, lens, 32**-0.5)
+@pytest.mark.parametrize("splits", [1, 3, 4])
+@pytest.mark.parametrize("bs", [16, 8])
+def test_paged_decode_kernel_in_triton_interpreter(splits, bs):
+    """The Triton kernel (CPU interpreter) equals the gathered reference in fp32: keys read in
+    tiles of several blocks, cut into splits (some of them empty for the short rows) and
+    combined; lengths inside a block, at a block's end, of one token, over several tiles."""
+    q, kc, vc, bt, lens = random_paged("cpu", torch.float32, bs=bs)
+    got = attention.paged_decode(q, kc, vc, bt, lens, 32**-0.5, splits=splits)
     ref = attention.decode_reference(q, kc, vc, bt, lens, 32**-0.5)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    g = torch.Generator().manual_seed(1)
+    nb, per = 48, 200 // bs + 1
+    kc, vc = torch.randn(2, nb, bs, 2, 32, generator=g)
+    bt = torch.stack([torch.randperm(nb - 1, generator=g)[:per] + 1 for _ in range(3)]).int()
+    lens = torch.tensor([200, 65, 129], dtype=torch.int32)
+    q = torch.randn(3, 4, 32, generator=g)
+    got = attention.paged_decode(q, kc, vc, bt, lens, 32**-0.5, splits=splits)
+    ref = attention.decode_reference(q, kc, vc, bt, lens, 32**-0.5)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(
+    attention.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs Triton and TRITON_INTERPRET=1 (the CPU interpreter) set before it is imported",
+)
+def test_store_kv_kernel_in_triton_interpreter():
+    """The one-kernel K/V store (CPU interpreter) writes what the two index copies write, from
+    k and v as the layer hands them over: strided views of one q|k|v output."""
+    g = torch.Generator().manual_seed(2)
+    T, hkv, d = 5, 2, 32
+    qkv = torch.randn(T, (4 + 2 * hkv) * d, generator=g)
+    _, k, v = qkv.split([4 * d, hkv * d, hkv * d], -1)
+    k, v = k.reshape(T, hkv, d), v.view(T, hkv, d)
+    slots = torch.tensor([17, 3, 40, 4, 31])
+    got = [torch.zeros(6, 8, hkv, d) for _ in range(2)]
+    want = [torch.zeros(6, 8, hkv, d) for _ in range(2)]
+    attention.store_kv(*got, slots, k, v)
+    for cache, x in zip(want, (k, v), strict=True):
+        cache.view(-1, hkv, d).index_copy_(0, slots, x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def _keyed(sched: Scheduler, prompt: list[int], params: SamplingParams, *keys) -> list[Request]:
@@ -296,20 +330,24 @@ def test_requests_share_cached_prefixes_only_under_one_extra_key(qwen3, strict):
     _assert_hf(hf, first + again + twins, [prompt] * 7, [3] * 7)
 
 
-def test_the_seeded_draw_is_eager_on_a_cpu_and_falls_back_to_eager_when_its_compile_fails(
+def test_the_sampling_kernels_are_eager_on_a_cpu_and_fall_back_to_eager_when_compiles_fail(
     qwen3, caplog
 ):
-    """A GPU runner compiles the seeded draw at start; a compile that fails is logged and the
-    draw stays eager (the same tokens, only slower), so no seeded request ever meets the error."""
-    from slime_async.actors.engine.embedded.sampling import seeded_argmax
+    """A GPU runner compiles the seeded draw and the unfiltered picks at start; a compile that
+    fails is logged and that kernel stays eager (the same tokens, only slower), so no request
+    ever meets the error."""
+    from slime_async.actors.engine.embedded.sampling import EAGER_PICKS, Picks, seeded_argmax
 
     runner = ModelRunner(qwen3[0], max_slots=2, max_context_len=32)
-    assert runner.seeded_draw is seeded_argmax and runner.warm_seeded_draw() is False
+    assert runner.seeded_draw is seeded_argmax and runner.warm_sampling() is False
+    assert runner.picks is EAGER_PICKS
 
     def broken(*_args):
         raise RuntimeError("no compiler for this device")
 
     runner.seeded_draw = broken
-    assert runner.warm_seeded_draw() is False
-    assert runner.seeded_draw is seeded_argmax
+    runner.picks = Picks(broken, broken)
+    assert runner.warm_sampling() is False
+    assert runner.seeded_draw is seeded_argmax and runner.picks is EAGER_PICKS
     assert "compiling the seeded draw failed" in caplog.text
+    assert "compiling the sampler's picks failed" in caplog.text

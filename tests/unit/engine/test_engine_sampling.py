@@ -208,6 +208,40 @@ def test_seeded_draws_follow_the_distribution():
     assert freq2[2:].sum() == 0 and abs(freq2[0] - want2[0]) < 0.03
 
 
+def test_unfiltered_draws_follow_the_distribution_with_greedy_rows_mixed_in():
+    """The one-pass draw (no top-k/top-p, no seed): each temperature row follows
+    softmax(logits / T) and reports its log_softmax; greedy rows in the same batch take the
+    argmax with log_softmax at T = 1; -inf columns (min_new_tokens' bans) are never drawn."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]])
+    n = 8000
+    rows = logits.expand(n, -1)
+    temp = torch.full((n,), 0.8)
+    temp[::4] = 0.0  # every fourth row greedy
+    k, p = torch.full((n,), -1), torch.ones(n)
+    tok, lp = sample(rows, temp, k, p, torch.Generator().manual_seed(5))
+    greedy = temp == 0
+    assert (tok[greedy] == 0).all()
+    torch.testing.assert_close(lp[greedy], torch.log_softmax(logits[0], -1)[0].expand(n // 4))
+    drawn = tok[~greedy]
+    freq = torch.bincount(drawn, minlength=5).float() / drawn.numel()
+    want = torch.softmax(logits[0] / 0.8, -1)
+    assert freq[4] == 0
+    assert torch.allclose(freq, want, atol=4 * (want * (1 - want) / drawn.numel()).sqrt().max())
+    torch.testing.assert_close(lp[~greedy], torch.log_softmax(logits[0] / 0.8, -1)[drawn])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bf16_logits_are_sampled_as_their_fp32_values(temperature):
+    """The engine hands the sampler logits in the model's dtype: the result is that of the
+    same values upcast (the upcast is exact), greedy and at a temperature alike."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3)).bfloat16()
+    temp, k, p = torch.full((6,), temperature), torch.full((6,), -1), torch.ones(6)
+    a = sample(logits, temp, k, p, torch.Generator().manual_seed(4))
+    b = sample(logits.float(), temp, k, p, torch.Generator().manual_seed(4))
+    assert a[0].tolist() == b[0].tolist() and a[1].dtype == torch.float32
+    torch.testing.assert_close(a[1], b[1])
+
+
 @pytest.mark.parametrize(
     "raw, words",
     [

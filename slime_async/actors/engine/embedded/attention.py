@@ -44,9 +44,45 @@ def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    """Store k, v: [T, Hkv, D] at flat cache slots [T] (block * B + offset)."""
+    """Store k, v: [T, Hkv, D] at flat cache slots [T] (block * B + offset). On CUDA one Triton
+    kernel stores both (reading k and v where they are, strided views of the q|k|v output
+    included); elsewhere two index copies."""
+    if triton is not None and k.device.type == "cuda" and k.dtype == k_cache.dtype == v.dtype:
+        store_kv(k_cache, v_cache, slots, k, v)
+        return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """`write_kv` as one Triton kernel: program t copies token t's K and V rows ([Hkv, D],
+    unit stride in D) to cache slot `slots[t]` of both caches."""
+    T, hkv, d = k.shape
+    if T == 0:
+        return
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    width = hkv * d
+    _store_kv_kernel[(T,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        D=d,
+        WIDTH=width,
+        WP=triton.next_power_of_2(width),
+    )
 
 
 def gathered_attention(
@@ -171,7 +207,22 @@ def decode_reference(
 if triton is not None:
 
     @triton.jit
-    def _decode_block(
+    def _store_kv_kernel(
+        Kin, Vin, KC, VC, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
+        D: tl.constexpr, WIDTH: tl.constexpr, WP: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0)
+        e = tl.arange(0, WP)
+        emask = e < WIDTH
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        h, d = e // D, e % D
+        k = tl.load(Kin + t * stride_kt + h * stride_kh + d, mask=emask)
+        v = tl.load(Vin + t * stride_vt + h * stride_vh + d, mask=emask)
+        tl.store(KC + slot * WIDTH + e, k, mask=emask)
+        tl.store(VC + slot * WIDTH + e, v, mask=emask)
+
+    @triton.jit
+    def _decode_tile(
         q,
         K,
         V,
@@ -180,6 +231,7 @@ if triton is not None:
         h,
         j,
         length,
+        valid,
         scale,
         m_i,
         l_i,
@@ -190,25 +242,29 @@ if triton is not None:
         stride_btn,
         D: tl.constexpr,
         BS: tl.constexpr,
+        TILE: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        """One block of one request's keys: the online-softmax update of (m, l, acc)."""
+        """Keys j*TILE .. j*TILE+TILE-1 of one request (TILE / BS blocks, their ids read from
+        the block table at once): the online-softmax update of (m, l, acc)."""
         d = tl.arange(0, D)
-        t = tl.arange(0, BS)
-        blk = tl.load(BT + n * stride_btn + j).to(tl.int64)
-        tmask = (j * BS + t) < length
-        offs = blk * stride_kb + h * stride_kh + t[:, None] * stride_kt + d[None, :]
-        k = tl.load(K + offs, mask=tmask[:, None], other=0.0)
+        tok = j * TILE + tl.arange(0, TILE)
+        tmask = (tok < length) & valid
+        blk = tl.load(BT + n * stride_btn + tok // BS, mask=tmask, other=0).to(tl.int64)
+        offs = blk * stride_kb + (tok % BS) * stride_kt + h * stride_kh
+        k = tl.load(K + offs[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(tmask[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # No key seen yet (a masked tile first: the interpreter's path): 0, not exp(-inf + inf).
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + offs, mask=tmask[:, None], other=0.0)
+        v = tl.load(V + offs[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -221,6 +277,9 @@ if triton is not None:
         K,
         V,
         Out,
+        PartM,
+        PartL,
+        PartAcc,
         BT,
         LENS,
         scale,
@@ -232,17 +291,28 @@ if triton is not None:
         stride_on,
         stride_oh,
         stride_btn,
+        H: tl.constexpr,
         G: tl.constexpr,
         GP: tl.constexpr,
         D: tl.constexpr,
         BS: tl.constexpr,
+        TILE: tl.constexpr,
+        SPLITS: tl.constexpr,
         IEEE: tl.constexpr,
         DYNAMIC: tl.constexpr,
-        MAXB: tl.constexpr,
+        MAXT: tl.constexpr,
     ):
+        """Program (request n, KV head h, split s): the GQA group's query heads against the
+        tiles [s * per, (s + 1) * per) of the request's keys. One split: the output; several:
+        each split's (max, sum, weighted values) for `_combine_splits`."""
         n = tl.program_id(0)
         h = tl.program_id(1)
+        sp = tl.program_id(2)
         length = tl.load(LENS + n)
+        tiles = tl.cdiv(length, TILE)
+        per = tl.cdiv(tiles, SPLITS)
+        t0 = sp * per
+        t1 = tl.minimum(t0 + per, tiles)
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         gmask = g < G
@@ -255,58 +325,59 @@ if triton is not None:
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        if DYNAMIC:  # each program walks only its own blocks
-            for j in range(0, tl.cdiv(length, BS)):
-                m_i, l_i, acc = _decode_block(
-                    q,
-                    K,
-                    V,
-                    BT,
-                    n,
-                    h,
-                    j,
-                    length,
-                    scale,
-                    m_i,
-                    l_i,
-                    acc,
-                    stride_kb,
-                    stride_kt,
-                    stride_kh,
-                    stride_btn,
-                    D,
-                    BS,
-                    IEEE,
-                )
-        else:  # Triton's CPU interpreter: the table's width, the rest masked (same result)
-            for j in tl.static_range(0, MAXB):
-                m_i, l_i, acc = _decode_block(
-                    q,
-                    K,
-                    V,
-                    BT,
-                    n,
-                    h,
-                    j,
-                    length,
-                    scale,
-                    m_i,
-                    l_i,
-                    acc,
-                    stride_kb,
-                    stride_kt,
-                    stride_kh,
-                    stride_btn,
-                    D,
-                    BS,
-                    IEEE,
-                )
-        out = acc / l_i[:, None]
-        tl.store(
-            Out + n * stride_on + heads[:, None] * stride_oh + d[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=gmask[:, None],
-        )
+        if DYNAMIC:  # each program walks only its own tiles
+            for j in range(t0, t1):
+                m_i, l_i, acc = _decode_tile(
+                    q, K, V, BT, n, h, j, length, True, scale, m_i, l_i, acc,
+                    stride_kb, stride_kt, stride_kh, stride_btn, D, BS, TILE, IEEE,
+                )  # fmt: skip
+        else:  # Triton's CPU interpreter: every tile of the table, the others masked
+            for j in tl.static_range(0, MAXT):
+                m_i, l_i, acc = _decode_tile(
+                    q, K, V, BT, n, h, j, length, (j >= t0) & (j < t1), scale, m_i, l_i, acc,
+                    stride_kb, stride_kt, stride_kh, stride_btn, D, BS, TILE, IEEE,
+                )  # fmt: skip
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            tl.store(
+                Out + n * stride_on + heads[:, None] * stride_oh + d[None, :],
+                out.to(Out.dtype.element_ty),
+                mask=gmask[:, None],
+            )
+        else:  # an empty split stores max -inf and sum 0: it weighs nothing in the combine
+            row = (n * H + heads) * SPLITS + sp
+            tl.store(PartM + row, m_i, mask=gmask)
+            tl.store(PartL + row, l_i, mask=gmask)
+            tl.store(PartAcc + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+
+    @triton.jit
+    def _combine_splits(
+        PartM,
+        PartL,
+        PartAcc,
+        Out,
+        stride_on,
+        stride_oh,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        SPLITS: tl.constexpr,
+        SP: tl.constexpr,
+    ):
+        """Program (request n, query head): the splits' partial softmaxes rescaled to their
+        common max and summed."""
+        n = tl.program_id(0)
+        hq = tl.program_id(1)
+        s = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        smask = s < SPLITS
+        row = (n * H + hq) * SPLITS + s
+        m = tl.load(PartM + row, mask=smask, other=float("-inf"))
+        l = tl.load(PartL + row, mask=smask, other=0.0)  # noqa: E741
+        acc = tl.load(PartAcc + row[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+        top = tl.max(m, 0)
+        w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(Out + n * stride_on + hq * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
 def triton_available(device: torch.device) -> bool:
@@ -317,6 +388,24 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+DECODE_TILE = 64
+"""Keys a decode program reads per iteration (several blocks' ids at once: more bytes in flight
+than one 16-token block at a time)."""
+
+MAX_SPLITS = 16
+
+
+def decode_splits(n: int, kv_heads: int, device: torch.device) -> int:
+    """How many splits of the keys each (request, KV head) gets: enough programs to fill the GPU
+    about twice when the batch alone cannot (one request: up to MAX_SPLITS; 256 requests: 1).
+    Fixed by the batch size only, so a CUDA graph captured for a bucket keeps it."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // max(1, n * kv_heads))
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(want) if want > 1 else 1))
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -324,19 +413,36 @@ def paged_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """q: [n, H, D]; block_tables: [n, MB] int32; seq_lens: [n] int32 (keys 0..len-1, the
-    query's own key included). Returns [n, H, D]. Reads only each request's own blocks."""
+    query's own key included). Returns [n, H, D]. Reads only each request's own blocks.
+
+    `splits` (None: `decode_splits`): each request's keys are cut into that many ranges, each
+    run by its own program, then combined (flash-decoding): a few requests then still fill the
+    GPU. The tile is DECODE_TILE keys (a multiple of the block size)."""
     n, H, D = q.shape
     Hkv, bs = k_cache.shape[2], k_cache.shape[1]
     G = H // Hkv
+    tile = max(bs, DECODE_TILE // bs * bs)
+    splits = splits or decode_splits(n, Hkv, q.device)
     q = q.contiguous()
     out = torch.empty_like(q)
-    _paged_decode_kernel[(n, Hkv)](
+    if splits > 1:
+        part_m = torch.empty((n, H, splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((n, H, splits, D), dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    cuda = q.device.type == "cuda"
+    _paged_decode_kernel[(n, Hkv, splits)](
         q,
         k_cache,
         v_cache,
         out,
+        part_m,
+        part_l,
+        part_acc,
         block_tables,
         seq_lens,
         scale,
@@ -348,13 +454,29 @@ def paged_decode(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
+        H=H,
         G=G,
         GP=max(16, triton.next_power_of_2(G)),
         D=D,
         BS=bs,
+        TILE=tile,
+        SPLITS=splits,
         IEEE=q.dtype == torch.float32,
-        DYNAMIC=q.device.type == "cuda",
-        MAXB=0 if q.device.type == "cuda" else block_tables.shape[1],
+        DYNAMIC=cuda,
+        MAXT=0 if cuda else -(-block_tables.shape[1] * bs // tile),
         num_warps=4,
     )
+    if splits > 1:
+        _combine_splits[(n, H)](
+            part_m,
+            part_l,
+            part_acc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            H=H,
+            D=D,
+            SPLITS=splits,
+            SP=max(2, triton.next_power_of_2(splits)),
+        )
     return out

@@ -7,7 +7,7 @@ rows m.. padded to position 0 of the scratch block 0 (they write and read only t
 logits are dropped). The attention kernel reads each row's length from the device, so a graph
 serves any lengths; the weights are updated in place, so graphs stay valid across updates.
 Memory: one shared pool for all graphs (captured largest first, so smaller ones reuse it) and
-one logits buffer `[max bucket, V]` (fp32) that every graph writes.
+one logits buffer `[max bucket, V]` (the model's dtype) that every graph's output layer writes.
 """
 
 from __future__ import annotations
@@ -43,15 +43,17 @@ class DecodeGraphs:
                     runner.decode_step(self.ids[:b], self.pos[:b], self.bt[:b])
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
-            # One output buffer for every bucket: each graph's own logits ([b, V] fp32) would
-            # stay allocated with it (GBs over all buckets); the copy costs one small kernel.
-            self.logits = torch.empty((top, runner.vocab_size), dtype=torch.float32, device=dev)
+            # One output buffer for every bucket, in the model's dtype (the sampler upcasts):
+            # each graph's own logits would stay allocated with it (GBs over all buckets). The
+            # output layer writes into it directly.
+            self.logits = torch.empty((top, runner.vocab_size), dtype=runner.dtype, device=dev)
             pool = torch.cuda.graph_pool_handle()
             for b in reversed(self.sizes):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = runner.decode_step(self.ids[:b], self.pos[:b], self.bt[:b])
-                    self.logits[:b].copy_(out)
+                    out = runner.decode_step(
+                        self.ids[:b], self.pos[:b], self.bt[:b], out=self.logits[:b]
+                    )
                     del out
                 self.graphs[b] = (graph, self.logits[:b])
             torch.cuda.synchronize(dev)

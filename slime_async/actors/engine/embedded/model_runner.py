@@ -40,7 +40,14 @@ from slime_async.actors.engine.embedded.kv_cache import (
     kv_bytes_per_token,
 )
 from slime_async.actors.engine.embedded.layers import FusedLayerMath, fusable
-from slime_async.actors.engine.embedded.sampling import SeededDraw, seeded_argmax
+from slime_async.actors.engine.embedded.sampling import (
+    EAGER_PICKS,
+    Picks,
+    SeededDraw,
+    greedy_pick,
+    seeded_argmax,
+    temperature_pick,
+)
 from slime_async.models.families import FAMILIES
 from slime_async.models.family import Family
 from slime_async.models.layer_math import LayerMath
@@ -103,6 +110,17 @@ class ModelRunner:
         # one kernel (integer ops, so the draws are the same as eager's and the CPU's).
         self.seeded_draw: SeededDraw = (
             torch.compile(seeded_argmax, dynamic=True) if compile and cuda else seeded_argmax
+        )
+        # The unfiltered draws (greedy, or at a temperature without top-k/top-p): compiled on a
+        # GPU, a few passes over the [rows, V] logits in the model's dtype instead of a float
+        # copy, a log-softmax written out, a softmax and torch.multinomial's own passes.
+        self.picks: Picks = (
+            Picks(
+                torch.compile(greedy_pick, dynamic=True),
+                torch.compile(temperature_pick, dynamic=True),
+            )
+            if compile and cuda
+            else EAGER_PICKS
         )
         # ---- the paged KV cache
         self.block_size = block_size
@@ -256,8 +274,15 @@ class ModelRunner:
                 self.routed.select(1, j).index_copy_(0, slots, ids.to(torch.int32))
         return h
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(h)).float()
+    def _logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [T, V] in the model's dtype (the sampler upcasts them; HF's float() of the
+        same values), written into `out` when given (a CUDA graph's static buffer)."""
+        x = self.model.model.norm(h)
+        head = self.model.lm_head
+        if out is not None and head.bias is None:
+            return torch.mm(x, head.weight.t(), out=out)
+        logits = head(x)
+        return logits if out is None else out.copy_(logits)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
@@ -325,7 +350,7 @@ class ModelRunner:
         self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor
     ) -> torch.Tensor:
         """One step: feed ids [m] (on the device) at positions [m] (host, int64) with block
-        tables [m, max_blocks_per_seq] (host, int32); returns logits [m, V] (float32).
+        tables [m, max_blocks_per_seq] (host, int32); returns logits [m, V] (the model's dtype).
 
         From a CUDA graph when one is captured for a bucket >= m (the returned tensor is the
         graph's output buffer: read it before the next step)."""
@@ -359,10 +384,15 @@ class ModelRunner:
         return self._logits(self._forward(ids, pos, slots, attend))
 
     def decode_step(
-        self, ids: torch.Tensor, pos: torch.Tensor, bt: torch.Tensor, span: int | None = None
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        bt: torch.Tensor,
+        span: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decode computation on device tensors (what a CUDA graph captures); `span` bounds
-        the keys the gathered path reads (None: the table's width)."""
+        the keys the gathered path reads (None: the table's width); logits go to `out` if given."""
         bs = self.block_size
         lens = (pos + 1).to(torch.int32)
         slots = bt.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
@@ -374,7 +404,7 @@ class ModelRunner:
                 return attention.paged_decode(q, kc, vc, bt, lens, self._scale)
             return attention.decode_reference(q, kc, vc, bt, lens, self._scale, span)
 
-        return self._logits(self._forward(ids, pos, slots, attend))
+        return self._logits(self._forward(ids, pos, slots, attend), out)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Give block `dst` the contents of `src` (copy-on-write of a shared prompt's last block)."""
@@ -406,21 +436,36 @@ class ModelRunner:
 
     # ---- CUDA graphs -----------------------------------------------------------------------
 
-    def warm_seeded_draw(self) -> bool:
-        """Compile the seeded draw now rather than at the first seeded request (seconds in which
-        the whole batch would wait): for one row and for several (torch compiles a size of 1
-        apart). False if it runs eager; a failed compile is logged and the draw stays eager."""
-        if self.seeded_draw is seeded_argmax:
-            return False
-        try:
-            for n in (1, 2):
-                zeros = torch.zeros(n, dtype=torch.long, device=self.device)
-                self.seeded_draw(torch.zeros(n, self.vocab_size, device=self.device), zeros, zeros)
-        except Exception:  # no compiler for this device or build: eager gives the same draws
-            log.exception("compiling the seeded draw failed; seeded rows are drawn eagerly")
-            self.seeded_draw = seeded_argmax
-            return False
-        return True
+    @torch.inference_mode()  # as the scheduler calls them: another grad mode recompiles
+    def warm_sampling(self) -> bool:
+        """Compile the sampler's kernels now rather than at the first request that needs one
+        (seconds in which the whole batch would wait): the seeded draw and the unfiltered picks,
+        for one row and for several (torch compiles a size of 1 apart). False if they run
+        eager; a failed compile is logged and that kernel stays eager (the same draws)."""
+        compiled = False
+        if self.seeded_draw is not seeded_argmax:
+            try:
+                for n in (1, 2):
+                    zeros = torch.zeros(n, dtype=torch.long, device=self.device)
+                    logp = torch.zeros(n, self.vocab_size, device=self.device)
+                    self.seeded_draw(logp, zeros, zeros)
+                compiled = True
+            except Exception:  # no compiler for this device or build: eager gives the same draws
+                log.exception("compiling the seeded draw failed; seeded rows are drawn eagerly")
+                self.seeded_draw = seeded_argmax
+        if self.picks is not EAGER_PICKS:
+            try:
+                for n in (1, 2):
+                    logits = torch.zeros(n, self.vocab_size, dtype=self.dtype, device=self.device)
+                    ones = torch.ones(n, device=self.device)
+                    self.picks.greedy(logits)
+                    noise = torch.ones(n, self.vocab_size, device=self.device)  # as a draw's
+                    self.picks.temperature(logits, ones, ones > 0, noise)
+                compiled = True
+            except Exception:  # no compiler for this device or build: eager gives the same draws
+                log.exception("compiling the sampler's picks failed; they run eagerly")
+                self.picks = EAGER_PICKS
+        return compiled
 
     def capture_cuda_graphs(self) -> list[int]:
         """Capture the decode step for batch sizes 1, 2, 4, 8, 16, 32, ... and max_slots (GPU)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
@@ -193,6 +194,47 @@ def seeded_argmax(
 SeededDraw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """`seeded_argmax`'s signature (the engine's runner may pass a compiled copy)."""
 
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: on CUDA staged in pinned memory
+    and copied asynchronously. A copy from pageable memory first waits for everything queued on
+    the stream (the decode step just launched), which would serialise the scheduler's overlap."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row greedy: (argmax, its `log_softmax` value) from logits of any float dtype,
+    upcast to fp32 inside (compiled on a GPU, one pass over the logits instead of a float copy,
+    a log_softmax written out and an argmax)."""
+    x = logits.float()
+    tok = x.argmax(-1)
+    return tok, x.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
+
+
+def temperature_pick(
+    logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows at their temperature, unfiltered: the draw from softmax(logits / T) by the
+    exponential race `argmax(p / q)` with q ~ Exp(1) (`noise` [n, V] fp32, as torch.multinomial
+    draws one sample), taken as `argmax(logits / T - log q)`; greedy rows (`greedy`, their
+    temperature 1) take the argmax. Returns (tokens, log_softmax(logits / T) of each)."""
+    x = logits.float() / temperature[:, None]
+    drawn = (x - noise.clamp_min(torch.finfo(torch.float32).tiny).log()).argmax(-1)
+    tok = torch.where(greedy, x.argmax(-1), drawn)
+    return tok, x.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
+
+
+class Picks(NamedTuple):
+    """The unfiltered, unseeded draws of `sample` (eager, or compiled copies on a GPU)."""
+
+    greedy: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = greedy_pick
+    temperature: Callable[..., tuple[torch.Tensor, torch.Tensor]] = temperature_pick
+
+
+EAGER_PICKS = Picks()
+
 SEEDED_ELEMENTS_AT_ONCE = 64 * 151_936
 """Noise entries (rows x vocabulary) hashed together: 64 rows at Qwen's 151,936-token vocabulary
 (the noise is int64 and float64: 156 MB), every row of a step at a small one (each chunk costs
@@ -207,6 +249,7 @@ def sample(
     generator: torch.Generator | None = None,
     seeded: list[tuple[int, int, int]] | None = None,
     seeded_draw: SeededDraw = seeded_argmax,
+    picks: Picks = EAGER_PICKS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; returns (tokens [n] int64, logprobs [n] float32).
 
@@ -216,23 +259,30 @@ def sample(
     Gumbel-max (module docstring, `seeded_draw`: `seeded_argmax` or a compiled copy of it); the
     other rows draw with `generator`.
     Each row's logprob is `log_softmax(logits / T)` of its token, unfiltered (module docstring).
+    Logits may be in the model's dtype (bf16): every computation upcasts them to fp32.
+
+    Without top-k/top-p and seeds, the batch goes through `picks` (compiled on a GPU: a few
+    passes over the logits): all greedy, or the exponential race of `temperature_pick`.
     """
-    logits = logits.float()
     vocab = logits.shape[-1]
     # The per-row parameters are decided on the host (no device sync); only the math runs there.
     temperature, top_k, top_p = temperature.cpu(), top_k.cpu(), top_p.cpu()
     greedy_host = temperature < GREEDY_TEMPERATURE
-    greedy_tok = logits.argmax(-1)
-    raw_logp = torch.log_softmax(logits, -1).gather(1, greedy_tok[:, None])[:, 0]
     if bool(greedy_host.all()):
-        return greedy_tok, raw_logp
-
+        return picks.greedy(logits)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
     restrict = bool((k < vocab).any() or (top_p < 1.0).any())
     dev = logits.device
-    greedy = greedy_host.to(dev)
-    temp = torch.where(greedy_host, torch.ones_like(temperature), temperature).to(dev)
-    k, top_p = k.to(dev), top_p.to(dev)
+    greedy = to_device(greedy_host, dev)
+    temp = to_device(torch.where(greedy_host, torch.ones_like(temperature), temperature), dev)
+    if not restrict and not seeded:
+        noise = torch.empty(logits.shape, dtype=torch.float32, device=dev)
+        return picks.temperature(logits, temp, greedy, noise.exponential_(generator=generator))
+
+    logits = logits.float()
+    greedy_tok = logits.argmax(-1)
+    raw_logp = torch.log_softmax(logits, -1).gather(1, greedy_tok[:, None])[:, 0]
+    k, top_p = to_device(k, dev), to_device(top_p, dev)
     scaled = logits / temp[:, None]
     report = torch.log_softmax(scaled, -1)  # [n, V]: what SGLang returns, before any filtering
     draw = scaled
@@ -252,7 +302,7 @@ def sample(
     probs = torch.softmax(draw, -1)
     tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
     # (row, seed, position) of every seeded row: one copy to the device for the step
-    table = torch.tensor(seeded, dtype=torch.long).to(dev, non_blocking=True) if seeded else None
+    table = to_device(torch.tensor(seeded, dtype=torch.long), dev) if seeded else None
     at_once = max(1, SEEDED_ELEMENTS_AT_ONCE // vocab)
     for at in range(0, len(seeded or ()), at_once):
         rows, seeds, positions = table[at : at + at_once].unbind(1)  # type: ignore[index]

@@ -51,7 +51,7 @@ from typing import Any, Literal
 import torch
 
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
-from slime_async.actors.engine.embedded.sampling import SamplingParams, sample
+from slime_async.actors.engine.embedded.sampling import SamplingParams, sample, to_device
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,55 @@ class _Step:
     tokens: torch.Tensor  # [m] on the device (the next step's inputs)
     tokens_host: torch.Tensor  # [m] pinned host copy, valid once `done` completed
     logprobs_host: torch.Tensor
-    tops: dict[int, list[tuple[float, int]]]
+    tops: dict[int, tuple[torch.Tensor, torch.Tensor]]  # row -> host (logprobs, ids), top N
     done: Any  # torch.cuda.Event, or None on a CPU
     version: str
+    started: Any = None  # torch.cuda.Event recorded before the step's kernels (decode steps)
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """A host copy of `x` started without waiting (pinned memory on CUDA): valid once the
+    step's `done` event has completed."""
+    if x.device.type != "cuda":
+        return x
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return out.copy_(x, non_blocking=True)
+
+
+@dataclass
+class StepTiming:
+    """Cumulative timing of the scheduler loop (in `stats()`, so /get_server_info shows it).
+
+    On a GPU each decode step is bracketed by two CUDA events (start before its kernels, end
+    after the sampled tokens' copy to the host): `decode_device_s` is the device's time for the
+    decode steps, `wait_s` the host's time blocked on a step still running, `loop_s` the wall
+    time of the loop's working iterations. Device time near `loop_s` means the GPU bounds the
+    loop; device time well below it, with `wait_s` near 0, means host work (scheduling,
+    bookkeeping, HTTP in the same process) does."""
+
+    loop_s: float = 0.0
+    wait_s: float = 0.0
+    decode_steps: int = 0
+    """Decode steps timed on the device (GPU only)."""
+    decode_rows: int = 0
+    decode_device_s: float = 0.0
+
+    def mark(self, device: torch.device) -> Any:
+        """A recorded timing event on a GPU (the start of a decode step); None elsewhere."""
+        if device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stats(self) -> dict[str, float | int]:
+        return {
+            "loop_s": round(self.loop_s, 4),
+            "host_wait_s": round(self.wait_s, 4),
+            "decode_steps_timed": self.decode_steps,
+            "decode_rows_timed": self.decode_rows,
+            "decode_device_s": round(self.decode_device_s, 4),
+        }
 
 
 class Scheduler:
@@ -179,6 +225,8 @@ class Scheduler:
         """Running requests re-queued because the KV cache ran out of blocks (each logged)."""
         self.wasted_rows = 0
         """Decode rows computed for requests that had already stopped (overlap; dropped)."""
+        self.timing = StepTiming()
+        """Where the decode loop's time goes: device time of the steps, host waits for them."""
 
     def start(self) -> None:
         self._thread.start()
@@ -221,6 +269,7 @@ class Scheduler:
             "prefix_evictions": pool.evictions,
             "kv_blocks_free": pool.available,
             "kv_blocks_total": pool.num_blocks - 1,
+            **self.timing.stats(),
         }
 
     # ---- commands (run on the scheduler thread through call()) --------------------------------
@@ -315,7 +364,9 @@ class Scheduler:
             if self._paused:
                 self._guarded(self._drain)
                 continue
+            started = time.perf_counter()
             self._guarded(self._step)
+            self.timing.loop_s += time.perf_counter() - started
         why = self.fatal or "engine shutting down"
         self._pending = None
         for r in [*self._running, *self._waiting]:
@@ -448,7 +499,7 @@ class Scheduler:
             index.append(row[id(lead if lead is not None else r)])
             self.cached_tokens += r.cached_tokens
             del r._lead, r._compute  # type: ignore[attr-defined]
-        logits = logits[torch.tensor(index, device=logits.device)]
+        logits = logits[to_device(torch.tensor(index), logits.device)]
         for r in admitted:
             r.issued = len(r.output_ids)
         self._pending = self._sample(admitted, logits)
@@ -481,17 +532,20 @@ class Scheduler:
                 row_of = {id(r): i for i, r in enumerate(prev)}
                 idx = [row_of.get(id(r), -1) for r in rows]
                 if -1 not in idx:
-                    ids = pending.tokens[torch.tensor(idx).to(pending.tokens.device)]
+                    ids = pending.tokens[to_device(torch.tensor(idx), pending.tokens.device)]
         if ids is None:
             self._drain()
             rows, positions, slots, _ = self._decode_batch()
             if not rows:
                 return None
             ids = torch.tensor([r.output_ids[-1] for r in rows], dtype=torch.long)
-            ids = ids.to(self.runner.device)
+            ids = to_device(ids, self.runner.device)
         slots_t = torch.tensor(slots, dtype=torch.long)
+        started = self.timing.mark(self.runner.device)
         logits = self.runner.decode(ids, torch.tensor(positions), self._bt[slots_t])
-        return self._sample(rows, logits, slots_t)
+        step = self._sample(rows, logits, slots_t)
+        step.started = started
+        return step
 
     def _decode_batch(self):
         """One pass over running: the rows to decode, their positions and slots, and the rows
@@ -544,29 +598,31 @@ class Scheduler:
                 ban_ids += list(r.stop_set)
         if ban_rows:
             # Out of place: the runner's logits are a graph's output or inference tensors.
+            dev = logits.device
             logits = logits.index_put(
-                (
-                    torch.tensor(ban_rows, device=logits.device),
-                    torch.tensor(ban_ids, device=logits.device),
-                ),
-                torch.tensor(float("-inf"), device=logits.device),
+                (to_device(torch.tensor(ban_rows), dev), to_device(torch.tensor(ban_ids), dev)),
+                torch.full((), float("-inf"), dtype=logits.dtype, device=dev),
             )
         # (row, seed, position of the last token in the sequence: SGLang's for the seeded draw)
         seeded = [
             (i, r.seed, len(r.input_ids) + r.issued - 1) for i, r in extras if r.seed is not None
         ]
         tokens, logprobs = sample(
-            logits, temperature, top_k, top_p, self._gen, seeded or None, self.runner.seeded_draw
+            logits,
+            temperature,
+            top_k,
+            top_p,
+            self._gen,
+            seeded or None,
+            self.runner.seeded_draw,
+            self.runner.picks,
         )
         tops = self._top_logprobs(extras, logits, temperature)
         cuda = tokens.device.type == "cuda"
-        tok_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
-        lp_host = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=cuda)
-        tok_host.copy_(tokens, non_blocking=cuda)
-        lp_host.copy_(logprobs, non_blocking=cuda)
+        tok_host, lp_host = _to_host(tokens), _to_host(logprobs)
         done = None
         if cuda:
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record()
         for r in rows:
             r.issued += 1
@@ -578,7 +634,13 @@ class Scheduler:
         if step is None:
             return
         if step.done is not None:
+            waited = time.perf_counter()
             step.done.synchronize()
+            self.timing.wait_s += time.perf_counter() - waited
+        if step.started is not None:
+            self.timing.decode_steps += 1
+            self.timing.decode_rows += len(step.rows)
+            self.timing.decode_device_s += step.started.elapsed_time(step.done) / 1e3
         for i, (r, tok, lp) in enumerate(
             zip(step.rows, step.tokens_host.tolist(), step.logprobs_host.tolist(), strict=True)
         ):
@@ -589,7 +651,8 @@ class Scheduler:
             r.output_logprobs.append(lp)
             r.output_versions.append(step.version)
             if r.top_logprobs_num:
-                r.output_top.append(step.tops[i])
+                values, ids = step.tops[i]
+                r.output_top.append(list(zip(values.tolist(), ids.tolist(), strict=True)))
             r.finish_reason = self._check_stop(r, tok)
             if r.on_token is not None:
                 r.on_token(r)
@@ -598,14 +661,14 @@ class Scheduler:
     @staticmethod
     def _top_logprobs(rows, logits: torch.Tensor, temperature: torch.Tensor) -> dict:
         """The N best (logprob, token) of each row (index, request) that asks, at its
-        temperature (greedy: 1)."""
+        temperature (greedy: 1): host copies started now, read by `_drain` once the step is done
+        (reading them here would wait for the step just launched)."""
         out = {}
         for i, r in rows:
             if r.top_logprobs_num:
                 t = float(temperature[i])
                 lp = torch.log_softmax(logits[i].float() / (t if t >= 1e-5 else 1.0), -1)
-                v, idx = lp.topk(min(r.top_logprobs_num, lp.shape[-1]))
-                out[i] = list(zip(v.tolist(), idx.tolist(), strict=True))
+                out[i] = tuple(_to_host(x) for x in lp.topk(min(r.top_logprobs_num, lp.shape[-1])))
         return out
 
     def _check_stop(self, r: Request, tok: int) -> dict[str, Any] | None:

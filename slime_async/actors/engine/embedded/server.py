@@ -181,8 +181,8 @@ class EmbeddedEngine:
         )
         self.runner.keep_prefixes_on_update = emb.strict_sglang
         t0 = time.perf_counter()
-        if self.runner.warm_seeded_draw():
-            log.info("compiled the seeded draw in %.1f s", time.perf_counter() - t0)
+        if self.runner.warm_sampling():
+            log.info("compiled the sampler's kernels in %.1f s", time.perf_counter() - t0)
         if emb.cuda_graphs and self.device.type == "cuda":
             t0 = time.perf_counter()
             try:
@@ -673,6 +673,7 @@ class EmbeddedEngine:
                 "decode_steps": self.scheduler.steps,
                 **self.scheduler.stats(),
                 "decode_attention": self.runner.decode_attention,
+                "cuda_graph_batch_sizes": self.runner.graphs.sizes if self.runner.graphs else [],
                 "memory": self.runner.memory_info(),
                 "ignored_fields": self.ignored_fields,
                 "routed_unavailable": self.routed_unavailable,
