@@ -51,10 +51,20 @@ prompt cache is flushed before each run.
         --grpo-fanout both --grpo-top-p 1.0,0.95
 
 Kernels (`--kernels`, GPU): the paged Triton decode kernel against SDPA over gathered blocks at
-1 / 64 / 256 requests and 160 / 1,024 tokens each (the attention alone, one layer), and the
-runner's whole decode step replayed from its CUDA graph (no HTTP, no scheduler).
+1 / 64 / 256 requests and 160 / 1,024 tokens each (the attention alone, one layer), the
+runner's whole decode step replayed from its CUDA graph (no HTTP, no scheduler) up to 4,096
+tokens with each step's roofline, and a profile of the step's kernels and of the sampler.
 
     python bench/bench_engine.py --kernels --model qwen3-0.5b --device cuda
+
+Under each generation and GRPO row: the engine loop's timing from /get_server_info (device time
+of the decode steps from CUDA events, the host's waits, the device's share of the loop) and the
+decode steps against the roofline of a step of their mean batch. `--scheduler` runs the
+scheduler and runner in this process without HTTP (`--trace DIR`: a profiler trace and the
+host's top functions); `--spy SECONDS` samples the engine process with py-spy during each run.
+
+    python bench/bench_engine.py --scheduler --model qwen3-0.5b --device cuda --batches 1,256
+    python bench/bench_engine.py --grpo --model qwen3-0.5b --device cuda --spy 4
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -271,6 +282,8 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
         for b in batches:
             prompts = prompts_for(b, args.prompt_len, vocab)
             before = server_info(url)
+            spy_out = work / f"spy_{b}.txt"
+            spy = spy_start(child.proc.pid, args.spy, spy_out) if args.spy else None
             eng, timed_before = asyncio.run(engine_tokens_per_s(url, prompts, args.new_tokens))
             after = server_info(url)
             prefilled = after["prefill_tokens"] - before["prefill_tokens"]
@@ -291,15 +304,25 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
             row["ratio_engine_over_hf"] = eng / ref if ref else None
             row["prompt_tokens_prefilled"] = prefilled  # the warm-up and the timed run
             row["engine_loop"] = timing  # the timed run only
+            row["decode_steps_of_roofline"] = decode_steps_of_roofline(
+                timing, shape, args.prompt_len, args.new_tokens, args.hbm_tbps
+            )
             rows.append(row)
             write_json(args.json, {"rows": rows, "hbm_tbps": args.hbm_tbps}, partial=True)
             print(
                 f"batch {b:4d}: engine {eng:9.1f} tok/s   HF generate {fmt(ref, '9.1f')} tok/s   "
                 f"ratio {fmt(row['ratio_engine_over_hf'], '5.2f')}x   roofline "
                 f"{row['roofline_tokens_per_s']:9.1f} tok/s "
-                f"(engine {row['engine_of_roofline']:.3g} of it)\n    {describe_loop(timing)}",
+                f"(engine {row['engine_of_roofline']:.3g} of it)\n    {describe_loop(timing)}"
+                + (
+                    f"\n    decode steps alone at {row['decode_steps_of_roofline']:.2f} of the "
+                    "roofline of a step of their mean batch"
+                    if row["decode_steps_of_roofline"]
+                    else ""
+                ),
                 flush=True,
             )
+            spy_report(spy, spy_out)
     finally:
         child.stop()
     name = (
@@ -403,6 +426,94 @@ def loop_timing(before: dict, after: dict) -> dict:
     }
 
 
+def py_spy() -> str | None:
+    """py-spy's executable: on PATH, or where bench/gpu_suite.sh installs the wheels of .whl/."""
+    import shutil
+
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    for site in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        exe = Path(site) / "bin" / "py-spy"
+        if site and exe.is_file():
+            return str(exe)
+    return None
+
+
+def spy_start(pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
+    """Sample the engine process `pid` with py-spy for `seconds` (raw collapsed stacks to
+    `out`); None, with a message, when py-spy is not installed."""
+    exe = py_spy()
+    if exe is None:
+        print("--spy: py-spy is not installed (pip install py-spy, or its wheel in .whl/)")
+        return None
+    secs = str(max(1, round(seconds)))  # py-spy takes whole seconds
+    cmd = [exe, "record", "-d", secs, "-r", "200", "-p", str(pid), "--format", "raw"]
+    return subprocess.Popen(
+        [*cmd, "-o", str(out), "--nonblocking"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def spy_summary(raw: str, thread: str = "Scheduler._loop", top: int = 12) -> str:
+    """py-spy's raw stacks ("frame;frame;... count" lines) of the samples whose stack holds
+    `thread` (the engine's scheduler loop): the frames most often on top (self) and on the stack
+    (inclusive), as shares of those samples. A host blocked in a copy or a sync shows as the
+    frame that called it."""
+    own: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.strip().rpartition(" ")
+        if not stack or not count.isdigit() or thread not in stack:
+            continue
+        n, frames = int(count), stack.split(";")
+        total += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + n
+    if not total:
+        return f"py-spy: no samples of {thread}"
+    lines = [f"py-spy: {total} samples of {thread}; on top of the stack:"]
+    for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {n / total:6.1%}  {f}")
+    lines.append("  on the stack:")
+    skip = ("Thread.", "Scheduler._loop", "Scheduler._guarded")
+    ranked = [(f, n) for f, n in incl.items() if not f.startswith(skip)]
+    for f, n in sorted(ranked, key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {n / total:6.1%}  {f}")
+    return "\n".join(lines)
+
+
+def spy_report(spy: subprocess.Popen | None, out: Path) -> None:
+    if spy is None:
+        return
+    try:
+        _, err = spy.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        print("--spy: py-spy did not finish in 120 s")
+        return
+    if not out.is_file():
+        print(f"--spy: py-spy wrote no profile ({err.decode(errors='replace').strip()[-300:]})")
+        return
+    print(spy_summary(out.read_text()))
+
+
+def decode_steps_of_roofline(
+    t: dict, shape: roofline.DecodeShape, prompt_len: int, new: int, hbm: float
+) -> float | None:
+    """The decode steps' device time against the roofline of a step of their mean batch (the
+    run's prefill and HTTP left out): what a long-context run that prefills its prompts inside
+    the timed run still says about the decode. None without device timing (CPU)."""
+    if not t["decode_steps"] or not t["decode_device_ms_per_step"]:
+        return None
+    batch = max(1, round(t["mean_decode_batch"]))
+    limit = roofline.decode_roofline(shape, batch, prompt_len, new, hbm)["roofline_step_ms"]
+    return limit / t["decode_device_ms_per_step"]
+
+
 def describe_loop(t: dict) -> str:
     if not t["decode_steps"]:
         return f"engine loop {t['loop_s']:.3f} s (no decode step timed on a device)"
@@ -448,6 +559,8 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
             for fanout in fanouts:
                 for top_p in top_ps:
                     before = server_info(url)
+                    spy_out = work / f"spy_{sharing}_{fanout}_{top_p}.txt"
+                    spy = spy_start(child.proc.pid, args.spy, spy_out) if args.spy else None
                     tps, tokens, dt = asyncio.run(
                         grpo_tokens_per_s(url, prompts, args.grpo_n, new, top_p, fanout)
                     )
@@ -478,6 +591,7 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
                         f"{max(info.get('cuda_graph_batch_sizes') or [0])}",
                         flush=True,
                     )
+                    spy_report(spy, spy_out)
         finally:
             child.stop()
     print(
@@ -1058,6 +1172,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the scheduler and runner in this process, no HTTP (tokens/s and loop timing)",
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="--scheduler's sampling")
+    ap.add_argument(
+        "--spy",
+        type=float,
+        default=0.0,
+        help="generation and GRPO runs: sample the engine with py-spy for this many seconds from "
+        "the start of each run and print where its scheduler thread spends them",
+    )
     ap.add_argument("--trace", help="--scheduler: write a profiler trace of the largest batch here")
     return ap
 

@@ -9,6 +9,9 @@
 #          unseeded vs seeded, top_p 1.0 and 0.95), the decode kernels, the throughput
 #          table (1/64/128/256 concurrent vs HF generate); engine_grpo: the GRPO-shaped load with
 #          prompt sharing on and off, and peak memory against engine.embedded.mem_fraction
+#   engine_ab the engine before and after a change on one machine: the GRPO load (AB_TOP_P) and
+#          greedy at AB_BATCHES (default 1,256) for ENGINE_AB_BASE (a checkout carried with the tree,
+#          default .base) and for this tree, back to back; HBM_TBPS sets the rooflines (4.8: H200)
 #   learner the learner on one GPU: its -m gpu tests (megatron optimizer vs MasterAdamW, packed
 #          vs padded, recomputation, export after DistributedOptimizer steps, resume, the
 #          Triton log-prob kernels), then bench_learner.py --full (0.51B Qwen3 shape, 8 x 1,024
@@ -111,6 +114,27 @@ for part in $SUITE; do
       timeout "${TABLE_S:-300}" python3 bench/bench_engine.py --model qwen3-0.5b --device cuda \
         --dtype bfloat16 --batches 1,64,128,256 --new-tokens 128 2>&1 | grep -v -i warn \
         | tee "$OUT/engine_table.log" | tail -12 ;;
+    engine_ab)
+      # The engine before and after a change on this one machine: ENGINE_AB_BASE is a checkout of
+      # the other code carried with the tree (git worktree add --detach .base main; carry .base).
+      base=${ENGINE_AB_BASE:-.base}
+      [[ -f $base/bench/bench_engine.py ]] || { echo "engine_ab: no checkout at $base"; continue; }
+      out=$(cd "$OUT" && pwd)
+      n=0
+      for load in "--grpo --grpo-sharing on --grpo-fanout n --grpo-top-p ${AB_TOP_P:-1.0}" \
+                  "--batches ${AB_BATCHES:-1,256} --new-tokens 128"; do
+        for tree in "$base" .; do
+          n=$((n + 1))
+          log="$out/engine_ab_$n.log"
+          echo "== engine_ab $tree: $load (log $log)"
+          # shellcheck disable=SC2086
+          (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout "${AB_S:-90}" python3 \
+            bench/bench_engine.py --model qwen3-0.5b --device cuda --dtype bfloat16 \
+            --hbm-tbps "${HBM_TBPS:-4.8}" $load >"$log" 2>&1)
+          echo "exit $?"
+          grep -v -i warn "$log" | grep -A1 "^batch\|prefix_sharing=" | grep -v "^--"
+        done
+      done ;;
     engine_grpo)
       echo "== GRPO-shaped load, prompt sharing on and off"
       timeout "${GRPO_S:-400}" python3 bench/bench_engine.py --grpo --model qwen3-0.5b \

@@ -115,6 +115,10 @@ def test_a_full_cache_retracts_and_recomputes(qwen3):
         sched.stop()
     _assert_hf(hf, reqs, prompts, [14] * 4)
     assert sched.retractions >= 1
+    stats = sched.stats()
+    # The loop's timing: wall time of its working iterations; device events only on a GPU.
+    assert stats["loop_s"] > 0 and stats["retractions"] == sched.retractions
+    assert stats["decode_steps_timed"] == 0 and stats["decode_device_s"] == 0
 
 
 def test_shared_prompts_are_prefilled_once_and_flushed_with_new_weights(qwen3, tmp_path):

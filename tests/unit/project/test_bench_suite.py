@@ -70,6 +70,49 @@ def test_decode_roofline_of_the_06b_shape_matches_the_documented_estimate():
     assert whole["roofline_tokens_per_s"] > last["roofline_tokens_per_s"]
 
 
+def test_the_engine_loops_timing_and_its_decode_steps_against_their_roofline():
+    """bench_engine reads the engine's loop timing between two /get_server_info answers and
+    puts the decode steps' device time against the roofline of a step of their mean batch."""
+    before = {"loop_s": 1.0, "host_wait_s": 0.5, "decode_steps_timed": 10,
+              "decode_rows_timed": 100, "decode_device_s": 0.2}  # fmt: skip
+    after = {"loop_s": 3.0, "host_wait_s": 0.75, "decode_steps_timed": 110,
+             "decode_rows_timed": 3300, "decode_device_s": 1.8}  # fmt: skip
+    t = bench_engine.loop_timing(before, after)
+    assert t["decode_steps"] == 100 and t["mean_decode_batch"] == 32
+    assert t["decode_device_ms_per_step"] == pytest.approx(16.0)
+    assert t["device_share_of_loop"] == pytest.approx(0.8)
+    assert "100 decode steps (mean batch 32.0)" in bench_engine.describe_loop(t)
+    shape = roofline.DecodeShape(params=1000, dtype_bytes=2, layers=2, kv_heads=1, head_dim=4)
+    limit = roofline.decode_roofline(shape, 32, 3, 2, 1e-9)["roofline_step_ms"]
+    got = bench_engine.decode_steps_of_roofline(t, shape, 3, 2, 1e-9)
+    assert got == pytest.approx(limit / 16.0)
+    cpu = bench_engine.loop_timing({}, {"loop_s": 0.5})
+    assert bench_engine.decode_steps_of_roofline(cpu, shape, 3, 2, 1.0) is None
+    assert "no decode step timed" in bench_engine.describe_loop(cpu)
+
+
+def test_spy_summary_ranks_the_scheduler_threads_frames():
+    """bench_engine --spy: py-spy's raw stacks of the scheduler thread, ranked on top of the stack
+    and on it; other threads' samples are left out."""
+    loop = "Thread.run (threading.py:1);Scheduler._loop (s.py:1);Scheduler._guarded (s.py:2)"
+    raw = "\n".join(
+        [
+            f"{loop};Scheduler._launch (s.py:9);sample (sampling.py:267) 6",
+            f"{loop};Scheduler._drain (s.py:20) 3",
+            f"{loop};Scheduler._launch (s.py:9);DecodeGraphs.run (g.py:5) 1",
+            "main (engine.py:1);EpollSelector.select (selectors.py:468) 50",
+            "garbage line",
+        ]
+    )
+    text = bench_engine.spy_summary(raw)
+    assert text.startswith("py-spy: 10 samples of Scheduler._loop")
+    top, stack = text.split("on the stack:")
+    assert top.index("60.0%  sample (sampling.py:267)") < top.index("30.0%  Scheduler._drain")
+    assert "70.0%  Scheduler._launch (s.py:9)" in stack and "Epoll" not in text
+    assert "Scheduler._guarded" not in stack
+    assert bench_engine.spy_summary("main (x.py:1) 4") == "py-spy: no samples of Scheduler._loop"
+
+
 def test_decode_roofline_refuses_empty_shapes():
     shape = roofline.DecodeShape(1, 2, 1, 1, 1)
     with pytest.raises(ValueError, match="new_tokens 0"):
