@@ -288,7 +288,7 @@ def test_store_kv_kernel_in_triton_interpreter():
     slots = torch.tensor([17, 3, 40, 4, 31])
     got = [torch.zeros(6, 8, hkv, d) for _ in range(2)]
     want = [torch.zeros(6, 8, hkv, d) for _ in range(2)]
-    attention.store_kv(*got, slots, k, v)
+    attention.write_kv(*got, slots, k, v, kernel=True)
     for cache, x in zip(want, (k, v), strict=True):
         cache.view(-1, hkv, d).index_copy_(0, slots, x)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

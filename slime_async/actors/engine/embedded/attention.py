@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
@@ -43,46 +44,27 @@ def write_kv(
     slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    kernel: bool | None = None,
 ) -> None:
-    """Store k, v: [T, Hkv, D] at flat cache slots [T] (block * B + offset). On CUDA one Triton
-    kernel stores both (reading k and v where they are, strided views of the q|k|v output
-    included); elsewhere two index copies."""
-    if triton is not None and k.device.type == "cuda" and k.dtype == k_cache.dtype == v.dtype:
-        store_kv(k_cache, v_cache, slots, k, v)
+    """Store k, v: [T, Hkv, D] at flat cache slots [T] (block * B + offset). `kernel` (None: on
+    CUDA with Triton, same dtypes): one Triton kernel stores both, reading k and v where they are
+    (strided views of the q|k|v output included); otherwise two index copies."""
+    if kernel is None:
+        kernel = triton is not None and k.device.type == "cuda"
+        kernel = kernel and k.dtype == v.dtype == k_cache.dtype
+    if not kernel:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
         return
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
-
-
-def store_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> None:
-    """`write_kv` as one Triton kernel: program t copies token t's K and V rows ([Hkv, D],
-    unit stride in D) to cache slot `slots[t]` of both caches."""
     T, hkv, d = k.shape
     if T == 0:
         return
     if k.stride(2) != 1 or v.stride(2) != 1:
         k, v = k.contiguous(), v.contiguous()
-    width = hkv * d
     _store_kv_kernel[(T,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slots,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        D=d,
-        WIDTH=width,
-        WP=triton.next_power_of_2(width),
-    )
+        k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        D=d, WIDTH=hkv * d, WP=triton.next_power_of_2(hkv * d),
+    )  # fmt: skip
 
 
 def gathered_attention(
@@ -395,14 +377,18 @@ than one 16-token block at a time)."""
 MAX_SPLITS = 16
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_splits(n: int, kv_heads: int, device: torch.device) -> int:
     """How many splits of the keys each (request, KV head) gets: enough programs to fill the GPU
     about twice when the batch alone cannot (one request: up to MAX_SPLITS; 256 requests: 1).
     Fixed by the batch size only, so a CUDA graph captured for a bucket keeps it."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-2 * sms // max(1, n * kv_heads))
+    want = -(-2 * _multiprocessors(device) // max(1, n * kv_heads))
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(want) if want > 1 else 1))
 
 

@@ -219,10 +219,11 @@ def temperature_pick(
     """Rows at their temperature, unfiltered: the draw from softmax(logits / T) by the
     exponential race `argmax(p / q)` with q ~ Exp(1) (`noise` [n, V] fp32, as torch.multinomial
     draws one sample), taken as `argmax(logits / T - log q)`; greedy rows (`greedy`, their
-    temperature 1) take the argmax. Returns (tokens, log_softmax(logits / T) of each)."""
+    temperature 1) take q = 1, i.e. the argmax, in the same pass. Returns (tokens,
+    log_softmax(logits / T) of each)."""
     x = logits.float() / temperature[:, None]
-    drawn = (x - noise.clamp_min(torch.finfo(torch.float32).tiny).log()).argmax(-1)
-    tok = torch.where(greedy, x.argmax(-1), drawn)
+    q = torch.where(greedy[:, None], 1.0, noise.clamp_min(torch.finfo(torch.float32).tiny))
+    tok = (x - q.log()).argmax(-1)
     return tok, x.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
 
 
