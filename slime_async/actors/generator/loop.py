@@ -25,7 +25,8 @@ redone from its prompt up to `group_redos` times, then dropped: not pushed, its 
 done. Every failed attempt is logged with the plug-in's name, the sample id, the exception type
 and the traceback, and counted; when `max_plugin_errors` of the last `plugin_error_window` group
 attempts failed, the generator stops with `GeneratorError` (a rate, not a total over the run).
-A group the buffer stored but dropped at once as too stale (`AckStatus.STALE`) is counted as
+A group the buffer stored but dropped at once (`AckStatus.STALE`: beyond max_staleness, or with
+buffer.fixed_lag too late or spanning a weight update; the buffer logs which) is counted as
 dropped (`gen/groups_stale`), never as pushed.
 
 Lifecycle: `generator.lifecycle` is set up once before the first group and torn down once at
@@ -387,7 +388,12 @@ class Generator:
             # The grant was used up and the id is retired, so the prompt is not redone.
             self._totals["groups_stale"] += 1
             self._totals["groups_dropped"] += 1
-            log.warning("group %s dropped by the buffer as too stale (buffer.max_staleness)", gid)
+            log.warning(
+                "group %s dropped by the buffer at arrival: beyond buffer.max_staleness, or with "
+                "buffer.fixed_lag too late or spanning a weight update (the buffer's log names "
+                "which)",
+                gid,
+            )
             self.cursor.mark_done(item.k)
             self.store.save(self.cursor)
             return
