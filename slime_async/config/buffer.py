@@ -116,15 +116,17 @@ class BufferConfig(Section):
     first version: (fixed_lag + 1) x groups_per_step, the batches of the first steps, whose lag
     ramps 0, 1, ..., fixed_lag - 1 since no older policy exists), the buffer delivers at version
     v only groups generated at v - fixed_lag, drops later ones ("fixed_lag_late") and groups whose
-    tokens span versions ("fixed_lag_spans_versions"), and the learner holds each push until the
-    groups of the version the engines serve have arrived, so no rollout crosses a weight update.
+    tokens span versions ("fixed_lag_spans_versions"), and the learner holds each push, the last
+    one too, until the groups of the version the engines serve have arrived, so no rollout
+    crosses a weight update (the generators must run until the learner has finished: a
+    generator.num_epochs that ends their data earlier stops the run at fixed_lag_timeout_s).
     Every batch makes a version, also one whose updates were all skipped (zero gradient: it keeps
     the weights). 0 is synchronous on-policy RL. Needs push.interval = 1 and max_staleness >= it.
     fixed_lag_timeout_s also bounds the learner's wait for a batch."""
     fixed_lag_timeout_s: float = Field(600.0, gt=0)
     """With fixed_lag: longest the learner waits for the groups of the current version before
-    pushing the next one, and for a batch; past it the learner stops with an error naming the
-    version."""
+    pushing the next one (the last push too), and for a batch; past it the learner stops with an
+    error naming the version."""
 
 
 def is_loopback(endpoint: str) -> bool:

@@ -478,7 +478,7 @@ def _train(
         holds: dict[str, float] = {}
         if has_pusher and due and learner.version != pushed:
             if rank0 is not None:  # the other ranks wait in the export's collectives
-                holds = _hold_push(cfg, rank0, pushed, last)
+                holds = _hold_push(cfg, rank0, pushed)
             push_s += _push(learner, rank0, cfg.push.bucket_bytes)
             pushed = learner.version
         if has_pusher:  # a failed push, or an engine that restarted: the current weights again
@@ -593,9 +593,13 @@ def _wait_eval(cfg: SlimeConfig, rank0: _Rank0) -> tuple[float, dict[str, Any]]:
     return time.perf_counter() - t0, result
 
 
-def _hold_push(cfg: SlimeConfig, rank0: _Rank0, serving: int, last: bool) -> dict[str, float]:
+def _hold_push(cfg: SlimeConfig, rank0: _Rank0, serving: int) -> dict[str, float]:
     """Before the engines leave version `serving`: wait for its pinned evaluation, and with
-    buffer.fixed_lag for the groups generated at it (none of them may cross the update)."""
+    buffer.fixed_lag for the groups generated at it (none of them may cross the update). The
+    last push too: with a lag > 0 the run never trains those groups, but a rollout still running
+    at `serving` would cross the update and be dropped. The generators fill the last quota like
+    any other: they run until the learner has finished (unless generator.num_epochs ends their
+    data first: the timeout's error asks)."""
     out: dict[str, float] = {}
     if rank0.eval_pending is not None:
         out[M.EVAL_HOLD_S], result = _wait_eval(cfg, rank0)
@@ -603,7 +607,7 @@ def _hold_push(cfg: SlimeConfig, rank0: _Rank0, serving: int, last: bool) -> dic
         out.update(
             {k: v for k, v in (result.get("metrics") or {}).items() if isinstance(v, int | float)}
         )
-    if cfg.buffer.fixed_lag is not None and not last:
+    if cfg.buffer.fixed_lag is not None:
         t0, limit = time.perf_counter(), cfg.buffer.fixed_lag_timeout_s
         while True:
             fl = rank0.consumer.stats().get("fixed_lag") or {}
@@ -612,7 +616,9 @@ def _hold_push(cfg: SlimeConfig, rank0: _Rank0, serving: int, last: bool) -> dic
             if time.perf_counter() - t0 > limit:
                 raise RuntimeError(
                     f"buffer.fixed_lag: {fl.get('arrived')} of the {fl.get('quota')} groups of "
-                    f"version {serving} arrived within buffer.fixed_lag_timeout_s = {limit}s"
+                    f"version {serving} arrived within buffer.fixed_lag_timeout_s = {limit}s "
+                    "(every version's groups are generated, the last one's too: did the "
+                    "generators stop, or run out of data with generator.num_epochs?)"
                 )
             time.sleep(0.02)
         out[M.FIXED_LAG_WAIT_S] = time.perf_counter() - t0
