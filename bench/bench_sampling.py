@@ -1,7 +1,8 @@
 """The embedded engine's token draw, one decode step's worth: unseeded rows against seeded rows
 (SGLang's seeded Gumbel-max, what a request with `sampling_seed` and every pinned evaluation
-pays), eager and compiled (the runner compiles the seeded draw and the unfiltered picks on a
-GPU, which read the graph's bf16 logits), each beside the memory-bandwidth floor of reading
+pays), eager and compiled (on a GPU the runner compiles the seeded draw and runs the
+unfiltered picks as the Triton kernels of pick_kernels.py over the graph's bf16 logits; the
+same picks torch.compile'd for comparison), each beside the memory-bandwidth floor of reading
 the step's float32 logits once. `--temperature 0` times the greedy draw.
 
     python bench/bench_sampling.py --device cuda                     # 256 rows, vocab 64 and 151,936
@@ -20,6 +21,7 @@ import time
 
 import torch
 
+from slime_async.actors.engine.embedded import pick_kernels
 from slime_async.actors.engine.embedded.sampling import (
     Picks,
     greedy_pick,
@@ -60,8 +62,12 @@ def _rows(vocab: int, n: int, dev: torch.device, args, compiled) -> list[str]:
     }
     if cuda:  # the runner compiles the seeded draw and the picks on a GPU only
         half = logits.bfloat16()
-        variants["unseeded, compiled picks (the engine's), bf16 logits"] = lambda: sample(
+        variants["unseeded, torch.compile'd picks, bf16 logits"] = lambda: sample(
             half, *params, picks=compiled[1]
+        )
+        kernels = Picks(pick_kernels.greedy_pick, pick_kernels.temperature_pick)
+        variants["unseeded, pick kernels (the engine's), bf16 logits"] = lambda: sample(
+            half, *params, picks=kernels
         )
         variants["seeded, compiled"] = lambda: sample(
             logits, *params, seeded=seeded, seeded_draw=compiled[0]

@@ -6,14 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slime_async.actors.engine.embedded import attention
+from slime_async.actors.engine.embedded import attention, pick_kernels
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
 from slime_async.actors.engine.embedded.sampling import (
     SamplingParams,
     greedy_pick,
     sample,
     seeded_argmax,
-    temperature_pick,
 )
 from slime_async.actors.engine.embedded.scheduler import Scheduler
 from slime_async.models.toy import make_tiny_model
@@ -47,26 +46,34 @@ def test_paged_decode_kernel_on_gpu(dtype, splits):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_compiled_picks_equal_eager_on_bf16_logits():
-    """The runner's compiled greedy and temperature picks (bf16 logits upcast inside) give the
-    eager picks' tokens and log-probs at Qwen's vocabulary."""
+def test_pick_kernels_equal_the_eager_picks_on_bf16_logits():
+    """The runner's pick kernels (one pass over bf16 logits at Qwen's vocabulary): the greedy
+    token is the eager argmax (ties in bf16 included), every log-prob is log_softmax(x / T) of
+    its token, and draws at a small vocabulary follow softmax(x / T)."""
     g = torch.Generator(device="cuda").manual_seed(5)
-    logits = (torch.randn(64, 151_936, generator=g, device="cuda") * 4).bfloat16()
-    greedy_c = torch.compile(greedy_pick, dynamic=True)
-    temp_c = torch.compile(temperature_pick, dynamic=True)
-    (ta, la), (tb, lb) = greedy_pick(logits), greedy_c(logits)
+    logits = (torch.randn(256, 151_936, generator=g, device="cuda") * 4).bfloat16()
+    (ta, la), (tb, lb) = greedy_pick(logits), pick_kernels.greedy_pick(logits)
     assert torch.equal(ta, tb)
     torch.testing.assert_close(la, lb, atol=1e-4, rtol=0)
-    temp = torch.full((64,), 0.7, device="cuda")
-    greedy = torch.arange(64, device="cuda") % 4 == 0
-    noise = torch.empty(logits.shape, device="cuda").exponential_(generator=g)
-    (ta, la), (tb, lb) = (
-        temperature_pick(logits, temp, greedy, noise),
-        temp_c(logits, temp, greedy, noise),
+    temp = torch.full((256,), 0.7, device="cuda")
+    greedy = torch.arange(256, device="cuda") % 4 == 0
+    temp[greedy] = 1.0
+    tok, lp = pick_kernels.temperature_pick(logits, temp, greedy, g)
+    assert torch.equal(tok[greedy], ta[greedy])
+    ref = torch.log_softmax(logits.float() / temp[:, None], -1).gather(1, tok[:, None])[:, 0]
+    torch.testing.assert_close(lp, ref, atol=1e-4, rtol=0)
+    n, row = 20_000, torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf")], device="cuda")
+    tok, _ = pick_kernels.temperature_pick(
+        row.expand(n, -1).contiguous(),
+        torch.full((n,), 0.8, device="cuda"),
+        torch.zeros(n, dtype=torch.bool, device="cuda"),
+        g,
     )
-    assert int((ta != tb).sum()) <= 1  # a near-tie may round apart once in a while
-    same = ta == tb
-    torch.testing.assert_close(la[same], lb[same], atol=1e-4, rtol=0)
+    freq = torch.bincount(tok, minlength=5).float().cpu() / n
+    want = torch.softmax(row.cpu() / 0.8, -1)
+    assert freq[4] == 0 and torch.allclose(
+        freq, want, atol=4 * (want * (1 - want) / n).sqrt().max()
+    )
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from slime_async.actors.engine.embedded import attention
+from slime_async.actors.engine.embedded import attention, pick_kernels
 from slime_async.actors.engine.embedded.kv_cache import (
     BlockPool,
     blocks_for_memory,
@@ -46,7 +46,6 @@ from slime_async.actors.engine.embedded.sampling import (
     SeededDraw,
     greedy_pick,
     seeded_argmax,
-    temperature_pick,
 )
 from slime_async.models.families import FAMILIES
 from slime_async.models.family import Family
@@ -111,15 +110,12 @@ class ModelRunner:
         self.seeded_draw: SeededDraw = (
             torch.compile(seeded_argmax, dynamic=True) if compile and cuda else seeded_argmax
         )
-        # The unfiltered draws (greedy, or at a temperature without top-k/top-p): compiled on a
-        # GPU, a few passes over the [rows, V] logits in the model's dtype instead of a float
-        # copy, a log-softmax written out, a softmax and torch.multinomial's own passes.
+        # The unfiltered draws (greedy, or at a temperature without top-k/top-p): on a GPU the
+        # Triton kernels of pick_kernels.py, one pass over the [rows, V] logits in the model's
+        # dtype (checked against the eager picks at start: `warm_sampling`).
         self.picks: Picks = (
-            Picks(
-                torch.compile(greedy_pick, dynamic=True),
-                torch.compile(temperature_pick, dynamic=True),
-            )
-            if compile and cuda
+            Picks(pick_kernels.greedy_pick, pick_kernels.temperature_pick)
+            if cuda and pick_kernels.available(self.device)
             else EAGER_PICKS
         )
         # ---- the paged KV cache
@@ -439,9 +435,10 @@ class ModelRunner:
     @torch.inference_mode()  # as the scheduler calls them: another grad mode recompiles
     def warm_sampling(self) -> bool:
         """Compile the sampler's kernels now rather than at the first request that needs one
-        (seconds in which the whole batch would wait): the seeded draw and the unfiltered picks,
-        for one row and for several (torch compiles a size of 1 apart). False if they run
-        eager; a failed compile is logged and that kernel stays eager (the same draws)."""
+        (seconds in which the whole batch would wait): the seeded draw for one row and for
+        several (torch compiles a size of 1 apart), the pick kernels (checked against the eager
+        picks). False if they run eager; a failed compile or check is logged and that kernel
+        stays eager (the same draws)."""
         compiled = False
         if self.seeded_draw is not seeded_argmax:
             try:
@@ -455,17 +452,39 @@ class ModelRunner:
                 self.seeded_draw = seeded_argmax
         if self.picks is not EAGER_PICKS:
             try:
-                for n in (1, 2):
-                    logits = torch.zeros(n, self.vocab_size, dtype=self.dtype, device=self.device)
-                    ones = torch.ones(n, device=self.device)
-                    self.picks.greedy(logits)
-                    noise = torch.ones(n, self.vocab_size, device=self.device)  # as a draw's
-                    self.picks.temperature(logits, ones, ones > 0, noise)
-                compiled = True
-            except Exception:  # no compiler for this device or build: eager gives the same draws
+                err = self._check_picks()
+            except Exception:
                 log.exception("compiling the sampler's picks failed; they run eagerly")
                 self.picks = EAGER_PICKS
+            else:
+                if err is None:
+                    compiled = True
+                else:
+                    log.error("the sampler's pick kernels failed their check (%s): eager", err)
+                    self.picks = EAGER_PICKS
         return compiled
+
+    def _check_picks(self) -> str | None:
+        """The pick kernels (compiled by this first call) against the eager picks on random
+        logits of this vocabulary: the greedy tokens equal, the log-probs within fp32 rounding;
+        a draw's tokens in range and its log-probs those of its tokens."""
+        g = torch.Generator(device=self.device).manual_seed(0)
+        logits = torch.randn(3, self.vocab_size, generator=g, device=self.device).to(self.dtype)
+        want, lp_want = greedy_pick(logits)
+        got, lp_got = self.picks.greedy(logits)
+        if not torch.equal(got, want) or (lp_got - lp_want).abs().max().item() > 1e-4:
+            return (
+                f"greedy {got.tolist()} / {lp_got.tolist()} != {want.tolist()} / {lp_want.tolist()}"
+            )
+        temp = torch.tensor([1.0, 0.5, 1.0], device=self.device)
+        greedy = torch.tensor([False, False, True], device=self.device)
+        tok, lp = self.picks.temperature(logits, temp, greedy, g)
+        ref = torch.log_softmax(logits.float() / temp[:, None], -1)
+        if not (int(tok.min()) >= 0 and int(tok.max()) < self.vocab_size and tok[2] == want[2]):
+            return f"drawn tokens {tok.tolist()} (greedy row's {want[2].item()})"
+        if (lp - ref.gather(1, tok[:, None])[:, 0]).abs().max().item() > 1e-4:
+            return "drawn tokens' log-probs differ from log_softmax(logits / T)"
+        return None
 
     def capture_cuda_graphs(self) -> list[int]:
         """Capture the decode step for batch sizes 1, 2, 4, 8, 16, 32, ... and max_slots (GPU)."""

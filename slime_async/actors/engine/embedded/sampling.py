@@ -214,13 +214,18 @@ def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def temperature_pick(
-    logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, noise: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows at their temperature, unfiltered: the draw from softmax(logits / T) by the
-    exponential race `argmax(p / q)` with q ~ Exp(1) (`noise` [n, V] fp32, as torch.multinomial
+    exponential race `argmax(p / q)` with q ~ Exp(1) drawn from `generator` (as torch.multinomial
     draws one sample), taken as `argmax(logits / T - log q)`; greedy rows (`greedy`, their
     temperature 1) take q = 1, i.e. the argmax, in the same pass. Returns (tokens,
     log_softmax(logits / T) of each)."""
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    noise.exponential_(generator=generator)
     x = logits.float() / temperature[:, None]
     q = torch.where(greedy[:, None], 1.0, noise.clamp_min(torch.finfo(torch.float32).tiny))
     tok = (x - q.log()).argmax(-1)
@@ -228,7 +233,8 @@ def temperature_pick(
 
 
 class Picks(NamedTuple):
-    """The unfiltered, unseeded draws of `sample` (eager, or compiled copies on a GPU)."""
+    """The unfiltered, unseeded draws of `sample`: these eager ones, or on a GPU the Triton
+    kernels of pick_kernels.py (the same math in one pass over the logits)."""
 
     greedy: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = greedy_pick
     temperature: Callable[..., tuple[torch.Tensor, torch.Tensor]] = temperature_pick
@@ -262,8 +268,8 @@ def sample(
     Each row's logprob is `log_softmax(logits / T)` of its token, unfiltered (module docstring).
     Logits may be in the model's dtype (bf16): every computation upcasts them to fp32.
 
-    Without top-k/top-p and seeds, the batch goes through `picks` (compiled on a GPU: a few
-    passes over the logits): all greedy, or the exponential race of `temperature_pick`.
+    Without top-k/top-p and seeds, the batch goes through `picks` (on a GPU one pass over the
+    logits): all greedy, or the exponential race of `temperature_pick`.
     """
     vocab = logits.shape[-1]
     # The per-row parameters are decided on the host (no device sync); only the math runs there.
@@ -277,8 +283,7 @@ def sample(
     greedy = to_device(greedy_host, dev)
     temp = to_device(torch.where(greedy_host, torch.ones_like(temperature), temperature), dev)
     if not restrict and not seeded:
-        noise = torch.empty(logits.shape, dtype=torch.float32, device=dev)
-        return picks.temperature(logits, temp, greedy, noise.exponential_(generator=generator))
+        return picks.temperature(logits, temp, greedy, generator)
 
     logits = logits.float()
     greedy_tok = logits.argmax(-1)

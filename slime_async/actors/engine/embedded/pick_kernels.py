@@ -1,0 +1,149 @@
+"""The sampler's unfiltered draws as two Triton kernels: one pass over a step's logits.
+
+What `sampling.greedy_pick` and `sampling.temperature_pick` compute, for every row of a decode
+step at once (no top-k/top-p, no seed):
+
+- `_pick_chunks`, program (row, chunk of CHUNK columns): the chunk's max of x = logits / T (fp32),
+  its sum of exp(x - max), its first argmax and, when drawing, its best x + Gumbel noise and where
+  (the noise from Triton's Philox generator, `tl.rand`, keyed by a per-step seed and the element's
+  index: never written to memory).
+- `_pick_rows`, program (row): the chunks combined: logsumexp, the greedy token (the first
+  maximum, as torch.argmax), the drawn token (Gumbel-max: argmax of x + g, a draw from
+  softmax(x)), and the token's log-prob x[token] - logsumexp.
+
+Why: the eager torch version writes the scaled logits, the noise and a log-softmax out in fp32
+and reads them back (a dozen passes over [rows, V]); torch.compile'd with dynamic batch sizes
+it reduced each long row in one program. Here every pass reads the logits (bf16) once.
+The per-step seed is drawn from the scheduler's device generator (`torch.randint` on the device:
+no host sync), so an engine's draws follow its seed as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # the GPU image carries Triton; CPU machines need not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+CHUNK = 4096
+"""Columns of one row per program of the first kernel (37 programs a row at Qwen's 151,936)."""
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pick_chunks(
+        LOGITS, stride_l, INV_T, SEED, PM, PS, PA, PB, PI, V, C,
+        CHUNK: tl.constexpr, SAMPLE: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        valid = cols < V
+        base = row.to(tl.int64) * stride_l
+        x = tl.load(LOGITS + base + cols, mask=valid, other=float("-inf"))
+        x = x.to(tl.float32) * tl.load(INV_T + row)
+        m = tl.max(x, 0)
+        m_ref = tl.where(m == float("-inf"), 0.0, m)  # a chunk of banned (-inf) columns only
+        out = row * C + c
+        tl.store(PM + out, m)
+        tl.store(PS + out, tl.sum(tl.exp(x - m_ref), 0))
+        tl.store(PA + out, c * CHUNK + tl.argmax(x, 0))
+        if SAMPLE:
+            u = tl.rand(tl.load(SEED), row * V + cols)
+            u = tl.minimum(tl.maximum(u, 1.0e-12), 1.0 - 1.0e-7)
+            y = x - tl.log(-tl.log(u))  # + Gumbel(0, 1); -inf stays -inf
+            tl.store(PB + out, tl.max(y, 0))
+            tl.store(PI + out, c * CHUNK + tl.argmax(y, 0))
+
+    @triton.jit
+    def _pick_rows(
+        LOGITS, stride_l, INV_T, GREEDY, PM, PS, PA, PB, PI, TOK, LP, C,
+        CP: tl.constexpr, SAMPLE: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        c = tl.arange(0, CP)
+        cm = c < C
+        m = tl.load(PM + row * C + c, mask=cm, other=float("-inf"))
+        s = tl.load(PS + row * C + c, mask=cm, other=0.0)
+        top = tl.max(m, 0)
+        top_ref = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top_ref))
+        lse = top_ref + tl.log(tl.sum(s * w, 0))
+        tok = tl.load(PA + row * C + tl.argmax(m, 0))  # the first maximum's chunk, then column
+        if SAMPLE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if tl.load(GREEDY + row) == 0:
+                b = tl.load(PB + row * C + c, mask=cm, other=float("-inf"))
+                tok = tl.load(PI + row * C + tl.argmax(b, 0))
+        x = tl.load(LOGITS + row.to(tl.int64) * stride_l + tok).to(tl.float32)
+        x = x * tl.load(INV_T + row)
+        tl.store(TOK + row, tok.to(tl.int64))
+        tl.store(LP + row, x - lse)
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels run for tensors on `device` (CUDA with Triton, or Triton's CPU
+    interpreter when TRITON_INTERPRET=1 was set before it was imported)."""
+    import os
+
+    if triton is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _run(
+    logits: torch.Tensor,
+    inv_t: torch.Tensor,
+    greedy: torch.Tensor | None,
+    seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n, vocab = logits.shape
+    dev = logits.device
+    tok = torch.empty(n, dtype=torch.long, device=dev)
+    lp = torch.empty(n, dtype=torch.float32, device=dev)
+    if n == 0:
+        return tok, lp
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    chunks = triton.cdiv(vocab, CHUNK)
+    part_m = torch.empty((n, chunks), dtype=torch.float32, device=dev)
+    part_s = torch.empty_like(part_m)
+    part_a = torch.empty((n, chunks), dtype=torch.int32, device=dev)
+    sample = seed is not None
+    part_b = torch.empty_like(part_m) if sample else part_m
+    part_i = torch.empty_like(part_a) if sample else part_a
+    greedy_i8 = greedy.to(torch.int8) if sample else part_a
+    _pick_chunks[(n, chunks)](
+        logits, logits.stride(0), inv_t, seed if sample else inv_t,
+        part_m, part_s, part_a, part_b, part_i, vocab, chunks,
+        CHUNK=CHUNK, SAMPLE=sample, num_warps=8,
+    )  # fmt: skip
+    _pick_rows[(n,)](
+        logits, logits.stride(0), inv_t, greedy_i8,
+        part_m, part_s, part_a, part_b, part_i, tok, lp, chunks,
+        CP=max(2, triton.next_power_of_2(chunks)), SAMPLE=sample,
+    )  # fmt: skip
+    return tok, lp
+
+
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampling.greedy_pick` in two kernels: (first argmax, its log_softmax value)."""
+    ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
+    return _run(logits, ones, None, None)
+
+
+def temperature_pick(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampling.temperature_pick` in two kernels, the draw by Gumbel-max with noise from a seed
+    drawn from `generator` on the device (`temperature` of greedy rows is 1)."""
+    seed = torch.randint(
+        0, 2**31 - 1, (1,), generator=generator, device=logits.device, dtype=torch.int64
+    )
+    return _run(logits, temperature.reciprocal(), greedy, seed)
