@@ -29,6 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from slime_async.actors.learner import multi_tensor
 from slime_async.actors.learner.optim import tp_partial, trainable
 from slime_async.config.learner import LearnerConfig
 
@@ -77,6 +78,9 @@ class MegatronOptim:
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
         self.opt = get_megatron_optimizer(opt_cfg, [self.ddp]) if build_optimizer else None
+        if self.opt is not None:
+            multi_tensor.install()
+            self.fused_adam = _fuse_adam(self.opt)
         self.names, self.params = trainable(model)
         self.tp_partial = tp_partial(self.names, self.params)
         self._micro = 0
@@ -124,24 +128,42 @@ class MegatronOptim:
     def step(self, lr: float, tp_group=None, norm: float | None = None, ep_group=None) -> float:
         """Clip to cfg.clip_grad, step at `lr` (bf16 parameters gathered back); the pre-clip norm.
 
-        Call `grad_norm` first (it copies the model's gradients to the master ones)."""
+        Call `grad_norm` first (it copies the model's gradients to the master ones), and
+        `zero_grad` before the next backward pass (`Updates.update` does, once per update: the
+        gradient buffer is as large as the fp32 master weights)."""
         if norm is None:
             norm = self.grad_norm()
         for group in self.opt.param_groups:
             group["lr"] = lr
-        if math.isfinite(norm):
-            if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
-                from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-                # What megatron's ChainedOptimizer.step does with the norm already known.
-                for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
-                    params = opt.get_parameters()
-                    if params:
-                        clip_grad_by_total_norm_fp32(
-                            params, max_norm=self.cfg.clip_grad, total_norm=norm
-                        )
+        if not math.isfinite(norm):
+            return norm
+        if not (self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad):
             self.opt.step_with_ready_grads()
-        self.zero_grad()
+        elif self.fused_adam:
+            # Megatron's clip (grads x max_norm / (norm + 1e-6)) as the fused kernel's divisor of
+            # the gradients it reads: the same update without a pass of its own over them.
+            divisor = torch.tensor(
+                (norm + 1.0e-6) / self.cfg.clip_grad, dtype=torch.float32, device="cuda"
+            )
+            inner = _inner_optimizers(self.opt)
+            for o in inner:
+                o.grad_scale = divisor
+            try:
+                self.opt.step_with_ready_grads()
+            finally:
+                for o in inner:
+                    del o.grad_scale
+        else:
+            from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+            # What megatron's ChainedOptimizer.step does with the norm already known.
+            for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+                params = opt.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(
+                        params, max_norm=self.cfg.clip_grad, total_norm=norm
+                    )
+            self.opt.step_with_ready_grads()
         return norm
 
     # ------------------------------------------------------------ dist_checkpointing
@@ -170,7 +192,11 @@ class MegatronOptim:
             for group in inner.param_groups:
                 for p in group["params"]:
                     if len(inner.state[p]) == 0:
-                        inner.state[p]["step"] = torch.zeros((), dtype=torch.float32)
+                        inner.state[p]["step"] = torch.zeros(
+                            (),
+                            dtype=torch.float32,
+                            device=p.device if group.get("fused") else "cpu",
+                        )
                         inner.state[p]["exp_avg"] = torch.zeros_like(p.data)
                         inner.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
@@ -205,3 +231,42 @@ class MegatronOptim:
             for st in opt.optimizer.state.values():
                 if isinstance(st.get("step"), torch.Tensor):
                     st["step"] = st["step"].clone()
+        _steps_on_device(self.opt)
+
+
+def _inner_optimizers(opt) -> list[torch.optim.Optimizer]:
+    return [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+
+
+def _fuse_adam(opt) -> bool:
+    """torch's fused Adam kernel (one pass over parameter, gradient and moments) for megatron's
+    torch AdamW fallback, whose default `foreach` path passes over them about ten times (AdamW:
+    about 10 ms of a 148 ms step at the 0.51B shape on the H200, 5.4 ms fused on an H100). Only
+    where every parameter is a CUDA float32 master weight (the kernel's requirement); the same
+    update up to float rounding. True when every inner optimizer runs fused (the clip can then
+    ride in the kernel: `step`)."""
+    inner = _inner_optimizers(opt)
+    usable = all(
+        isinstance(o, torch.optim.Adam | torch.optim.AdamW)  # not Apex's or TE's fused Adam
+        and all(p.is_cuda and p.dtype == torch.float32 for g in o.param_groups for p in g["params"])
+        for o in inner
+    )
+    if not usable or not inner:
+        return False
+    for o in inner:
+        for group in o.param_groups:
+            group["fused"], group["foreach"] = True, False
+    return True
+
+
+def _steps_on_device(opt) -> None:
+    """The fused kernel takes each parameter's Adam `step` on the parameter's device (a loaded
+    checkpoint brings them to the host)."""
+    for inner in _inner_optimizers(opt):
+        for group in inner.param_groups:
+            if not group.get("fused"):
+                continue
+            for p in group["params"]:
+                step = inner.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor) and step.device != p.device:
+                    inner.state[p]["step"] = step.to(p.device)

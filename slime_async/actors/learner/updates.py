@@ -180,7 +180,10 @@ class Updates:
                 out["lr_scale"] = self.ess_lr_scale(out["raws"])
                 lr = lr * out["lr_scale"]
             self.optimizer.step(lr, p.tp_group, norm=norm)
-        self.optimizer.zero_grad()
+        if not megatron:
+            # Frees the gradients between updates. Megatron's gradient buffer stays allocated,
+            # and zeroing it (a pass over an fp32 copy of the weights) is done once, above.
+            self.optimizer.zero_grad()
         return out
 
     def ess_lr_scale(self, raws: list[dict]) -> float:
