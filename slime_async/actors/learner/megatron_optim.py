@@ -78,6 +78,7 @@ class MegatronOptim:
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
         self.opt = get_megatron_optimizer(opt_cfg, [self.ddp]) if build_optimizer else None
+        self.fused_adam = False
         if self.opt is not None:
             multi_tensor.install()
             self.fused_adam = _fuse_adam(self.opt)
@@ -143,7 +144,9 @@ class MegatronOptim:
             # Megatron's clip (grads x max_norm / (norm + 1e-6)) as the fused kernel's divisor of
             # the gradients it reads: the same update without a pass of its own over them.
             divisor = torch.tensor(
-                (norm + 1.0e-6) / self.cfg.clip_grad, dtype=torch.float32, device="cuda"
+                (norm + 1.0e-6) / self.cfg.clip_grad,
+                dtype=torch.float32,
+                device=self.params[0].device,
             )
             inner = _inner_optimizers(self.opt)
             for o in inner:
