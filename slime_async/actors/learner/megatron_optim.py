@@ -160,7 +160,7 @@ class MegatronOptim:
             from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
             # What megatron's ChainedOptimizer.step does with the norm already known.
-            for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+            for opt in _chained(self.opt):
                 params = opt.get_parameters()
                 if params:
                     clip_grad_by_total_norm_fp32(
@@ -190,7 +190,7 @@ class MegatronOptim:
         megatron-core 0.19's DistributedOptimizer.state_dict() asserts one common `step` and
         fails on an empty state (measured on the H200). Nothing here changes a parameter; the
         loaded checkpoint replaces every value."""
-        for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+        for opt in _chained(self.opt):
             inner = opt.optimizer
             for group in inner.param_groups:
                 for p in group["params"]:
@@ -211,7 +211,7 @@ class MegatronOptim:
         `step` (`KeyError: 'step'`, on the H200). The per-parameter call
         gets `step: None`, which megatron skips, so `step` stays the checkpoint's."""
         patched = []
-        for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+        for opt in _chained(self.opt):
             setter = getattr(opt, "_set_main_param_and_optimizer_states", None)
             if setter is None:
                 continue
@@ -230,15 +230,20 @@ class MegatronOptim:
         # AdamW increments each state's step in place, so a shared tensor would advance once
         # per parameter per update and lose the bias correction (a resumed run's second loss
         # 0.8% off, on the H200). Each parameter gets its own copy.
-        for opt in getattr(self.opt, "chained_optimizers", [self.opt]):
+        for opt in _chained(self.opt):
             for st in opt.optimizer.state.values():
                 if isinstance(st.get("step"), torch.Tensor):
                     st["step"] = st["step"].clone()
         _steps_on_device(self.opt)
 
 
+def _chained(opt) -> list:
+    """megatron's optimizers behind `opt` (a ChainedOptimizer's parts, e.g. dense and experts)."""
+    return list(getattr(opt, "chained_optimizers", [opt]))
+
+
 def _inner_optimizers(opt) -> list[torch.optim.Optimizer]:
-    return [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+    return [o.optimizer for o in _chained(opt)]
 
 
 def _fuse_adam(opt) -> bool:
