@@ -173,7 +173,13 @@ class Learner:
             "attention": self.attention,
         }
         self.model = build_gpt_model(
-            self.arch, dtype, init=False, on_cpu=on_cpu, recompute=cfg.recompute, **moe
+            self.arch,
+            dtype,
+            init=False,
+            on_cpu=on_cpu,
+            recompute=cfg.recompute,
+            compiled_ops=cfg.torch_compile == "auto",
+            **moe,
         )
         if cfg.load is None:
             convert.load_hf_into_model(self.model, cfg.model_path, self.arch)
@@ -216,7 +222,14 @@ class Learner:
         if self.algo.needs_ref_logp:
             # The reference is the initial policy: model_path's weights when given, else the
             # checkpoint's, which is then a step-0 one (a converted model; checked above).
-            self.ref_model = build_gpt_model(self.arch, dtype, init=False, on_cpu=on_cpu, **moe)
+            self.ref_model = build_gpt_model(
+                self.arch,
+                dtype,
+                init=False,
+                on_cpu=on_cpu,
+                compiled_ops=cfg.torch_compile == "auto",
+                **moe,
+            )
             if cfg.model_path is not None:
                 convert.load_hf_into_model(self.ref_model, cfg.model_path, self.arch)
             else:
