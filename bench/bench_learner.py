@@ -520,6 +520,7 @@ def main() -> None:
             "optimizer": learner.optimizer_kind,
             "logprob_kernel": learner.logprob_kernel,
             "recompute": args.recompute,
+            "layer_ops": "compiled" if learner.compiled_ops else "eager",
         }
         results["params"] = sum(p.numel() for p in learner.model.parameters())
         seqs = [np.concatenate([t.prompt_ids, t.response_ids]).tolist() for t in group]

@@ -25,26 +25,41 @@ _OPS = ("sum", "n", "sq", "max", "cnt")
 
 
 class TokenStats:
-    """Collects per-token statistics of one micro-batch; a single host sync in `raw()`.
+    """Collects per-token statistics of one micro-batch without stalling the GPU.
 
     `mask: [B, T]` bool selects the tokens that count; `lag: [B, T]` int their version lag.
     Per-sequence statistics (`per_sequence`, `sequence_weight`) count each row with a token in
     the mask once, in the bucket of its oldest token's lag.
+
+    Two host syncs in all: one in the constructor (the numbers of tokens and rows and the lag
+    range), one in `raw()`. Everything between gathers by index and adds by `index_add_`, so a
+    loss can call any number of statistics between the forward and the backward pass and the
+    backward's kernels still queue behind the forward's (boolean indexing and `bincount` would
+    each wait for the GPU to drain).
     """
 
     def __init__(self, mask: torch.Tensor, lag: torch.Tensor):
         self._mask = mask
-        self._lag = lag[mask]  # [N]
-        self._num_lags = int(self._lag.max()) + 1 if self._lag.numel() else 0
-        if self._lag.numel() and int(self._lag.min()) < 0:
+        rows = mask.any(-1)  # [B]
+        flat = mask.reshape(-1)
+        lag_full = torch.where(mask, lag, torch.zeros_like(lag))
+        edges = lag_full.new_zeros(2)  # [lowest lag, highest lag + 1] of the mask's tokens
+        if lag.numel():
+            edges = torch.stack([lag_full.amin(), torch.where(mask, lag + 1, 0).amax()])
+        head = torch.cat([torch.stack([flat.sum(), rows.sum()]).to(edges.dtype), edges])
+        n_tok, n_rows, low, self._num_lags = head.tolist()  # the constructor's one sync
+        if low < 0:
             raise ValueError(
                 "a token's version is ahead of the learner's current_version "
-                f"(lag {int(self._lag.min())}): versions must come from pushed weights"
+                f"(lag {low}): versions must come from pushed weights"
             )
+        # Positions of the mask's tokens (rows), in order: a stable sort of "not selected".
+        self._idx = torch.argsort((~flat).to(torch.uint8), stable=True)[:n_tok]
+        self._row_idx = torch.argsort((~rows).to(torch.uint8), stable=True)[:n_rows]
+        self._lag = lag.reshape(-1)[self._idx]  # [N]
         # A sequence's lag is its oldest token's; rows without a token of the mask do not count.
-        self._rows = mask.any(-1)  # [B]
-        lag_full = torch.where(mask, lag, torch.zeros_like(lag))
-        self._row_lag = lag_full.max(-1).values[self._rows]  # [B'], B' rows with tokens
+        # (No rows: an empty index; amax over rows of no tokens would be an error.)
+        self._row_lag = lag_full.amax(-1)[self._row_idx] if n_rows else self._row_idx
         self._keys: list[str] = []
         self._values: list[torch.Tensor] = []
 
@@ -55,10 +70,17 @@ class TokenStats:
         self._values.append(by_lag.double())
 
     def _select(self, x: torch.Tensor) -> torch.Tensor:
-        return x.detach()[self._mask].double() if x.shape == self._mask.shape else x.detach()
+        if x.shape != self._mask.shape:
+            return x.detach()
+        return x.detach().reshape(-1)[self._idx].double()
+
+    def _by(self, index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Sums of `x` by lag bucket (bincount's weighted sum, without its host sync)."""
+        out = torch.zeros(self._num_lags, dtype=torch.float64, device=x.device)
+        return out.index_add_(0, index, x.double())
 
     def _bincount(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.bincount(self._lag, weights=x, minlength=self._num_lags)
+        return self._by(self._lag, x)
 
     def count(self, name: str = "tokens") -> None:
         """Number of tokens (overall and per lag)."""
@@ -85,7 +107,7 @@ class TokenStats:
 
     def per_sequence(self, name: str, x: torch.Tensor, *, with_max: bool = False) -> None:
         """Sequence mean (and max) of `x: [B]`, one value per sequence, bucketed by its lag."""
-        v = x.detach()[self._rows].double()
+        v = x.detach()[self._row_idx].double()
         ones = torch.ones_like(v)
         by = self._row_bincount
         self._put(name, "sum", v.sum(), by(v))
@@ -100,7 +122,7 @@ class TokenStats:
 
         log_w is clamped to [-300, 300] so the squares stay finite in float64 (a weight of
         e^300 already holds all the mass of any batch: its ESS is 1 / n either way)."""
-        w = log_w.detach()[self._rows].double().clamp(-300.0, 300.0).exp()
+        w = log_w.detach()[self._row_idx].double().clamp(-300.0, 300.0).exp()
         ones = torch.ones_like(w)
         by = self._row_bincount
         self._put(name, "sum", w.sum(), by(w))
@@ -108,17 +130,16 @@ class TokenStats:
         self._put(name, "sq", (w * w).sum(), by(w * w))
 
     def _row_bincount(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.bincount(self._row_lag, weights=x, minlength=self._num_lags)
+        return self._by(self._row_lag, x)
 
     def raw(self) -> dict[str, float]:
         """The raw metrics (see the module docstring); lag buckets without tokens are left out."""
         if not self._values:
             return {}
-        values = torch.cat(self._values).tolist()
-        present = set()
-        if self._num_lags:
-            counts = torch.bincount(self._lag, minlength=self._num_lags).tolist()
-            present = {k for k, c in enumerate(counts) if c > 0}
+        counts = self._bincount(torch.ones_like(self._lag, dtype=torch.float64))
+        flat = torch.cat([*self._values, counts]).tolist()  # the one sync of raw()
+        cut = len(flat) - self._num_lags
+        values, present = flat[:cut], {k for k, c in enumerate(flat[cut:]) if c > 0}
         out = {}
         for key, value in zip(self._keys, values, strict=True):
             stat = key.rpartition("|")[0]

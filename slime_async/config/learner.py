@@ -121,6 +121,11 @@ class LearnerConfig(Section):
     per direction that reads the chunk's logits once (GPU; `actors/learner/logprobs_triton.py`),
     "torch" the exact elementwise torch ops (fp32 on the CPU), "auto": "triton" on a GPU where
     Triton imports, else "torch"."""
+    torch_compile: Literal["auto", "off"] = "auto"
+    """The layers' pointwise ops as torch.compile'd kernels, forward and backward: RMSNorm and
+    RoPE (`models/fused_ops.py`), and megatron's own SwiGLU fusion. "auto": on a GPU, after a
+    check at start that they run and match eager torch (logged and eager if not); the CPU runs
+    eager. "off": eager everywhere. Compiling takes some seconds at the first steps."""
 
     @model_validator(mode="after")
     def _hf_at_checkpoints(self) -> "LearnerConfig":

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from slime_async.utils.device import to_device
+
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
 
@@ -201,7 +203,7 @@ def packed_seq_params(doc_lens: list[int], device: torch.device):
 
     cu = torch.zeros(len(doc_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(doc_lens, dtype=torch.int32).cumsum(0)
-    cu = cu.to(device)
+    cu = to_device(cu, device)
     longest = max(doc_lens)
     return PackedSeqParams(
         qkv_format="thd",

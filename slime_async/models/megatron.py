@@ -41,6 +41,7 @@ def build_gpt_model(
     recompute: str = "none",
     moe_experts: str = "grouped",
     moe_z_loss_coeff: float = 0.0,
+    compiled_ops: bool | None = None,
 ):
     """A GPTModel for `arch` on this rank's TP/EP shard; `init=False` skips random init (to load).
 
@@ -50,7 +51,10 @@ def build_gpt_model(
     `routing_replay` builds the routers with megatron's RouterReplay (see `routing.py`);
     `attention`: "sdpa" (torch's fused kernels, `attention.py`), "local" (megatron's unfused
     DotProductAttention) or "te" (Transformer Engine's); `recompute`: "none", "selective" (core
-    attention) or "full" (every layer), megatron's activation recomputation."""
+    attention) or "full" (every layer), megatron's activation recomputation; `compiled_ops`:
+    True: RMSNorm, RoPE and SwiGLU as compiled kernels on a GPU (`fused_ops.py`; eager where
+    they do not pass its check, and on the CPU), False: eager (megatron's RoPE again, for the
+    whole process), None: RoPE as the process has it."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -95,6 +99,13 @@ def build_gpt_model(
             "learner.moe_aux_loss_coeff and learner.moe_z_loss_coeff need a mixture-of-experts "
             f"model ({arch.family} is dense)"
         )
+    ops = None
+    if compiled_ops is not None:
+        from slime_async.models import fused_ops
+
+        if compiled_ops and not on_cpu and torch.cuda.is_available():
+            ops = fused_ops.compiled(torch.cuda.current_device())
+        fused_ops.install_rope(ops.rope if ops is not None else None)
     config = TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -111,8 +122,9 @@ def build_gpt_model(
         qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        # Every fusion off: they need CUDA kernels (apex/TE) that the CPU path lacks.
-        bias_activation_fusion=False,
+        # Every fusion off (they need CUDA kernels, Apex's or TE's, that the CPU path lacks)
+        # but megatron's SwiGLU, compiled by megatron itself, with the compiled ops.
+        bias_activation_fusion=ops is not None,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -132,7 +144,9 @@ def build_gpt_model(
     theta = arch.rope_theta
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_block_spec(arch, attention, moe_experts),
+        transformer_layer_spec=_block_spec(
+            arch, attention, moe_experts, ops.rms_norm if ops is not None else None
+        ),
         rotary_percent=arch.rotary_percent,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
@@ -187,16 +201,23 @@ def _mark_tensor_parallel(model) -> None:
             set_tensor_model_parallel_attributes(p, True, dim, 1)
 
 
-def _norm_class():
+def _norm_class(compiled_norm=None):
     """torch's RMSNorm built the way megatron builds norms, usable with sequence parallelism.
 
     megatron's `WrappedTorchNorm` refuses sequence parallelism; with it each TP rank sees part
-    of the sequence, so the weight is marked and its gradient summed over TP (the optimizer)."""
+    of the sequence, so the weight is marked and its gradient summed over TP (the optimizer).
+    `compiled_norm`: `fused_ops.Compiled.rms_norm`, the same function compiled (GPU), or None."""
 
     class RMSNorm(torch.nn.RMSNorm):
         def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_ignored):
             super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
             self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+        if compiled_norm is not None:
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+                return compiled_norm(x, self.weight, eps)
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
             """Replicated over TP (megatron's MLP and attention ask their children for this)."""
@@ -223,7 +244,9 @@ def _core_attention(attention: str):
     raise ValueError(f"attention must be sdpa, local or te (got {attention!r})")
 
 
-def _block_spec(arch: ModelArch, attention: str = "sdpa", moe_experts: str = "grouped"):
+def _block_spec(
+    arch: ModelArch, attention: str = "sdpa", moe_experts: str = "grouped", compiled_norm=None
+):
     """Per-layer specs of megatron's local layer: dense or MoE MLP, the core attention chosen
     (`_core_attention`), as the family changes them.
 
@@ -237,7 +260,7 @@ def _block_spec(arch: ModelArch, attention: str = "sdpa", moe_experts: str = "gr
 
     from slime_async.models.moe_layer import moe_spec
 
-    norm = _norm_class()
+    norm = _norm_class(compiled_norm)
     core = _core_attention(attention)
     family = family_of(arch.family)
 

@@ -24,6 +24,7 @@ import torch
 
 from slime_async.actors.learner.stop_ban import StopBan
 from slime_async.queue.schema import Trajectory
+from slime_async.utils.device import to_device
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
@@ -170,16 +171,26 @@ def collate_packed(rows: list[Row], indices: list[int], device: torch.device) ->
             per_token[k][j, :n] = v
         offset += r.input_len
     return MicroBatch(
-        input_ids=torch.from_numpy(ids).to(device)[None],
-        labels=torch.from_numpy(labels).to(device)[None],
-        position_ids=torch.from_numpy(pos).to(device)[None],
-        resp_index=torch.from_numpy(resp_index).to(device),
-        resp_valid=torch.from_numpy(valid).to(device),
-        per_token={k: torch.from_numpy(v).to(device) for k, v in per_token.items()},
+        input_ids=_on(ids, device)[None],
+        labels=_on(labels, device)[None],
+        position_ids=_on(pos, device)[None],
+        resp_index=_on(resp_index, device),
+        resp_valid=_on(valid, device),
+        per_token={k: _on(v, device) for k, v in per_token.items()},
         rows=list(indices),
-        temperature=torch.tensor([r.temperature for r in picked], dtype=torch.float32).to(device),
+        temperature=_temperatures(picked, device),
         packed=packed_seq_params(lens, device),
     )
+
+
+def _on(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A collated array on the device; on a GPU without waiting for the previous micro-batch's
+    kernels (`to_device`)."""
+    return to_device(torch.from_numpy(a), device)
+
+
+def _temperatures(picked: list[Row], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor([r.temperature for r in picked], dtype=torch.float32), device)
 
 
 def collate(rows: list[Row], indices: list[int], device: torch.device) -> MicroBatch:
@@ -198,23 +209,23 @@ def collate(rows: list[Row], indices: list[int], device: torch.device) -> MicroB
         valid[j, :n] = True
         for k, v in r.per_token.items():
             per_token[k][j, :n] = v
-    full = torch.from_numpy(ids).to(device)
+    full = _on(ids, device)
     routed = None
     if all(r.routed is not None for r in picked):
         width = picked[0].routed.shape[1]
         arr = np.zeros((b, s, width), dtype=np.int64)
         for j, r in enumerate(picked):
             arr[j, : r.input_len] = r.routed
-        routed = torch.from_numpy(arr).to(device)
+        routed = _on(arr, device)
     return MicroBatch(
         input_ids=full[:, :-1].contiguous(),
         labels=full[:, 1:].contiguous(),
         position_ids=torch.arange(s, device=device).expand(b, s).contiguous(),
-        resp_index=torch.from_numpy(resp_index).to(device),
-        resp_valid=torch.from_numpy(valid).to(device),
-        per_token={k: torch.from_numpy(v).to(device) for k, v in per_token.items()},
+        resp_index=_on(resp_index, device),
+        resp_valid=_on(valid, device),
+        per_token={k: _on(v, device) for k, v in per_token.items()},
         rows=list(indices),
-        temperature=torch.tensor([r.temperature for r in picked], dtype=torch.float32).to(device),
+        temperature=_temperatures(picked, device),
         routed_experts=routed,
     )
 

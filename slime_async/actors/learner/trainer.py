@@ -53,7 +53,7 @@ from slime_async.actors.learner.updates import Updates, nll_loss, sft_rows
 from slime_async.algos import build_algorithm
 from slime_async.config.algo import AlgoConfig
 from slime_async.config.learner import LearnerConfig
-from slime_async.models import convert
+from slime_async.models import convert, fused_ops
 from slime_async.models.arch import ModelArch
 from slime_async.models.megatron import build_gpt_model
 from slime_async.queue.lineage import Line
@@ -172,8 +172,20 @@ class Learner:
             "routing_replay": cfg.routing_replay,
             "attention": self.attention,
         }
+        # The compiled layer ops where asked for and usable here (their check runs once).
+        self.compiled_ops = (
+            cfg.torch_compile == "auto"
+            and not on_cpu
+            and fused_ops.compiled(torch.cuda.current_device()) is not None
+        )
         self.model = build_gpt_model(
-            self.arch, dtype, init=False, on_cpu=on_cpu, recompute=cfg.recompute, **moe
+            self.arch,
+            dtype,
+            init=False,
+            on_cpu=on_cpu,
+            recompute=cfg.recompute,
+            compiled_ops=self.compiled_ops,
+            **moe,
         )
         if cfg.load is None:
             convert.load_hf_into_model(self.model, cfg.model_path, self.arch)
@@ -199,7 +211,8 @@ class Learner:
         )
         if self.is_rank0:
             log.info(
-                "learner: attention %s, %s micro-batches, optimizer %s, recompute %s, log-probs %s",
+                "learner: attention %s, %s micro-batches, optimizer %s, recompute %s, log-probs %s, "
+                "layer ops %s",
                 self.attention,
                 "padded"
                 if not self.pack
@@ -209,6 +222,7 @@ class Learner:
                 optimizer_kind,
                 cfg.recompute,
                 self.logprob_kernel,
+                "compiled" if self.compiled_ops else "eager",
             )
         self.ref_model = None
         if cfg.load is not None:
@@ -216,7 +230,14 @@ class Learner:
         if self.algo.needs_ref_logp:
             # The reference is the initial policy: model_path's weights when given, else the
             # checkpoint's, which is then a step-0 one (a converted model; checked above).
-            self.ref_model = build_gpt_model(self.arch, dtype, init=False, on_cpu=on_cpu, **moe)
+            self.ref_model = build_gpt_model(
+                self.arch,
+                dtype,
+                init=False,
+                on_cpu=on_cpu,
+                compiled_ops=self.compiled_ops,
+                **moe,
+            )
             if cfg.model_path is not None:
                 convert.load_hf_into_model(self.ref_model, cfg.model_path, self.arch)
             else:

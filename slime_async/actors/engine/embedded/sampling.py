@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from slime_async.utils.device import to_device
+
 GREEDY_TEMPERATURE = 1e-5
 
 # SGLang sampling_params that the embedded engine accepts only at their default (no-op) value:
@@ -193,15 +195,6 @@ def seeded_argmax(
 
 SeededDraw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """`seeded_argmax`'s signature (the engine's runner may pass a compiled copy)."""
-
-
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the device: on CUDA staged in pinned memory
-    and copied asynchronously. A copy from pageable memory first waits for everything queued on
-    the stream (the decode step just launched), which would serialise the scheduler's overlap."""
-    if device.type != "cuda":
-        return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)
 
 
 def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,7 +51,8 @@ from typing import Any, Literal
 import torch
 
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
-from slime_async.actors.engine.embedded.sampling import SamplingParams, sample, to_device
+from slime_async.actors.engine.embedded.sampling import SamplingParams, sample
+from slime_async.utils.device import to_device
 
 log = logging.getLogger(__name__)
 
