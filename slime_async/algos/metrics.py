@@ -46,7 +46,7 @@ class TokenStats:
         edges = lag_full.new_zeros(2)  # [lowest lag, highest lag + 1] of the mask's tokens
         if lag.numel():
             edges = torch.stack([lag_full.amin(), torch.where(mask, lag + 1, 0).amax()])
-        head = torch.cat([torch.stack([flat.sum(), rows.sum()]).to(edges.dtype), edges])
+        head = torch.cat([torch.stack([flat.sum(), rows.sum()]), edges.long()]).long()
         n_tok, n_rows, low, self._num_lags = head.tolist()  # the constructor's one sync
         if low < 0:
             raise ValueError(

@@ -285,6 +285,10 @@ transformers computes it, averaged over the step's updates."""
 MOE_Z_LOSS = "moe/z_loss"
 """learner.moe_z_loss_coeff > 0: the router z-loss (before its coefficient), averaged over the
 step's updates."""
+COMPILE_FALLBACKS = "learner/compile_fallbacks"
+"""learner.torch_compile with the compiled layer ops in use: torch.compile'd functions of the
+learner's process (its RMSNorm and RoPE, megatron's SwiGLU) that dynamo has given up recompiling
+so far, past its recompile limit; each runs eagerly from then on (slower, same results)."""
 PACKED_MICRO_BATCHES = "learner/packed_micro_batches"
 """Training micro-batches of the step that ran packed (several rows in one, no padding); with
 learner.pack_sequences unset (auto) a mini-batch is packed when padded micro-batches would spend

@@ -19,7 +19,8 @@ torch.compile), checked here too.
 `compiled()` gives both compiled (`torch.compile`, automatic dynamic shapes: the token count
 varies from one micro-batch to the next) after a check on the device that each runs forward and
 backward and matches the eager function; None with the reason logged when it does not (the
-layers then stay eager). `install_rope(fn)` makes megatron's RoPE call `fn` (None: megatron's
+layers then stay eager). `fallbacks()` counts the functions dynamo has since given up recompiling
+(past its recompile limit they run eagerly). `install_rope(fn)` makes megatron's RoPE call `fn` (None: megatron's
 own again): its layers call the module-level function by name. The CPU always runs eager (tests compare these functions with
 megatron's and torch's own there).
 """
@@ -72,6 +73,46 @@ def rope(
     return torch.cat((x, rest), dim=-1)
 
 
+class _RecompileLimitHits(logging.Handler):
+    """Counts dynamo's "hit config.recompile_limit" warnings: from then on the function named runs
+    eagerly (slower, same results). Dynamo says so only in its own log; the learner reports the
+    count as a metric and says it in its own log too."""
+
+    MARK = "torch._dynamo hit config."
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(self.MARK):
+            self.count += 1
+            log.warning(
+                "learner.torch_compile: a compiled function runs eagerly from now on (slower, "
+                "same results; learner/compile_fallbacks counts these): %s",
+                " ".join(message.split("\n")[:2]),
+            )
+
+
+@functools.cache
+def _hits() -> _RecompileLimitHits:
+    handler = _RecompileLimitHits()
+    logging.getLogger("torch._dynamo.convert_frame").addHandler(handler)
+    return handler
+
+
+def fallbacks() -> int:
+    """torch.compile'd functions of this process (the ones here, megatron's SwiGLU, any other)
+    that dynamo gave up recompiling since `watch_fallbacks()` was first called."""
+    return _hits().count
+
+
+def watch_fallbacks() -> None:
+    """Start counting (idempotent)."""
+    _hits()
+
+
 class Compiled(NamedTuple):
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     rope: Callable[..., torch.Tensor]
@@ -118,6 +159,7 @@ def compiled(device_index: int = 0) -> Compiled | None:
             if not err < 0.1:
                 raise RuntimeError(f"compiled {name} differs from eager by {err:.3g}")
         _check_megatron_swiglu(randn(5, 2, 128))
+        watch_fallbacks()
     except Exception as e:  # any failure: eager layers, said once
         log.warning(
             "learner.torch_compile: the compiled RMSNorm/RoPE are not usable here, the layers "

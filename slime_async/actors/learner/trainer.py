@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import slime_async.metrics.names as M
 from slime_async import megatron_compat
 from slime_async.actors.learner import checkpoint as learner_ckpt
 from slime_async.actors.learner import export as learner_export
@@ -320,7 +321,12 @@ class Learner:
         Groups the algorithm filters out (e.g. DAPO's zero-variance filter) are not trained on
         and count in no denominator. See `ppo_step.py`.
         """
-        return self.ppo.train_step(groups)
+        return self._with_compile_fallbacks(self.ppo.train_step(groups))
+
+    def _with_compile_fallbacks(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.compiled_ops:
+            metrics[M.COMPILE_FALLBACKS] = float(fused_ops.fallbacks())
+        return metrics
 
     def take_token_record(self) -> dict[str, Any] | None:
         """Rank 0: the per-token record of the RL step just trained (`token_record.py`), or
@@ -329,8 +335,10 @@ class Learner:
 
     def sft_step(self, examples: list[tuple[list[int], list[int]]]) -> dict[str, float]:
         """One supervised step: mean NLL of the target tokens over all ranks' examples."""
-        return self.updates.run(
-            sft_rows(examples, self.arch.vocab_size, self.temperature), nll_loss, {}
+        return self._with_compile_fallbacks(
+            self.updates.run(
+                sft_rows(examples, self.arch.vocab_size, self.temperature), nll_loss, {}
+            )
         )
 
     def compute_logprobs(

@@ -112,3 +112,22 @@ def test_a_compile_that_is_not_usable_is_logged_and_leaves_the_layers_eager(capl
     with caplog.at_level(logging.WARNING, logger="slime_async.learner"):
         assert fused_ops.compiled.__wrapped__(0) is None
     assert "learner.torch_compile" in caplog.text and "eagerly" in caplog.text
+
+
+def test_functions_dynamo_stops_recompiling_are_counted_and_logged(caplog):
+    """Past dynamo's recompile limit a compiled function runs eagerly, which dynamo says only in
+    its own log: `fallbacks()` counts it (the learner's learner/compile_fallbacks) and the
+    learner's log says it."""
+    fused_ops.watch_fallbacks()
+    before = fused_ops.fallbacks()
+
+    def scale(x, n):
+        return x * n
+
+    fn = torch.compile(scale, backend="eager", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING):
+        for n in range(3):  # every new int is a new graph
+            assert fn(torch.ones(2), n).tolist() == [float(n)] * 2
+    assert fused_ops.fallbacks() == before + 1
+    assert "learner/compile_fallbacks" in caplog.text
+    assert "scale" in caplog.text
