@@ -13,9 +13,10 @@
 #          greedy at AB_BATCHES (default 1,256) for ENGINE_AB_BASE (a checkout carried with the tree,
 #          default .base) and for this tree, back to back; HBM_TBPS sets the rooflines (4.8: H200)
 #   learner_ab the learner before and after a change on one machine: bench_learner at the 0.51B
-#          shape (no HF baseline; LEARNER_AB_ARGS adds options, e.g. another shape) and
-#          bench_moe's grouped learner side, for LEARNER_AB_BASE (a checkout carried with the tree,
-#          default .base) and for this tree, back to back
+#          shape (no HF baseline; LEARNER_AB_ARGS adds options, e.g. another shape; each step's
+#          time in its JSON) and bench_moe's grouped learner side (LEARNER_AB_PARTS, default
+#          "dense moe"), for LEARNER_AB_BASE (a checkout carried with the tree, default .base) and
+#          for this tree, alternating for LEARNER_AB_ROUNDS rounds (default 2)
 #   learner the learner on one GPU: its -m gpu tests (megatron optimizer vs MasterAdamW, packed
 #          vs padded, recomputation, export after DistributedOptimizer steps, resume, the
 #          Triton log-prob kernels), then bench_learner.py --full (0.51B Qwen3 shape, 8 x 1,024
@@ -141,23 +142,31 @@ for part in $SUITE; do
       done ;;
     learner_ab)
       # The learner before and after a change on this one machine (LEARNER_AB_BASE: a checkout
-      # of the other code carried with the tree, as for engine_ab).
+      # of the other code carried with the tree, as for engine_ab), the two trees alternating
+      # for LEARNER_AB_ROUNDS rounds (the spread between processes is part of the answer).
       base=${LEARNER_AB_BASE:-.base}
       [[ -f $base/bench/bench_learner.py ]] || { echo "learner_ab: no checkout at $base"; continue; }
       out=$(cd "$OUT" && pwd)
-      for tree in "$base" .; do
-        tag=this; [[ $tree == "$base" ]] && tag=base
-        echo "== learner_ab $tree: bench_learner (log $out/learner_ab_$tag.log)"
-        # shellcheck disable=SC2086
-        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout "${AB_S:-150}" python3 \
-          bench/bench_learner.py --warmup 3 --steps 5 --baseline none ${LEARNER_AB_ARGS:-} \
-          --json "$out/learner_ab_$tag.json" >"$out/learner_ab_$tag.log" 2>&1)
-        echo "exit $?"; grep "^learner RL step" "$out/learner_ab_$tag.log"
-        echo "== learner_ab $tree: bench_moe grouped (log $out/moe_ab_$tag.log)"
-        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout "${AB_S:-150}" python3 \
-          bench/bench_moe.py --part learner --sides grouped --warmup 3 --steps 5 \
-          >"$out/moe_ab_$tag.log" 2>&1)
-        echo "exit $?"; grep "^learner side" "$out/moe_ab_$tag.log" | cut -c1-400
+      for round in $(seq 1 "${LEARNER_AB_ROUNDS:-2}"); do
+        for tree in "$base" .; do
+          tag=this; [[ $tree == "$base" ]] && tag=base
+          tag=${tag}_$round
+          for part in ${LEARNER_AB_PARTS:-dense moe}; do
+            log="$out/learner_ab_${part}_$tag.log"
+            echo "== learner_ab round $round, $tree: $part (log $log)"
+            if [[ $part == dense ]]; then
+              # shellcheck disable=SC2086
+              (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout "${AB_S:-150}" python3 \
+                bench/bench_learner.py --warmup 3 --steps 5 --baseline none ${LEARNER_AB_ARGS:-} \
+                --json "$out/learner_ab_dense_$tag.json" >"$log" 2>&1)
+              echo "exit $?"; grep "^learner RL step\|^learner step:" "$log"
+            else
+              (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout "${AB_S:-150}" python3 \
+                bench/bench_moe.py --part learner --sides grouped --warmup 3 --steps 5 >"$log" 2>&1)
+              echo "exit $?"; grep "^learner side" "$log" | cut -c1-400
+            fi
+          done
+        done
       done ;;
     engine_grpo)
       echo "== GRPO-shaped load, prompt sharing on and off"
