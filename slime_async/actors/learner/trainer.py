@@ -27,6 +27,7 @@ export and checkpoints are its own; `process.py` is the process-facing loop.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -179,15 +180,17 @@ class Learner:
             and not on_cpu
             and fused_ops.compiled(torch.cuda.current_device()) is not None
         )
-        self.model = build_gpt_model(
+        # The policy and (below) the reference model: one architecture, the same layer ops.
+        build = functools.partial(
+            build_gpt_model,
             self.arch,
             dtype,
             init=False,
             on_cpu=on_cpu,
-            recompute=cfg.recompute,
             compiled_ops=self.compiled_ops,
             **moe,
         )
+        self.model = build(recompute=cfg.recompute)
         if cfg.load is None:
             convert.load_hf_into_model(self.model, cfg.model_path, self.arch)
         # Training micro-batches run through megatron's DDP wrapper (its gradient hooks) or
@@ -231,14 +234,7 @@ class Learner:
         if self.algo.needs_ref_logp:
             # The reference is the initial policy: model_path's weights when given, else the
             # checkpoint's, which is then a step-0 one (a converted model; checked above).
-            self.ref_model = build_gpt_model(
-                self.arch,
-                dtype,
-                init=False,
-                on_cpu=on_cpu,
-                compiled_ops=self.compiled_ops,
-                **moe,
-            )
+            self.ref_model = build()
             if cfg.model_path is not None:
                 convert.load_hf_into_model(self.ref_model, cfg.model_path, self.arch)
             else:
