@@ -1,7 +1,7 @@
 """The Megatron-core learner on a GPU: train-step tokens/s and MFU next to an HF baseline, bf16 log-prob agreement.
 
     python bench/bench_learner.py [--hidden 1024 --layers 28 ...] [--full] [--json out.json]
-    python bench/bench_learner.py --hidden 2560 --layers 36 --heads 32 --kv-heads 8 --ffn 9728
+    python bench/bench_learner.py --hidden 2560 --layers 36 --heads 32 --kv-heads 8 --head-dim 128 --ffn 9728
 
 Builds a random-init Qwen3-shaped model (default about 0.5B parameters: hidden 1024, 28 layers,
 16 heads, 8 kv heads, intermediate 3072, vocab 151936, tied embeddings; head_dim hidden / heads

@@ -42,6 +42,7 @@ def build_gpt_model(
     moe_experts: str = "grouped",
     moe_z_loss_coeff: float = 0.0,
     compiled_ops: bool | None = None,
+    wgrad_fusion: bool = False,
 ):
     """A GPTModel for `arch` on this rank's TP/EP shard; `init=False` skips random init (to load).
 
@@ -54,7 +55,9 @@ def build_gpt_model(
     attention) or "full" (every layer), megatron's activation recomputation; `compiled_ops`:
     True: RMSNorm, RoPE and SwiGLU as compiled kernels on a GPU (`fused_ops.py`; eager where
     they do not pass its check, and on the CPU), False: eager (megatron's RoPE again, for the
-    whole process), None: RoPE as the process has it."""
+    whole process), None: RoPE as the process has it; `wgrad_fusion`: megatron's linear layers
+    add their weight gradients into `main_grad` themselves (`wgrad.py`; only for a model that
+    megatron's DDP wraps before its first backward pass)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -106,6 +109,10 @@ def build_gpt_model(
         if compiled_ops and not on_cpu and torch.cuda.is_available():
             ops = fused_ops.compiled(torch.cuda.current_device())
         fused_ops.install_rope(ops.rope if ops is not None else None)
+    if wgrad_fusion:
+        from slime_async.models import wgrad
+
+        wgrad.install_megatron()
     config = TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -123,13 +130,14 @@ def build_gpt_model(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # Every fusion off (they need CUDA kernels, Apex's or TE's, that the CPU path lacks)
-        # but megatron's SwiGLU, compiled by megatron itself, with the compiled ops.
+        # but megatron's SwiGLU, compiled by megatron itself, with the compiled ops, and the
+        # weight gradients' accumulation through torch's own matmul (`wgrad.py`).
         bias_activation_fusion=ops is not None,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=wgrad_fusion,
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tp,
         params_dtype=dtype,

@@ -78,6 +78,14 @@ def _error_vs(run, fp32) -> tuple[float, float]:
     return loss, lp
 
 
+def _linears(model) -> list:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    found = [m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    assert found
+    return found
+
+
 def test_megatron_optimizer_gives_master_adamws_losses(sharp_dir):
     """Tolerance: fp32, TF32 off: relative 1e-4 on losses and grad norms over 4 clipped steps
     (different reduction orders only). bf16: 5e-2 relative, and on the losses 1e-3 absolute:
@@ -90,7 +98,12 @@ def test_megatron_optimizer_gives_master_adamws_losses(sharp_dir):
         runs = {
             opt: _run(sharp_dir, optimizer=opt, dtype=dtype) for opt in ("master_adamw", "megatron")
         }
-        assert runs["megatron"][3].optimizer_kind == "megatron"
+        megatron = runs["megatron"][3]
+        assert megatron.optimizer_kind == "megatron"
+        # the paths this compares: the layers' weight gradients into DDP's buffer, the planned
+        # DistributedOptimizer copies (megatron_optim._plan_copies)
+        assert all(m.gradient_accumulation_fusion for m in _linears(megatron.model)), dtype
+        assert megatron.optimizer.planned_copies >= 1, dtype
         (l_a, n_a, lp_a, _), (l_m, n_m, lp_m, _) = runs["master_adamw"], runs["megatron"]
         abs_tol = 1e-3 if dtype == "bfloat16" else 0.0
         assert l_m == pytest.approx(l_a, rel=tol, abs=abs_tol), dtype

@@ -56,9 +56,10 @@ def test_megatron_ddp_at_dp2_sums_the_gradients_of_one_process_on_the_joined_bat
     model_dir, tmp_path
 ):
     """megatron-core's DDP (buckets of 5,000 parameters; all-reduce, and the DistributedOptimizer's
-    reduce-scatter; with and without overlapping the last micro-batch's backward) on gloo at
-    DP 2, each rank on its own unequal share: the reduced gradients equal MasterAdamW's path in
-    one process on the joined batch."""
+    reduce-scatter; with and without overlapping the last micro-batch's backward; the linear
+    layers adding their weight gradients into DDP's buffers themselves) on gloo at DP 2, each
+    rank on its own unequal share: the reduced gradients equal MasterAdamW's path in one process
+    on the joined batch."""
     learner_worker.run_two_ranks("dp2_ddp", tmp_path, [str(model_dir)], timeout=240)
     learner = Learner(learner_cfg(str(model_dir)), algo_cfg())
     try:
@@ -66,10 +67,10 @@ def test_megatron_ddp_at_dp2_sums_the_gradients_of_one_process_on_the_joined_bat
         metrics = learner.train_step(make_groups(100, 4))
     finally:
         learner.close()
-    for sharded, overlap in learner_worker.DDP_ROUNDS:
-        got = torch.load(tmp_path / f"dp2_ddp_{sharded}_{overlap}.pt")
+    for sharded, overlap, fusion in learner_worker.DDP_ROUNDS:
+        got = torch.load(tmp_path / f"dp2_ddp_{sharded}_{overlap}_{fusion}.pt")
         assert set(got["grads"]) == set(grads)
         for name, g in grads.items():
             ok = torch.allclose(got["grads"][name], g, rtol=1e-4, atol=1e-6)
-            assert ok, (sharded, overlap, name)
+            assert ok, (sharded, overlap, fusion, name)
         assert got["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)

@@ -210,8 +210,10 @@ def task_dp2_minibatches(out: Path, model_dirs: list[str]) -> None:
     learner.close()
 
 
-DDP_ROUNDS = ((False, False), (False, True), (True, True))
-"""(use_distributed_optimizer, overlap_grad_reduce) of task_dp2_ddp's rounds."""
+DDP_ROUNDS = ((False, False, False), (False, True, False), (True, True, False), (True, False, True))
+"""(use_distributed_optimizer, overlap_grad_reduce, wgrad fusion) of task_dp2_ddp's rounds; the
+last is the learner's GPU default (the linear layers add their weight gradients into
+`main_grad` themselves, `models/wgrad.py`)."""
 
 
 def task_dp2_ddp(out: Path, model_dirs: list[str]) -> None:
@@ -221,10 +223,16 @@ def task_dp2_ddp(out: Path, model_dirs: list[str]) -> None:
     records the reduced `main_grad`s (a reduce-scatter leaves each rank its shard of the buffer:
     the shards are gathered back to compare whole gradients). Rank 0 saves them."""
     from slime_async.actors.learner.megatron_optim import MegatronOptim
+    from slime_async.models import wgrad
 
-    for sharded, overlap in DDP_ROUNDS:
+    for sharded, overlap, fusion in DDP_ROUNDS:
         # A fresh model each round: DDP's gradient hooks stay on the parameters it wrapped.
         learner = Learner(learner_cfg(model_dirs[0]), algo_cfg())
+        if fusion:  # what build_gpt_model(wgrad_fusion=True) sets: read by each forward
+            wgrad.install_megatron()
+            for module in learner.model.modules():
+                if hasattr(module, "gradient_accumulation_fusion"):
+                    module.gradient_accumulation_fusion = True
         cfg = learner.cfg.model_copy(
             update={
                 "use_distributed_optimizer": sharded,
@@ -256,7 +264,8 @@ def task_dp2_ddp(out: Path, model_dirs: list[str]) -> None:
         metrics = learner.train_step(mine)
         if dist.get_rank() == 0:
             torch.save(
-                {"grads": grads, "metrics": metrics}, out / f"dp2_ddp_{sharded}_{overlap}.pt"
+                {"grads": grads, "metrics": metrics},
+                out / f"dp2_ddp_{sharded}_{overlap}_{fusion}.pt",
             )
         learner.close()
 

@@ -26,15 +26,14 @@ instead of the elementwise torch ops, which stay the exact CPU path.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-# megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
+from slime_async.models import wgrad
 
-log = logging.getLogger("slime_async.learner")
+# megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
 
 
 def output_weight(model) -> torch.Tensor:
@@ -236,7 +235,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 if want_h:
                     g_hidden[a:b] = gz @ weight
                 if want_w:
-                    _add_weight_grad(g_weight, gz, hidden[a:b])
+                    wgrad.add_product(g_weight, gz.t(), hidden[a:b])
                 continue
             t = temperature[a:b, None]
             s = _ban((hidden[a:b] @ weight.t()).float(), _rows(ctx.banned, a, b), ctx.ban_ids) / t
@@ -259,36 +258,13 @@ class ChunkedLogprobs(torch.autograd.Function):
             if want_h:
                 g_hidden[a:b] = gz @ weight
             if want_w:
-                _add_weight_grad(g_weight, gz, hidden[a:b])
+                wgrad.add_product(g_weight, gz.t(), hidden[a:b])
         g_w = g_weight.to(weight.dtype) if want_w else None
         return g_hidden, g_w, None, None, None, None, None, None, None
 
 
 def _rows(banned: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
     return None if banned is None else banned[a:b]
-
-
-_MIXED_ADDMM: list[bool] = []  # [works?] once tried: bf16 x bf16 -> fp32 addmm on CUDA
-
-
-def _add_weight_grad(g_weight: torch.Tensor, gz: torch.Tensor, h: torch.Tensor) -> None:
-    """g_weight [V/tp, h] fp32 += gz.T @ h. For bf16 inputs on CUDA, cuBLAS adds the product
-    into the fp32 accumulator directly (`out_dtype`, torch >= 2.8): no bf16 [V/tp, h] product
-    and fp32 copy per chunk. Elsewhere (or where that call is refused, logged once) the bf16
-    product is converted and added."""
-    if gz.dtype == torch.float32:
-        g_weight.addmm_(gz.t(), h)
-        return
-    if gz.is_cuda and _MIXED_ADDMM != [False]:
-        try:
-            torch.addmm(g_weight, gz.t(), h, out_dtype=torch.float32, out=g_weight)
-        except (RuntimeError, TypeError) as e:
-            _MIXED_ADDMM[:] = [False]
-            log.warning("log-probs: bf16 -> fp32 addmm refused (%s); converting instead", e)
-        else:
-            _MIXED_ADDMM[:] = [True]
-            return
-    g_weight += (gz.t() @ h).float()
 
 
 def chunked_logprobs(

@@ -190,7 +190,8 @@ class Learner:
             compiled_ops=self.compiled_ops,
             **moe,
         )
-        self.model = build(recompute=cfg.recompute)
+        # Under megatron's DDP the layers add their weight gradients into its fp32 buffers.
+        self.model = build(recompute=cfg.recompute, wgrad_fusion=optimizer_kind == "megatron")
         if cfg.load is None:
             convert.load_hf_into_model(self.model, cfg.model_path, self.arch)
         # Training micro-batches run through megatron's DDP wrapper (its gradient hooks) or

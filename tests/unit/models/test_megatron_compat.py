@@ -1,32 +1,11 @@
 """megatron-core on a CPU-only torch through slime_async.megatron_compat."""
 
-import os
-
-import pytest
 import torch
-import torch.distributed as dist
 
 from slime_async import megatron_compat
-from slime_async.utils.procs import free_port
 
 # megatron.core is imported inside the tests, after megatron_compat.apply(): that order is what
 # this file checks (see megatron_compat's docstring).
-
-
-@pytest.fixture()
-def single_rank_megatron():
-    megatron_compat.apply()
-    from megatron.core import parallel_state
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def test_apply_is_idempotent_and_patches_cuda_calls():

@@ -206,8 +206,8 @@ def test_each_roofline_run_parses_with_its_bench(name, limit, cmd, monkeypatch):
         bench_learner.check_args(args)
         assert args.baseline == "hf"
         if name == "learner_4b":
-            shape = (args.hidden, args.layers, args.heads, args.kv_heads, args.ffn)
-            assert shape == (2560, 36, 32, 8, 9728)
+            shape = (args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim, args.ffn)
+            assert shape == (2560, 36, 32, 8, 128, 9728)  # Qwen3-4B's config.json
     else:
         pytest.fail(f"{name}: unknown bench {script}")
 
