@@ -36,8 +36,8 @@ With `--full`, also (each printed beside its baseline): the learner without its 
 forward/backward + optimizer step on the same tokens (GPTModel's own cross-entropy), activation
 recomputation (selective, full), and an RL-shaped batch (4 groups x 8, 128-token prompts,
 log-normal response lengths cut to 64..1,024) with the defaults (auto packing), packed and
-padded, in real tokens/s. `--variants` adds learner runs with other `[learner]` keys (e.g.
-`logprob_kernel=torch`); `--profile DIR` writes torch.profiler tables of one learner step and
+padded, in real tokens/s. `--variants` (with or without `--full`) adds learner runs with other
+`[learner]` keys (e.g. `logprob_kernel=torch`, `torch_compile=off`), each in turn on the same batch; `--profile DIR` writes torch.profiler tables of one learner step and
 one plain megatron step (CUDA kernels by self time) and the learner step's Chrome trace.
 
 Needs a CUDA GPU for its figures; on CPU it runs at a tiny shape (--hidden 64 --layers 2
@@ -598,31 +598,28 @@ def main() -> None:
                 results[f"{name}_peak_mem_gb"] = peak_gb()
                 lr_.close()
                 del lr_
-            variants = [("old_options", OLD)]
-            for spec in filter(None, args.variants.split(",")):
-                extra = {}
-                for kv in spec.split(";"):
-                    k, _, v = kv.partition("=")
-                    extra[k] = int(v) if v.isdigit() else v
-                variants.insert(0, ("variant_" + spec.replace(";", "+"), extra))
+            variants = [*user_variants(args), ("old_options", OLD)]
             if torch.cuda.is_available():  # megatron's recomputation needs CUDA's RNG
                 variants = [
                     ("recompute_selective", dict(recompute="selective")),
                     ("recompute_full", dict(recompute="full")),
                     *variants,
                 ]
-            for name, extra in variants:
-                free_cuda()
-                lr_ = Learner(LearnerConfig(**{**base, **extra}), algo)
-                sec, _ = time_learner(lr_, [group], args)
-                results[f"{name}_tokens_per_s"] = tokens_per_step / sec
-                results[f"{name}_mfu"] = mfu(results[f"{name}_tokens_per_s"])
-                results[f"{name}_peak_mem_gb"] = peak_gb()
-                lr_.close()
-                del lr_
         else:
             learner.close()
             del learner
+            variants = user_variants(args)
+        for name, extra in variants:
+            free_cuda()
+            lr_ = Learner(LearnerConfig(**{**base, **extra}), algo)
+            step_s = []
+            sec, _ = time_learner(lr_, [group], args, times=step_s)
+            results[f"{name}_step_s"] = step_s
+            results[f"{name}_tokens_per_s"] = tokens_per_step / sec
+            results[f"{name}_mfu"] = mfu(results[f"{name}_tokens_per_s"])
+            results[f"{name}_peak_mem_gb"] = peak_gb()
+            lr_.close()
+            del lr_
         if args.baseline == "hf":
             # After every learner here is closed and this process's CUDA memory released: the
             # child has the GPU to itself but for what is printed as still held.
@@ -645,6 +642,18 @@ def main() -> None:
     print(json.dumps(results, indent=2))
     print_table(results, args)
     results.write(partial=False)
+
+
+def user_variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """`--variants` as (name, [learner] keys): "a=1;b=x,c=2" -> variant_a=1+b=x, variant_c=2."""
+    out = []
+    for spec in filter(None, args.variants.split(",")):
+        extra: dict = {}
+        for kv in spec.split(";"):
+            k, _, v = kv.partition("=")
+            extra[k] = int(v) if v.isdigit() else v
+        out.append(("variant_" + spec.replace(";", "+"), extra))
+    return out
 
 
 def print_table(r: dict, args) -> None:

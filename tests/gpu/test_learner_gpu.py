@@ -267,10 +267,12 @@ def test_loss_statistics_and_collation_wait_for_the_gpu_only_where_documented():
     """TokenStats syncs once when built and once in raw(): the statistics a loss takes between
     the forward and the backward pass must not drain the GPU's queue (boolean indexing and
     bincount would, once each). Collating a micro-batch (padded or packed) copies to the GPU
-    without waiting for the previous micro-batch's kernels."""
+    without waiting for the previous micro-batch's kernels, and the token record takes a
+    micro-batch's log-probs without reading them until its update is done."""
     import numpy as np
 
     from slime_async.actors.learner.batch import Row, collate, collate_packed
+    from slime_async.actors.learner.token_record import TokenRecorder
     from slime_async.algos.metrics import TokenStats
 
     rng = np.random.default_rng(0)
@@ -278,7 +280,11 @@ def test_loss_statistics_and_collation_wait_for_the_gpu_only_where_documented():
         Row(
             rng.integers(0, 100, size=n).astype(np.int64),
             4,
-            {"advantages": rng.standard_normal(n - 4).astype(np.float32)},
+            {
+                "advantages": rng.standard_normal(n - 4).astype(np.float32),
+                "behavior_logp": -rng.random(n - 4).astype(np.float32),
+                "loss_mask": np.ones(n - 4, np.float32),
+            },
             temperature=0.7,
         )
         for n in (9, 12, 7)
@@ -293,6 +299,19 @@ def test_loss_statistics_and_collation_wait_for_the_gpu_only_where_documented():
     assert packed.per_token["advantages"][2, :3].tolist() == pytest.approx(
         rows[2].per_token["advantages"].tolist()
     )
+
+    recorder = TokenRecorder(rows, ["a", "b", "c"])
+    logp = torch.randn(3, padded.input_ids.shape[1], device="cuda", requires_grad=True)
+    logp.retain_grad()
+    (logp * 2.0).sum().backward()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        recorder.observe(rows, padded, logp)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    recorder.update_done(1.0)
+    assert recorder.values[1]["logp"].tolist() == pytest.approx(logp[1, :8].tolist())
+    assert recorder.values[1]["grad"].tolist() == [2.0] * 8
 
     g = torch.Generator(device="cuda").manual_seed(0)
     mask = torch.rand(8, 1000, device="cuda", generator=g) < 0.7

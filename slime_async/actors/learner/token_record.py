@@ -18,7 +18,8 @@ plus `ids` (trajectory ids), `offsets` [R + 1] into the token arrays, and per st
 
 Cost: 21 bytes per response token per recorded step on disk (the write-ahead log spends about
 13 per response token), one gather of these arrays to rank 0 over the data-parallel group, and
-a `[B, T]` device-to-host copy per micro-batch. `learner.token_record_interval` records every
+a `[B, T]` device-to-host copy per micro-batch, read once its update's gradient norm is known
+(no wait of its own for the GPU). `learner.token_record_interval` records every
 N-th step (0: never) and `learner.token_record_keep` keeps only the newest files.
 """
 
@@ -67,27 +68,43 @@ class TokenRecorder:
                 }
             )
         self.grad_norms: list[float] = []
+        # (rows, micro-batch, log-probs, their gradient) on the device, read once the update is
+        # done (`observe`)
+        self._pending: list[tuple[Sequence[Row], MicroBatch, torch.Tensor, torch.Tensor | None]]
+        self._pending = []
 
     def observe(self, rows: Sequence[Row], mb: MicroBatch, logp: torch.Tensor) -> None:
-        """After the micro-batch's backward: its log-probs `logp` [B, T] and their gradient."""
-        lp = logp.detach().float().cpu().numpy()
-        grad = logp.grad.float().cpu().numpy() if logp.grad is not None else np.zeros_like(lp)
-        for j, i in enumerate(mb.rows):
-            k = self._index.get(id(rows[i]))
-            if k is None:
-                continue
-            v, n = self.values[k], self.rows[k].response_len
-            if np.isnan(v["prox_logp"]).all():
-                v["prox_logp"] = lp[j, :n].copy()
-            v["logp"] = lp[j, :n].copy()
-            v["grad"] += grad[j, :n]
+        """After the micro-batch's backward: its log-probs `logp` [B, T] and their gradient.
+
+        Kept on the device until `update_done`: reading them here would make the host wait for
+        the backward pass before it issues the next micro-batch or the optimizer's work (the
+        update's gradient norm waits for the GPU anyway, so by then the copy costs no wait)."""
+        self._pending.append((rows, mb, logp.detach(), logp.grad))
 
     def update_done(self, grad_norm: float) -> None:
+        self._drain()
         self.grad_norms.append(float(grad_norm))
+
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for rows, mb, logp, grad_t in pending:
+            lp = logp.float().cpu().numpy()
+            grad = grad_t.float().cpu().numpy() if grad_t is not None else np.zeros_like(lp)
+            for j, i in enumerate(mb.rows):
+                k = self._index.get(id(rows[i]))
+                if k is None:
+                    continue
+                v, n = self.values[k], self.rows[k].response_len
+                if np.isnan(v["prox_logp"]).all():
+                    v["prox_logp"] = lp[j, :n].copy()
+                v["logp"] = lp[j, :n].copy()
+                v["grad"] += grad[j, :n]
 
     def gather(self, dp_group: Any, is_rank0: bool, tp_rank: int) -> dict[str, Any] | None:
         """Every rank calls it; rank 0 gets the whole step's arrays (DP ranks' rows joined)."""
         import torch.distributed as dist
+
+        self._drain()
 
         mine = (self.ids, self.values) if tp_rank == 0 else ([], [])
         parts: list[Any] = [mine]

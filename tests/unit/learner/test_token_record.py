@@ -67,3 +67,33 @@ def test_record_holds_each_tokens_logprobs_advantage_and_loss_gradient(model, tm
     assert int(back["step"]) == 6 and back["ids"].tolist() == rec["ids"].tolist()
     np.testing.assert_array_equal(back["grad"], rec["grad"])
     assert token_record.read(tmp_path, 5) is None
+
+
+def test_record_over_two_updates_of_several_micro_batches_keeps_each_updates_values(model):
+    """Two passes over the batch (`ppo_epochs` 2), each in several micro-batches (24 tokens): the
+    record holds the first update's log-probs as pi_prox, the second's as logp, and the sum of
+    both updates' loss gradients; one gradient norm per update."""
+    learner = Learner(learner_cfg(str(model), token_record_interval=1), algo_cfg(ppo_epochs=2))
+    try:
+        groups = make_groups(5, 3)
+        trajs = {t.id: t for g in groups for t in g}
+        seqs = [list(t.prompt_ids) + list(t.response_ids) for t in trajs.values()]
+        before = dict(zip(trajs, (lp for lp, _ in learner.compute_logprobs(seqs)), strict=True))
+        metrics = learner.train_step(groups)
+        rec = learner.take_token_record()
+    finally:
+        learner.close()
+    assert metrics["learner/updates"] == 2 and len(rec["grad_norms"]) == 2
+    n_tokens = sum(int(t.loss_mask.sum()) for t in trajs.values())
+    moved = 0.0
+    for tid, v in token_record.per_trajectory(rec).items():
+        t = trajs[tid]
+        first = before[tid][len(t.prompt_ids) - 1 :].numpy()
+        np.testing.assert_allclose(v["prox_logp"], first, atol=1e-5)
+        moved = max(moved, float(np.abs(v["logp"] - first).max()))
+        adv = float(v["advantage"][0])
+        want = sum(
+            -np.exp(lp - t.logprobs) * adv * t.loss_mask / n_tokens for lp in (first, v["logp"])
+        )
+        np.testing.assert_allclose(v["grad"], want, rtol=1e-4, atol=1e-8)
+    assert moved > 1e-4  # the second update saw other weights than the first

@@ -270,8 +270,10 @@ TINY_LEARNER = (
 
 
 def test_bench_learner_on_cpu_runs_the_hf_baseline_in_its_own_process(tmp_path):
+    """... and a `--variants` learner (without `--full`), each timed step's seconds kept."""
     out = tmp_path / "learner.json"
-    r = run_bench(*TINY_LEARNER, "--peak-tflops", "1e-6", "--json", str(out))
+    variant = "logprob_chunk_tokens=32"
+    r = run_bench(*TINY_LEARNER, "--peak-tflops", "1e-6", "--variants", variant, "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["partial"] is False  # rewritten after each figure, final at the end
@@ -286,6 +288,9 @@ def test_bench_learner_on_cpu_runs_the_hf_baseline_in_its_own_process(tmp_path):
     )
     assert re.search(r"learner RL step \(recompute none\) +[\d,]+ +[\d.]+%", r.stdout)
     assert all(math.isfinite(x) for x in res["learner_losses"])
+    assert res[f"variant_{variant}_tokens_per_s"] > 0
+    assert len(res[f"variant_{variant}_step_s"]) == 1 == len(res["learner_step_s"])
+    assert re.search(rf"{variant} +[\d,]+ .* vs the learner RL step", r.stdout)
 
 
 @pytest.mark.parametrize(
