@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 import torch
 
+from slime_async.models.layer_math import rotate_half
+
 log = logging.getLogger("slime_async.learner")
 
 
@@ -44,12 +46,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over halves, or over (even, odd) pairs when `interleaved`."""
+    """[x1, x2] -> [-x2, x1] over halves (the engine's `rotate_half`), or over (even, odd)
+    pairs when `interleaved`."""
     if interleaved:
         pairs = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1)
         return pairs.flatten(-2)
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return rotate_half(x)
 
 
 def rope(
@@ -141,14 +143,9 @@ def compiled(device_index: int = 0) -> Compiled | None:
             ("rope", ops.rope, rope, (q, freqs)),
         ):
             out, want = fn(*args), ref(*args)
-            grads = torch.autograd.grad(
-                out.float().square().sum(),
-                [a for a in args[:2] if isinstance(a, torch.Tensor) and a.requires_grad],
-            )
-            wants = torch.autograd.grad(
-                want.float().square().sum(),
-                [a for a in args[:2] if isinstance(a, torch.Tensor) and a.requires_grad],
-            )
+            inputs = [a for a in args[:2] if a.requires_grad]  # x and w; q (freqs: none)
+            grads = torch.autograd.grad(out.float().square().sum(), inputs)
+            wants = torch.autograd.grad(want.float().square().sum(), inputs)
             err = max(
                 [float((out.float() - want.float()).abs().max())]
                 + [

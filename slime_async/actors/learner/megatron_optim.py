@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 
 import torch
@@ -35,6 +36,8 @@ from slime_async.actors.learner.optim import tp_partial, trainable
 from slime_async.config.learner import LearnerConfig
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
+
+log = logging.getLogger("slime_async.learner")
 
 
 class MegatronOptim:
@@ -286,13 +289,14 @@ def _plan_copies(opt) -> int:
 
     planned = 0
     for o in _chained(opt):
+        if not isinstance(o, DistributedOptimizer) or o.is_stub_optimizer:
+            continue  # nothing per parameter to plan (the plain optimizer copies by foreach)
         if (
-            not isinstance(o, DistributedOptimizer)
-            or o.is_stub_optimizer
-            or o.ddp_config.use_megatron_fsdp
+            o.ddp_config.use_megatron_fsdp
             or getattr(o.ddp_config, "fp8_param_gather", False)
             or getattr(o.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
         ):
+            log.info("optimizer copies: megatron's own (FSDP, FP8 or precision-aware masters)")
             continue
         grads, shards, mains = [], [], []
         for model_group, main_group in (
@@ -308,7 +312,8 @@ def _plan_copies(opt) -> int:
                 shards.append(buffer.view(-1)[world.start : world.end])
                 mains.append(main)
         if any(g.dtype != m.dtype or g.shape != m.shape for m, g in grads):
-            continue  # megatron would convert (a bf16 gradient buffer): keep its method
+            log.info("optimizer copies: megatron's own (the gradient buffer is not fp32)")
+            continue
         o._copy_model_grads_to_main_grads = functools.partial(_point_grads, grads)
         o._copy_main_params_to_model_params = functools.partial(_copy_masters, shards, mains)
         planned += 1

@@ -68,10 +68,8 @@ class TokenRecorder:
                 }
             )
         self.grad_norms: list[float] = []
-        # (rows, micro-batch, log-probs, their gradient) on the device, read once the update is
-        # done (`observe`)
-        self._pending: list[tuple[Sequence[Row], MicroBatch, torch.Tensor, torch.Tensor | None]]
-        self._pending = []
+        # (rows, micro-batch, log-probs, their gradient) on the device until the update is done
+        self._pending: list[tuple[Sequence[Row], MicroBatch, Any, Any]] = []
 
     def observe(self, rows: Sequence[Row], mb: MicroBatch, logp: torch.Tensor) -> None:
         """After the micro-batch's backward: its log-probs `logp` [B, T] and their gradient.
