@@ -37,29 +37,52 @@ forward/backward + optimizer step on the same tokens (GPTModel's own cross-entro
 recomputation (selective, full), and an RL-shaped batch (4 groups x 8, 128-token prompts,
 log-normal response lengths cut to 64..1,024) with the defaults (auto packing), packed and
 padded, in real tokens/s. `--variants` (with or without `--full`) adds learner runs with other
-`[learner]` keys (e.g. `logprob_kernel=torch`, `torch_compile=off`), each in turn on the same batch; `--profile DIR` writes torch.profiler tables of one learner step and
-one plain megatron step (CUDA kernels by self time) and the learner step's Chrome trace.
+`[learner]` keys (e.g. `logprob_kernel=torch`, `torch_compile=off`), each in turn on the same
+batch; `--options` sets `[learner]` keys for every learner of the run (an option's A/B in
+processes of their own: the step time of a process varies more between processes than within
+one). `--profile DIR` writes torch.profiler tables of one learner step and one plain megatron
+step (CUDA kernels by self time) and the learner step's Chrome trace. The learner's training
+micro-batches run through CUDA graphs by default on a GPU (`learner.cuda_graphs`): a shape is
+captured at its second micro-batch, so `--warmup` should be at least 2; the allocator's peak
+reservation is printed beside the peak allocation (the graphs' pool stays reserved).
+
+Tensor parallelism (one host): `torchrun --nproc-per-node 2 bench/bench_learner.py
+--tensor-parallel 2 ...` runs the learner at TP 2, one GPU a rank (the world is the TP group:
+data parallel 1, every rank the same batch). Tokens/s are the whole group's; MFU is per GPU (the
+FLOPs over the number of GPUs x `--peak-tflops`); peak memory is each rank's (the figure printed
+is the largest). Rank 0 writes the model directory, prints and writes the JSON. After the timed
+learner is closed, the same weights are loaded at TP 1 (data parallel over the same processes,
+each the whole model) and its bf16 log-probs of the same batch are compared with TP 2's
+(`learner_vs_tp1`): not bit-equal (TP 2 sums each row-parallel layer's two halves in another
+order), of the order of bf16's own noise, and `learner_vs_hf_fp32` is given for both sizes
+(`tp1_vs_hf_fp32`): TP 2's error should be TP 1's. The HF baseline runs on one GPU, so at TP > 1
+it is not run (`--baseline` defaults to none there; its row is the one-GPU run's); `--full` and
+`--profile` are one-GPU parts too and refused at TP > 1.
 
 Needs a CUDA GPU for its figures; on CPU it runs at a tiny shape (--hidden 64 --layers 2
---vocab 128 ...), float32, as a dry run of the same path.
+--vocab 128 ...), float32, as a dry run of the same path (at TP 2 over gloo too).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import roofline
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from slime_async.actors.learner.batch import TrainGroup
@@ -215,13 +238,14 @@ class Results(dict):
     to `path` (marked partial until `finish`): a run stopped by a timeout still shows and
     leaves everything it measured."""
 
-    def __init__(self, path: str | None = None, **kw):
+    def __init__(self, path: str | None = None, echo: bool = True, **kw):
         super().__init__(**kw)
         self.path = Path(path) if path else None
+        self.echo = echo  # False on ranks other than 0: one rank prints
 
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
-        if isinstance(value, float):
+        if isinstance(value, float) and self.echo:
             shown = f"{value:,.3f}" if abs(value) >= 1e-3 else f"{value:.3g}"
             print(f"[bench_learner] {key} = {shown}", flush=True)
         self.write(partial=True)
@@ -243,6 +267,107 @@ def free_cuda() -> None:
 
 def peak_gb() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def peak_reserved_gb() -> float | None:
+    """The caching allocator's peak reservation: with CUDA graphs, their memory pool stays
+    reserved between replays while the allocated figure counts it only during capture."""
+    return torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None
+
+
+# ---- more than one GPU (torchrun) -------------------------------------------------------------
+
+
+def world_size() -> int:
+    """The number of processes torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_world(parallel: int, flag: str, world: int, script: str) -> None:
+    """Refuse a parallel size the process count does not match, naming the command that fits:
+    the benches run one rank a GPU and the whole world is the one parallel group."""
+    if parallel > 1 and world != parallel:
+        sys.exit(
+            f"{flag} {parallel} runs on {parallel} processes, one a GPU, and WORLD_SIZE is "
+            f"{world}: start it as torchrun --nproc-per-node {parallel} {script} "
+            f"{flag} {parallel} ..."
+        )
+    if parallel == 1 and world > 1:
+        sys.exit(
+            f"WORLD_SIZE is {world} but {flag} is 1: under torchrun give {flag} {world} (every "
+            "process is a rank of it), or run the bench without torchrun"
+        )
+    if parallel > 1 and torch.cuda.is_available() and torch.cuda.device_count() < parallel:
+        sys.exit(
+            f"{flag} {parallel}: {torch.cuda.device_count()} CUDA GPU(s) visible on this host, "
+            f"one a rank needs {parallel}"
+        )
+
+
+def init_world() -> tuple[int, int]:
+    """(rank, world). Under torchrun (WORLD_SIZE > 1): this rank's GPU (LOCAL_RANK) and the
+    process group every learner of the run joins (NCCL on GPUs, gloo on the CPU; torchrun's
+    env:// rendezvous); a collective that waits past 20 minutes fails with torch's message.
+    Alone: (0, 1) and nothing started (each learner starts and ends a group of its own)."""
+    world = world_size()
+    if world == 1:
+        return 0, 1
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(minutes=20))
+    return dist.get_rank(), world
+
+
+def close_world(world: int) -> None:
+    if world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def shared_tmpdir(world: int):
+    """A temporary directory every rank of this host sees: made by rank 0, its path broadcast;
+    removed by rank 0 once every rank is done with it (at once on an error)."""
+    if world == 1:
+        with tempfile.TemporaryDirectory() as tmp:
+            yield Path(tmp)
+        return
+    rank = dist.get_rank()
+    holder = [tempfile.mkdtemp(prefix="bench_") if rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    try:
+        yield Path(holder[0])
+        dist.barrier()
+    finally:
+        if rank == 0:
+            shutil.rmtree(holder[0], ignore_errors=True)
+
+
+def on_rank0(world: int, make) -> None:
+    """`make()` on rank 0 while the other ranks wait (e.g. writing the model directory)."""
+    if world == 1 or dist.get_rank() == 0:
+        make()
+    if world > 1:
+        dist.barrier()
+
+
+def per_rank(world: int, value):
+    """[value of rank 0, rank 1, ...] (every rank gets the list)."""
+    if world == 1:
+        return [value]
+    out = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def largest(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def abs_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
+    d = (a - b).abs()
+    return {"mean_abs": d.mean().item(), "max_abs": d.max().item()}
 
 
 def time_learner(learner, groups, args, steps=None, metrics: bool = False, times=None):
@@ -363,8 +488,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--baseline",
         choices=["hf", "none"],
-        default="hf",
-        help="hf: the HF transformers step in a child process of its own; none: no baseline",
+        default=None,
+        help="hf: the HF transformers step in a child process of its own; none: no baseline "
+        "(default hf at --tensor-parallel 1, none above: the HF step runs on one GPU)",
+    )
+    ap.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="the learner's TP size, under torchrun --nproc-per-node N (one rank a GPU, the "
+        "world is the TP group); the same weights at TP 1 give the log-prob reference",
     )
     ap.add_argument(
         "--peak-tflops",
@@ -393,6 +526,12 @@ def build_parser() -> argparse.ArgumentParser:
         "one plain megatron step (CUDA kernels by self time) are written there",
     )
     ap.add_argument(
+        "--options",
+        default="",
+        help="[learner] keys for every learner of the run, key=value separated by ';' (e.g. "
+        "cuda_graphs=off: the A/B of an option in processes of their own)",
+    )
+    ap.add_argument(
         "--variants",
         default="",
         help="comma-separated extra learner variants on the 8 x seq batch, each "
@@ -402,8 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse, naming the option, what cannot run here or would measure nothing."""
+def check_args(args: argparse.Namespace, world: int | None = None) -> None:
+    """Refuse, naming the option, what cannot run here or would measure nothing; resolve
+    `--baseline`. `world`: the number of processes (default: torchrun's WORLD_SIZE, else 1)."""
     if args.recompute != "none" and not torch.cuda.is_available():
         sys.exit(
             f"--recompute {args.recompute}: megatron's recomputation saves the CUDA RNG state; "
@@ -419,6 +559,28 @@ def check_args(args: argparse.Namespace) -> None:
         sys.exit(
             f"--hidden {args.hidden} is not a multiple of --heads {args.heads}: give --head-dim"
         )
+    if args.hf_child:  # the baseline itself: one GPU, outside any world
+        return
+    tp = args.tensor_parallel
+    if tp < 1:
+        sys.exit(f"--tensor-parallel {tp}: at least 1")
+    world = world_size() if world is None else world
+    check_world(tp, "--tensor-parallel", world, "bench/bench_learner.py")
+    if tp > 1:
+        if args.baseline == "hf":
+            sys.exit(
+                f"--baseline hf at --tensor-parallel {tp}: the HF step runs on one GPU, so its "
+                "figure is the one-GPU run's (bench_learner.py --baseline hf without torchrun); "
+                "leave --baseline out or give none here"
+            )
+        for flag in ("full", "profile"):
+            if getattr(args, flag):
+                sys.exit(
+                    f"--{flag} at --tensor-parallel {tp}: its extra rows are one-GPU figures; "
+                    "run it without torchrun at --tensor-parallel 1"
+                )
+    if args.baseline is None:
+        args.baseline = "hf" if tp == 1 else "none"
 
 
 SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab", "batch", "seq")
@@ -483,10 +645,22 @@ def main() -> None:
     if args.hf_child:
         hf_child(args)
         return
+    rank, world = init_world()
+    try:
+        run(args, rank, world)
+    finally:
+        close_world(world)
 
+
+def run(args: argparse.Namespace, rank: int, world: int) -> None:
+    """The bench on this rank (every rank runs every learner; rank 0 prints and writes)."""
     results = Results(
-        args.json, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        args.json if rank == 0 else None,
+        echo=rank == 0,
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     )
+    results["tensor_parallel"] = args.tensor_parallel
+    results["gpus"] = world
     rng = np.random.default_rng(0)
     group = make_group(args, rng)
     tokens_per_step = args.batch * args.seq
@@ -496,21 +670,25 @@ def main() -> None:
     results["recompute"] = args.recompute
 
     def mfu(tokens_per_s: float, flops: float = flops_token) -> float:
-        return roofline.mfu(tokens_per_s, flops, args.peak_tflops)
+        # per GPU: the whole group's tokens/s over `world` GPUs' peak
+        return roofline.mfu(tokens_per_s / world, flops, args.peak_tflops)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model_dir(Path(tmp) / "model", args)
+    with shared_tmpdir(world) as tmp:
+        model_dir = Path(tmp) / "model"
+        on_rank0(world, lambda: make_model_dir(model_dir, args))
         base = dict(
             model_path=str(model_dir),
             dtype="bfloat16" if torch.cuda.is_available() else "float32",
             lr=1e-6,
             micro_batch_tokens=args.batch * args.seq,
+            **learner_keys(args.options),
         )
         # One PPO update per step, as the HF baseline does (the default of 4 mini-batches would
         # add 3 optimizer steps and a pi_prox forward pass to the learner's side).
         algo = AlgoConfig(loss="ppo_clip", advantage="grpo", mini_batches=1)
         free_cuda()
-        learner = Learner(LearnerConfig(**base, recompute=args.recompute), algo)
+        tp = dict(tensor_parallel=args.tensor_parallel)
+        learner = Learner(LearnerConfig(**base, **tp, recompute=args.recompute), algo)
         results["options"] = {
             "attention": learner.attention,
             "packing": "never"
@@ -522,36 +700,51 @@ def main() -> None:
             "logprob_kernel": learner.logprob_kernel,
             "recompute": args.recompute,
             "layer_ops": "compiled" if learner.compiled_ops else "eager",
+            "cuda_graphs": learner.cuda_graphs,
         }
-        results["params"] = sum(p.numel() for p in learner.model.parameters())
+        local_params = sum(p.numel() for p in learner.model.parameters())
+        if world == 1:
+            results["params"] = local_params
+        else:  # each rank holds a shard: the whole model's count (tied embeddings)
+            results["params"] = train_shape(args).non_embedding_params + args.vocab * args.hidden
+            results["params_per_rank"] = per_rank(world, local_params)
         seqs = [np.concatenate([t.prompt_ids, t.response_ids]).tolist() for t in group]
 
-        # Agreement first, on the starting weights shared with the HF model.
+        # Agreement first, on the starting weights shared with the HF model (every rank takes
+        # part in the learner's log-probs; the HF model runs on rank 0 alone).
         ours = torch.stack([lp for lp, _ in learner.compute_logprobs(seqs)])  # [B, L-1]
-        dev = learner.device
-        hf_dir = model_dir
-        tokens = torch.tensor(seqs, device=dev)
-        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(dev)
-        with torch.no_grad():
-            hf_bf16 = hf_logprobs(hf.eval(), tokens).cpu()
-            hf_fp32 = hf_logprobs(hf.float(), tokens).cpu()
-        del hf, tokens
-        for name, ref in (("learner_vs_hf_bf16", hf_bf16), ("learner_vs_hf_fp32", hf_fp32)):
-            d = (ours - ref).abs()
-            results[name] = {"mean_abs": d.mean().item(), "max_abs": d.max().item()}
-        d = (hf_bf16 - hf_fp32).abs()
-        results["hf_bf16_vs_hf_fp32"] = {"mean_abs": d.mean().item(), "max_abs": d.max().item()}
-        results["mean_logp"] = ours.mean().item()
+        hf_fp32 = None
+        if rank == 0:
+            dev = learner.device
+            tokens = torch.tensor(seqs, device=dev)
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(dev)
+            with torch.no_grad():
+                hf_bf16 = hf_logprobs(hf.eval(), tokens).cpu()
+                hf_fp32 = hf_logprobs(hf.float(), tokens).cpu()
+            del hf, tokens
+            results["learner_vs_hf_bf16"] = abs_diff(ours, hf_bf16)
+            results["learner_vs_hf_fp32"] = abs_diff(ours, hf_fp32)
+            results["hf_bf16_vs_hf_fp32"] = abs_diff(hf_bf16, hf_fp32)
+            results["mean_logp"] = ours.mean().item()
+        if world > 1:
+            dist.barrier()
 
         free_cuda()
         step_s: list[float] = []
-        sec, losses = time_learner(learner, [group], args, times=step_s)
+        sec, losses, last = time_learner(learner, [group], args, metrics=True, times=step_s)
+        results["learner_last_step_cuda_graphs"] = {
+            k: v for k, v in last.items() if k.startswith("learner/cuda_graphs/")
+        }
         results["learner_step_s"] = step_s
         results["learner_tokens_per_s"] = tokens_per_step / sec
+        results["learner_tokens_per_s_per_gpu"] = tokens_per_step / sec / world
         results["learner_mfu"] = mfu(results["learner_tokens_per_s"])
         results["learner_losses"] = losses
         results["version"] = learner.version
-        results["learner_peak_mem_gb"] = peak_gb()
+        results["learner_peak_mem_gb_per_rank"] = per_rank(world, peak_gb())
+        results["learner_peak_reserved_gb_per_rank"] = per_rank(world, peak_reserved_gb())
+        results["learner_peak_mem_gb"] = largest(results["learner_peak_mem_gb_per_rank"])
+        results["learner_peak_reserved_gb"] = largest(results["learner_peak_reserved_gb_per_rank"])
         if args.profile and torch.cuda.is_available():
             Path(args.profile).mkdir(parents=True, exist_ok=True)
             results["profile_learner"] = profile_table(
@@ -611,22 +804,34 @@ def main() -> None:
             variants = user_variants(args)
         for name, extra in variants:
             free_cuda()
-            lr_ = Learner(LearnerConfig(**{**base, **extra}), algo)
+            lr_ = Learner(LearnerConfig(**{**base, **tp, **extra}), algo)
             step_s = []
             sec, _ = time_learner(lr_, [group], args, times=step_s)
             results[f"{name}_step_s"] = step_s
             results[f"{name}_tokens_per_s"] = tokens_per_step / sec
             results[f"{name}_mfu"] = mfu(results[f"{name}_tokens_per_s"])
-            results[f"{name}_peak_mem_gb"] = peak_gb()
+            results[f"{name}_peak_mem_gb"] = largest(per_rank(world, peak_gb()))
+            results[f"{name}_peak_reserved_gb"] = largest(per_rank(world, peak_reserved_gb()))
             lr_.close()
             del lr_
+        if args.tensor_parallel > 1:
+            # The same weights at TP 1 (data parallel over these ranks, each the whole model):
+            # the log-prob reference of the TP run, on the batch it was measured on.
+            free_cuda()
+            ref_learner = Learner(LearnerConfig(**base, tensor_parallel=1), algo)
+            ref = torch.stack([lp for lp, _ in ref_learner.compute_logprobs(seqs)])  # [B, L-1]
+            ref_learner.close()
+            del ref_learner
+            if rank == 0:
+                results["learner_vs_tp1"] = abs_diff(ours, ref)
+                results["tp1_vs_hf_fp32"] = abs_diff(ref, hf_fp32)
         if args.baseline == "hf":
             # After every learner here is closed and this process's CUDA memory released: the
             # child has the GPU to itself but for what is printed as still held.
             free_cuda()
             held = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
             results["parent_cuda_allocated_gb_during_hf"] = held
-            hf_out = run_hf_child(args, hf_dir)
+            hf_out = run_hf_child(args, model_dir)
             results["hf"] = hf_out
             if "tokens_per_s" in hf_out:
                 results["hf_tokens_per_s"] = hf_out["tokens_per_s"]
@@ -639,20 +844,26 @@ def main() -> None:
                 why = hf_out.get("oom") or hf_out.get("error")
                 print(f"[bench_learner] HF baseline: no figure: {why}", flush=True)
 
-    print(json.dumps(results, indent=2))
-    print_table(results, args)
-    results.write(partial=False)
+    if rank == 0:
+        print(json.dumps(results, indent=2))
+        print_table(results, args)
+        results.write(partial=False)
 
 
 def user_variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
     """`--variants` as (name, [learner] keys): "a=1;b=x,c=2" -> variant_a=1+b=x, variant_c=2."""
-    out = []
-    for spec in filter(None, args.variants.split(",")):
-        extra: dict = {}
-        for kv in spec.split(";"):
-            k, _, v = kv.partition("=")
-            extra[k] = int(v) if v.isdigit() else v
-        out.append(("variant_" + spec.replace(";", "+"), extra))
+    return [
+        ("variant_" + spec.replace(";", "+"), learner_keys(spec))
+        for spec in filter(None, args.variants.split(","))
+    ]
+
+
+def learner_keys(spec: str) -> dict:
+    """ "a=1;b=x" -> {"a": 1, "b": "x"} ([learner] keys of `--options` and `--variants`)."""
+    out: dict = {}
+    for kv in filter(None, spec.split(";")):
+        k, _, v = kv.partition("=")
+        out[k] = int(v) if v.isdigit() else v
     return out
 
 
@@ -668,6 +879,7 @@ def print_table(r: dict, args) -> None:
     print(
         f"MFU: {r['flops_per_token'] / 1e9:.2f} GFLOP a token (6 x non-embedding params + output "
         f"layer on the response + causal attention) over {r['peak_tflops']:g} TFLOP/s"
+        + (f" per GPU ({r['gpus']} GPUs)" if r["gpus"] > 1 else "")
     )
     if r.get("learner_step_s"):
         st = np.array(r["learner_step_s"]) * 1e3
@@ -772,8 +984,29 @@ def print_table(r: dict, args) -> None:
     ]
     for what, tps, m, mem, note in rows:
         print(f"{what:44s} {tps:>10,.0f} {pct(m):>6s} {gb(mem):>10s}   {note}")
+    if r.get("learner_peak_reserved_gb") is not None:
+        print(
+            f"allocator peak reservation of the learner step: {r['learner_peak_reserved_gb']:.1f} "
+            f"GB (CUDA graphs {'on' if r['options']['cuda_graphs'] else 'off'}: their memory pool "
+            "stays reserved between replays)"
+        )
     a = r["learner_vs_hf_bf16"]
     print(f"bf16 log-prob |learner - HF bf16|: mean {a['mean_abs']:.2e}, max {a['max_abs']:.2e}")
+    if "learner_vs_tp1" in r:
+        tp, a, b, c = (
+            r["tensor_parallel"],
+            r["learner_vs_tp1"],
+            r["learner_vs_hf_fp32"],
+            r["tp1_vs_hf_fp32"],
+        )
+        per = ", ".join(gb(x) for x in r["learner_peak_mem_gb_per_rank"])
+        print(
+            f"TP {tp} on {r['gpus']} ranks: {r['learner_tokens_per_s_per_gpu']:,.0f} tokens/s a GPU, "
+            f"peak memory by rank {per}\n"
+            f"log-probs |TP {tp} - TP 1|: mean {a['mean_abs']:.2e}, max {a['max_abs']:.2e}; "
+            f"against HF fp32: TP {tp} mean {b['mean_abs']:.2e} (max {b['max_abs']:.2e}), "
+            f"TP 1 mean {c['mean_abs']:.2e} (max {c['max_abs']:.2e})"
+        )
 
 
 if __name__ == "__main__":

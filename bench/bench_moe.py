@@ -22,6 +22,17 @@ counting 6 x the parameters each token goes through (attention, router, its top-
 output layer; the embedding is a lookup) plus causal attention, 12 x layers x seq/2 x heads x
 head_dim per token, for a train step; 2 x those parameters (and 4 x layers x context x heads x
 head_dim) per generated token.
+
+Expert parallelism (one host): `torchrun --nproc-per-node 2 bench/bench_moe.py --part learner
+--expert-parallel 2` runs each learner side at EP 2, one GPU a rank, in the ranks' own processes
+one side after the other. EP ranks are data-parallel ranks: each trains its own `--batch` rows,
+so tokens/s are the world's (`--batch` x `--seq` x ranks a step) and MFU is per GPU; peak memory
+is each rank's. After a side is timed, the same weights at EP 1 (data parallel over the same
+processes, each the whole model, the same experts implementation) give the log-prob reference:
+the side's log-probs at EP N of one batch (the same rows on every rank, before training) against
+EP 1's (`logprobs_vs_ep1`, not bit-equal in bf16: the experts' GEMMs see other row counts, and a
+near-tie in a router can pick another expert for a token). HF runs on one GPU: not a side at
+EP > 1 (`--sides` defaults to grouped there); the engine part neither. Rank 0 prints and writes.
 """
 
 from __future__ import annotations
@@ -31,7 +42,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -102,6 +112,35 @@ def spread(times: list[float]) -> dict:
     }
 
 
+def side_cfg(args, model_dir: Path, side: str, expert_parallel: int = 1) -> LearnerConfig:
+    return LearnerConfig(
+        model_path=str(model_dir),
+        dtype="bfloat16" if torch.cuda.is_available() else "float32",
+        lr=1e-6,
+        micro_batch_tokens=args.batch * args.seq,
+        moe_experts=side,
+        expert_parallel=expert_parallel,
+    )
+
+
+# One PPO update per step, as the HF baseline does (see bench_learner.py).
+ALGO = AlgoConfig(loss="ppo_clip", advantage="grpo", mini_batches=1)
+
+
+def learner_steps(learner, group, args) -> tuple[list[float], list[float]]:
+    """(seconds of each step after --warmup, every step's loss)."""
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        bench_learner.sync()
+        t0 = time.perf_counter()
+        m = learner.train_step([group])
+        bench_learner.sync()
+        losses.append(m["loss"])
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return times, losses
+
+
 def run_side(args, model_dir: Path, side: str) -> dict:
     """One side of the learner comparison, in this process (the parent runs each in its own)."""
     on_gpu = torch.cuda.is_available()
@@ -114,24 +153,9 @@ def run_side(args, model_dir: Path, side: str) -> dict:
         out["experts_implementation"] = getattr(hf.config, "_experts_implementation", None)
         times = hf_step_times(hf, group, args)
     else:
-        cfg = LearnerConfig(
-            model_path=str(model_dir),
-            dtype="bfloat16" if on_gpu else "float32",
-            lr=1e-6,
-            micro_batch_tokens=tokens,
-            moe_experts=side,
-        )
-        # One PPO update per step, as the HF baseline does (see bench_learner.py).
-        learner = Learner(cfg, AlgoConfig(loss="ppo_clip", advantage="grpo", mini_batches=1))
+        learner = Learner(side_cfg(args, model_dir, side), ALGO)
         out["params"] = sum(p.numel() for p in learner.model.parameters())
-        times = []
-        for i in range(args.warmup + args.steps):
-            bench_learner.sync()
-            t0 = time.perf_counter()
-            learner.train_step([group])
-            bench_learner.sync()
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
+        times, out["losses"] = learner_steps(learner, group, args)
         learner.close()
     out.update(spread(times))
     out["tokens_per_s"] = tokens / out["step_s_mean"]
@@ -139,6 +163,45 @@ def run_side(args, model_dir: Path, side: str) -> dict:
     if on_gpu:
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return out
+
+
+def parallel_sides(args, model_dir: Path, rank: int, world: int) -> dict:
+    """Under torchrun at --expert-parallel N = world: each learner side in these processes in
+    turn, then the same side at EP 1 for the log-prob reference (see the module docstring)."""
+    check = bench_learner.make_group(args, np.random.default_rng(0))  # the same rows everywhere
+    seqs = [np.concatenate([t.prompt_ids, t.response_ids]).tolist() for t in check]
+    group = bench_learner.make_group(args, np.random.default_rng(rank))  # this rank's own rows
+    rows = {}
+    for side in args.sides.split(","):
+        bench_learner.free_cuda()
+        learner = Learner(side_cfg(args, model_dir, side, args.expert_parallel), ALGO)
+        out: dict = {"side": side, "expert_parallel": learner.parallel.ep_size, "gpus": world}
+        out["params_per_rank"] = bench_learner.per_rank(
+            world, sum(p.numel() for p in learner.model.parameters())
+        )
+        logp = torch.stack([lp for lp, _ in learner.compute_logprobs(seqs)])  # [B, L-1]
+        times, out["losses"] = learner_steps(learner, group, args)
+        out["peak_mem_gb_per_rank"] = bench_learner.per_rank(world, bench_learner.peak_gb())
+        learner.close()
+        del learner
+        bench_learner.free_cuda()
+        ref_learner = Learner(side_cfg(args, model_dir, side, 1), ALGO)
+        ref = torch.stack([lp for lp, _ in ref_learner.compute_logprobs(seqs)])  # [B, L-1]
+        out["ep1_params"] = sum(p.numel() for p in ref_learner.model.parameters())
+        ref_learner.close()
+        del ref_learner
+        out["logprobs_vs_ep1"] = bench_learner.abs_diff(logp, ref)
+        out["mean_logp"] = logp.mean().item()
+        # The step ends in collectives: rank 0's times are the group's.
+        out.update(spread(times))
+        out["tokens_per_s"] = args.batch * args.seq * world / out["step_s_mean"]
+        out["tokens_per_s_per_gpu"] = out["tokens_per_s"] / world
+        out["mfu"] = mfu(out["tokens_per_s_per_gpu"], train_flops_per_token(args), args.peak_tflops)
+        out["peak_mem_gb"] = bench_learner.largest(out["peak_mem_gb_per_rank"])
+        rows[side] = out
+        if rank == 0:
+            print(f"learner side {side}: {json.dumps(out)}", flush=True)
+    return rows
 
 
 def hf_step_times(model, group, args) -> list[float]:
@@ -234,7 +297,7 @@ def bench_engine_generate(args, model_dir: Path, work: Path) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -250,7 +313,18 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--sides", default="grouped,hf", help="learner sides: grouped,sequential,hf")
+    ap.add_argument(
+        "--sides",
+        default=None,
+        help="learner sides: grouped,sequential,hf (default grouped,hf; grouped at EP > 1)",
+    )
+    ap.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=1,
+        help="the learner's EP size, under torchrun --nproc-per-node N (one rank a GPU); the "
+        "same weights at EP 1 give the log-prob reference",
+    )
     ap.add_argument("--side-timeout", type=float, default=1800.0)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -261,25 +335,72 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: one learner side
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap
+
+
+def check_args(args: argparse.Namespace, world: int | None = None) -> None:
+    """Refuse what cannot run at this EP size and process count; resolve `--sides`."""
+    ep = args.expert_parallel
+    if ep < 1:
+        sys.exit(f"--expert-parallel {ep}: at least 1")
+    world = bench_learner.world_size() if world is None else world
+    bench_learner.check_world(ep, "--expert-parallel", world, "bench/bench_moe.py")
+    if args.experts % ep:
+        sys.exit(f"--expert-parallel {ep}: --experts {args.experts} is not a multiple of it")
+    sides = (args.sides or ("grouped,hf" if ep == 1 else "grouped")).split(",")
+    unknown = set(sides) - {"grouped", "sequential", "hf"}
+    if unknown:
+        sys.exit(f"--sides: unknown {sorted(unknown)} (grouped, sequential, hf)")
+    if ep > 1:
+        if "hf" in sides:
+            sys.exit(
+                f"--sides hf at --expert-parallel {ep}: the HF step runs on one GPU, so its "
+                "figure is the one-GPU run's (bench_moe.py --part learner without torchrun)"
+            )
+        if args.part != "learner":
+            sys.exit(
+                f"--part {args.part} at --expert-parallel {ep}: the engine part runs on one "
+                "GPU; give --part learner"
+            )
+    args.sides = ",".join(sides)
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.side:
         print(json.dumps(run_side(args, Path(args.model_dir), args.side)), flush=True)
         return
+    check_args(args)
+    rank, world = bench_learner.init_world()
+    try:
+        run(args, rank, world)
+    finally:
+        bench_learner.close_world(world)
+
+
+def run(args: argparse.Namespace, rank: int, world: int) -> None:
     results: dict = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "shape": {k: v for k, v in vars(args).items() if k not in ("json", "part", "side")},
         "active_params": active_params(args),
         "train_gflop_per_token": train_flops_per_token(args) / 1e9,
+        "expert_parallel": args.expert_parallel,
+        "gpus": world,
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model_dir(Path(tmp) / "model", args)
-        if args.part in ("learner", "both"):
-            results["learner"] = bench_learner_sides(args, model_dir)
-        if args.part in ("engine", "both"):
-            results["engine"] = bench_engine_generate(args, model_dir, Path(tmp))
-    print(json.dumps(results, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    with bench_learner.shared_tmpdir(world) as tmp:
+        model_dir = Path(tmp) / "model"
+        bench_learner.on_rank0(world, lambda: make_model_dir(model_dir, args))
+        if world > 1:
+            results["learner"] = parallel_sides(args, model_dir, rank, world)
+        else:
+            if args.part in ("learner", "both"):
+                results["learner"] = bench_learner_sides(args, model_dir)
+            if args.part in ("engine", "both"):
+                results["engine"] = bench_engine_generate(args, model_dir, Path(tmp))
+    if rank == 0:
+        print(json.dumps(results, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

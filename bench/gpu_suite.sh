@@ -31,6 +31,11 @@
 #          evaluation every 5 versions, LEARN_SEEDS seeds (default 0 1 2; about 5 minutes each on
 #          an H100; a seed cut short by LEARN_S: bench_async.py --summarize --out its directory)
 #   twogpu_learn  the same on two GPUs: engine on GPU 0, learner on GPU 1, the push over NCCL
+#   twogpu_parallel  the learner across two GPUs, each beside its one-GPU row from the same
+#          machine: bench_learner at the Qwen3-4B shape at TP 1 and at TP 2 (torchrun, log-probs
+#          against the same weights at TP 1, MFU per GPU, peak memory per rank), bench_moe's
+#          grouped learner side at EP 1 and at EP 2 (log-probs against EP 1). Each run writes
+#          $OUT/parallel_<name>.json and .log; PARALLEL_ONLY="learner_4b_tp2" runs only those named
 #   roofline  one H200, about 7 minutes (ROOFLINE_BUDGET_S, default 460, caps the whole part:
 #          each run gets at most what is left): the embedded engine at the 0.6B Qwen3 shape at 1
 #          and 256 requests (prompt 32, 128 new) vs HF generate, the GRPO load (64 prompts x 8,
@@ -59,11 +64,36 @@ ROOFLINE_RUNS=(
   "engine_table|120|bench/bench_engine.py --model qwen3-0.5b --device cuda --dtype bfloat16 --batches 1,256 --prompt-len 32 --new-tokens 128"
   "engine_grpo|120|bench/bench_engine.py --grpo --model qwen3-0.5b --device cuda --dtype bfloat16 --grpo-prompts 64 --grpo-n 8 --grpo-prompt-len 256 --new-tokens 512 --grpo-sharing on --grpo-fanout both --grpo-top-p 1.0,0.95"
   "engine_context4096|110|bench/bench_engine.py --model qwen3-0.5b --device cuda --dtype bfloat16 --batches 64 --context 4096 --new-tokens 64 --mem-fraction 0.4"
-  "learner_4b|170|bench/bench_learner.py --hidden 2560 --layers 36 --heads 32 --kv-heads 8 --head-dim 128 --ffn 9728 --warmup 1 --steps 3 --baseline hf"
+  "learner_4b|170|bench/bench_learner.py --hidden 2560 --layers 36 --heads 32 --kv-heads 8 --head-dim 128 --ffn 9728 --warmup 2 --steps 3 --baseline hf"
   "learner_0.5b|100|bench/bench_learner.py --warmup 2 --steps 4 --baseline hf"
+)
+# The twogpu_parallel part's runs: name, seconds at most, processes (2: under torchrun, one a
+# GPU), command line (tests/unit/project/test_bench_suite.py parses each with its bench's parser).
+PARALLEL_RUNS=(
+  "learner_4b_tp1|200|1|bench/bench_learner.py --hidden 2560 --layers 36 --heads 32 --kv-heads 8 --head-dim 128 --ffn 9728 --warmup 2 --steps 3 --baseline none"
+  "learner_4b_tp2|300|2|bench/bench_learner.py --tensor-parallel 2 --hidden 2560 --layers 36 --heads 32 --kv-heads 8 --head-dim 128 --ffn 9728 --warmup 2 --steps 3"
+  "moe_ep1|200|1|bench/bench_moe.py --part learner --sides grouped --warmup 2 --steps 3"
+  "moe_ep2|300|2|bench/bench_moe.py --part learner --expert-parallel 2 --warmup 2 --steps 3"
 )
 for part in $SUITE; do
   case $part in
+    twogpu_parallel)
+      for run in "${PARALLEL_RUNS[@]}"; do
+        IFS='|' read -r name limit nproc cmd <<<"$run"
+        if [[ -n ${PARALLEL_ONLY:-} && " $PARALLEL_ONLY " != *" $name "* ]]; then
+          echo "== parallel $name: not in PARALLEL_ONLY"
+          continue
+        fi
+        launch=(python3)
+        ((nproc > 1)) && launch=(python3 -m torch.distributed.run --nproc-per-node "$nproc"
+          --master-addr 127.0.0.1 --master-port "$((29500 + RANDOM % 1000))")
+        echo "== parallel $name (at most $limit s): ${launch[*]} $cmd"
+        # shellcheck disable=SC2086
+        timeout -k 10 "$limit" "${launch[@]}" $cmd --json "$OUT/parallel_$name.json" \
+          >"$OUT/parallel_$name.log" 2>&1
+        echo "exit $?"
+        grep -v -i warn "$OUT/parallel_$name.log" | grep -v '^ \|^[{}]' | tail -12
+      done ;;
     roofline)
       budget=${ROOFLINE_BUDGET_S:-460}
       start=$SECONDS

@@ -126,6 +126,17 @@ class LearnerConfig(Section):
     RoPE (`models/fused_ops.py`), and megatron's own SwiGLU fusion. "auto": on a GPU, after a
     check at start that they run and match eager torch (logged and eager if not); the CPU runs
     eager. "off": eager everywhere. Compiling takes some seconds at the first steps."""
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """Training micro-batches' model forward and backward as CUDA graphs, one pair per
+    micro-batch shape (rows padded to a multiple of 64 tokens; `actors/learner/graphs.py`): the
+    host launches two graphs instead of thousands of kernels. A shape's first micro-batch runs
+    eagerly, its second is captured. Needs a GPU, a dense model at tensor_parallel 1, optimizer
+    "megatron" without overlap_grad_reduce, attention "sdpa" and recompute "none"; packed
+    micro-batches run eagerly. "auto": on where all of that holds (the reason logged where not);
+    "on": refused where it does not; "off": eager."""
+    cuda_graph_shapes: int = Field(16, ge=1)
+    """With cuda_graphs: the most micro-batch shapes captured (they share one memory pool, the
+    size of the largest); micro-batches of further shapes run eagerly, counted."""
 
     @model_validator(mode="after")
     def _hf_at_checkpoints(self) -> "LearnerConfig":

@@ -289,6 +289,11 @@ COMPILE_FALLBACKS = "learner/compile_fallbacks"
 """learner.torch_compile with the compiled layer ops in use: torch.compile'd functions of the
 learner's process (its RMSNorm and RoPE, megatron's SwiGLU) that dynamo has given up recompiling
 so far, past its recompile limit; each runs eagerly from then on (slower, same results)."""
+CUDA_GRAPHS = "learner/cuda_graphs"
+"""learner.cuda_graphs in use: the step's training micro-batches by how their model pass ran, as
+`learner/cuda_graphs/<what>`: `replays` (through a captured graph), `captures` (shapes captured
+this step), `eager/<reason>` (eagerly: `first_seen` a shape's first micro-batch, `packed`,
+`shape_limit` past learner.cuda_graph_shapes, `capture_failed`)."""
 PACKED_MICRO_BATCHES = "learner/packed_micro_batches"
 """Training micro-batches of the step that ran packed (several rows in one, no padding); with
 learner.pack_sequences unset (auto) a mini-batch is packed when padded micro-batches would spend

@@ -330,3 +330,50 @@ def test_loss_statistics_and_collation_wait_for_the_gpu_only_where_documented():
     raw = stats.raw()
     assert raw["tokens|cnt"] == int(mask.sum())
     assert raw["x|sum"] == pytest.approx(float(x[mask].double().sum()), rel=1e-9)
+
+
+def test_cuda_graphs_give_the_eager_steps(sharp_dir):
+    """learner.cuda_graphs "auto" (the GPU default) against "off", padded micro-batches of
+    several shapes, two batches alternating over 6 steps: each shape runs eagerly first, is
+    captured at its second micro-batch and replayed after. Losses, gradient norms (before
+    clipping: the replayed backward's gradient) and log-probs after the steps agree: fp32 (TF32
+    off) to 1e-4 relative (rows padded to 64 tokens change the matmuls' shapes, not the math);
+    bf16 to the megatron-vs-MasterAdamW tolerance above."""
+    from slime_async.actors.learner.trainer import Learner
+    from tests.support.learner_worker import SEQS, algo_cfg, learner_cfg, make_groups
+
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 5e-2)):
+        runs = {}
+        for graphs in ("off", "auto"):
+            cfg = learner_cfg(
+                str(sharp_dir),
+                clip_grad=0.05,
+                micro_batch_tokens=40,
+                dtype=dtype,
+                pack_sequences=False,
+                cuda_graphs=graphs,
+            )
+            learner = Learner(cfg, algo_cfg(entropy_coef=0.01))
+            try:
+                assert learner.cuda_graphs is (graphs == "auto"), dtype
+                steps = [learner.train_step(make_groups(step % 2, 4)) for step in range(6)]
+                after = [lp for lp, _ in learner.compute_logprobs(SEQS)]
+            finally:
+                learner.close()
+            runs[graphs] = steps, after
+        steps, after = runs["auto"]
+
+        def count(what: str, steps=steps) -> float:
+            return sum(m.get(f"learner/cuda_graphs/{what}", 0.0) for m in steps)
+
+        assert count("captures") >= 2 and count("replays") >= count("captures"), steps[-1]
+        assert count("eager/first_seen") >= count("captures"), steps[-1]
+        assert not count("eager/capture_failed"), steps[-1]
+        assert steps[-1].get("learner/cuda_graphs/replays", 0) > 0, steps[-1]
+        eager_steps, eager_after = runs["off"]
+        abs_tol = 1e-3 if dtype == "bfloat16" else 0.0
+        for a, b in zip(steps, eager_steps, strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], rel=tol, abs=abs_tol), dtype
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=tol), dtype
+        for a, b in zip(after, eager_after, strict=True):
+            assert (a.float() - b.float()).abs().mean().item() < (1e-4 if abs_tol == 0 else 2e-2)

@@ -21,8 +21,7 @@ from slime_async.actors.learner.trainer import Learner
 from slime_async.algos.api import LossOutput
 from slime_async.config import AlgoConfig, LearnerConfig
 from slime_async.queue.schema import Trajectory
-from slime_async.utils.procs import Child, free_port, python_module, wait_until
-from tests.support.repo import pythonpath_with_repo
+from tests.support.repo import torchrun_two_ranks
 
 SEQS = [[2, 5, 6, 7, 8, 9, 10, 11, 12], [2, 20, 21, 22], [2, 30, 31, 32, 33, 34, 35]]
 
@@ -289,23 +288,9 @@ def task_moe_ep2(out: Path, model_dirs: list[str]) -> None:
 
 def run_two_ranks(task: str, out: Path, model_dirs: list[str], timeout: float) -> None:
     """Run `task` of this file under torchrun with 2 gloo ranks; fail with its log if it fails."""
-    argv = python_module(
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        __file__,
-        task,
-        str(out),
-        *model_dirs,
+    torchrun_two_ranks(
+        __file__, [task, str(out), *model_dirs], out, f"the {task} job to finish", timeout
     )
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_with_repo()}
-    child = Child(f"torchrun-{task}", argv, log_path=out / "log.txt", env=env)
-    try:
-        wait_until(lambda: child.poll() is not None, timeout, f"the {task} job to finish")
-        assert child.poll() == 0, child.tail(60)
-    finally:
-        child.stop()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from slime_async.actors.learner.batch import (
     plan_micro_batches,
     plan_packs,
 )
+from slime_async.actors.learner.graphs import ModelGraphs
 from slime_async.actors.learner.logprobs import chunked_logprobs, hidden_output, output_weight
 from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.models import routing
@@ -83,7 +84,17 @@ class MicroBatches:
         self.routing_replay = routing_replay
         self.temperature = temperature
         self._aux: dict[int, Any] = {}
+        self.graphs: ModelGraphs | None = None
+        """CUDA graphs of training micro-batches through `graphs_model` (`use_graphs`)."""
+        self.graphs_model: torch.nn.Module | None = None
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=layout.device)
+
+    def use_graphs(self, model: torch.nn.Module, max_shapes: int) -> None:
+        """Training micro-batches through `model` (the one that trains: megatron's DDP wrapper)
+        run through CUDA graphs from now on (`graphs.py`)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.graphs = ModelGraphs(self.layout.device, params, max_shapes)
+        self.graphs_model = model
 
     @property
     def pack(self) -> bool:
@@ -148,9 +159,18 @@ class MicroBatches:
             packing = contextlib.nullcontext()
             if self.attention == "sdpa":
                 set_packed(gpt, None)  # ordinary rows (a packed batch may have run before)
+        graphs = self.graphs if model is self.graphs_model else None
+        if graphs is not None and not (torch.is_grad_enabled() and model.training):
+            graphs = None  # no-grad passes (pi_prox, evaluation) stay eager, uncounted
+        if graphs is not None and mb.packed is not None:
+            graphs.count_eager("packed")
+            graphs = None
         try:
             with hidden_output(gpt), packing:
-                hidden = model(ids, pos, mask)  # [b, s, h]
+                if graphs is None:
+                    hidden = model(ids, pos, mask)  # [b, s, h]
+                else:
+                    hidden = graphs.hidden(lambda i, q: model(i, q, mask), ids, pos)
         finally:
             if replay:
                 routing.clear_replay(gpt)

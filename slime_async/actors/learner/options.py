@@ -103,3 +103,38 @@ def resolve_logprob_kernel(cfg: LearnerConfig, on_cpu: bool) -> str:
         log.warning("learner: log-probs through torch ops, not Triton (%s)", e)
         return "torch"
     return "triton"
+
+
+def resolve_cuda_graphs(
+    cfg: LearnerConfig, arch: ModelArch, tp: int, on_cpu: bool, attention: str, optimizer: str
+) -> bool:
+    """Whether training micro-batches run through CUDA graphs (`graphs.py`): "auto" where every
+    condition below holds (else eager, the reason logged), "on" refused where one fails."""
+    if cfg.cuda_graphs == "off":
+        return False
+    why = (
+        "the CPU"
+        if on_cpu
+        else "a MoE model (its token dispatch has data-dependent shapes)"
+        if arch.is_moe
+        else f"learner.tensor_parallel = {tp} (the graphs are captured at TP 1)"
+        if tp > 1
+        else f'learner.optimizer resolving to "{optimizer}" (the graphs add gradients into '
+        "megatron DDP's buffer)"
+        if optimizer != "megatron"
+        else "learner.overlap_grad_reduce (its bucket reductions start inside the backward pass)"
+        if cfg.overlap_grad_reduce
+        else f'learner.attention resolving to "{attention}" (the graphs are checked with "sdpa")'
+        if attention != "sdpa"
+        else f'learner.recompute = "{cfg.recompute}" (megatron\'s recomputation sets the CUDA '
+        "RNG state, which a capture cannot)"
+        if cfg.recompute != "none"
+        else None
+    )
+    if why is None:
+        return True
+    if cfg.cuda_graphs == "on":
+        raise ValueError(f'learner.cuda_graphs = "on" is not possible with {why}')
+    if not on_cpu:
+        log.info("learner: no CUDA graphs (learner.cuda_graphs auto): %s", why)
+    return False

@@ -46,7 +46,11 @@ from slime_async.actors.learner import hf_export
 from slime_async.actors.learner.batch import TrainGroup
 from slime_async.actors.learner.microbatches import MicroBatches
 from slime_async.actors.learner.optim import MasterAdamW, lr_at
-from slime_async.actors.learner.options import resolve_logprob_kernel, resolve_speed_options
+from slime_async.actors.learner.options import (
+    resolve_cuda_graphs,
+    resolve_logprob_kernel,
+    resolve_speed_options,
+)
 from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.actors.learner.ppo_step import PPOStep, interpolated_prox_logp
 from slime_async.actors.learner.stale_tokens import StaleTokens
@@ -148,6 +152,18 @@ class Learner:
         attention, pack_min_padding, optimizer_kind = resolve_speed_options(
             cfg, self.arch, p.tp_size, on_cpu
         )
+        self.cuda_graphs = resolve_cuda_graphs(
+            cfg, self.arch, p.tp_size, on_cpu, attention, optimizer_kind
+        )
+        if self.cuda_graphs:
+            # This thread's CUDA work on a stream of the learner's own from here on, before the
+            # model and megatron's DDP exist: a parameter's gradient accumulator belongs to the
+            # stream it was made on, and a capture may not make the legacy default stream wait
+            # (graphs.py). A stream of torch's pool does not order with the legacy default
+            # stream: the learner's work, exports and pushes run on this thread, and each step
+            # ends in host syncs on this stream.
+            self._outer_stream = torch.cuda.current_stream()
+            torch.cuda.set_stream(torch.cuda.Stream(p.device))
         self.microbatches = mb = MicroBatches(
             p,
             self.arch,
@@ -203,6 +219,8 @@ class Learner:
             train_model = optimizer.ddp
         else:
             optimizer, train_model = MasterAdamW(self.model, cfg), self.model
+        if self.cuda_graphs:
+            mb.use_graphs(train_model, cfg.cuda_graph_shapes)
         self.updates = Updates(
             p,
             self.microbatches,
@@ -217,7 +235,7 @@ class Learner:
         if self.is_rank0:
             log.info(
                 "learner: attention %s, %s micro-batches, optimizer %s, recompute %s, log-probs %s, "
-                "layer ops %s",
+                "layer ops %s, CUDA graphs %s",
                 self.attention,
                 "padded"
                 if not self.pack
@@ -228,6 +246,7 @@ class Learner:
                 cfg.recompute,
                 self.logprob_kernel,
                 "compiled" if self.compiled_ops else "eager",
+                "on" if self.cuda_graphs else "off",
             )
         self.ref_model = None
         if cfg.load is not None:
@@ -262,7 +281,12 @@ class Learner:
         self.model.train()
 
     def close(self) -> None:
-        """Tear down what this learner initialised (model parallel state, process group)."""
+        """Tear down what this learner initialised (model parallel state, process group, the
+        CUDA stream of its graphs)."""
+        outer = self.__dict__.pop("_outer_stream", None)
+        if outer is not None:
+            torch.cuda.current_stream().synchronize()
+            torch.cuda.set_stream(outer)
         self.parallel.close()
 
     # ------------------------------------------------------------------ the updates' state

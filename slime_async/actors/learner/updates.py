@@ -260,6 +260,8 @@ class Updates:
         dist.all_reduce(loss_t, group=p.dp_group)
         t_end = time.perf_counter()
         finite_norms = [n for n in norms if math.isfinite(n)]
+        graphs = self.microbatches.graphs
+        graph_counts = graphs.take_counts() if graphs is not None else {}
         return {
             M.LOSS: float(loss_t) / max(len(losses), 1),
             M.GRAD_NORM: float(np.mean(finite_norms)) if finite_norms else 0.0,
@@ -271,6 +273,7 @@ class Updates:
             M.PADDING_FRAC: 1.0 - float(sum(r.input_len for r in rows)) * epochs / max(padded, 1),
             M.UPDATES: float(updates),
             M.PACKED_MICRO_BATCHES: float(packed),
+            **{f"{M.CUDA_GRAPHS}/{k}": v for k, v in graph_counts.items()},
             **{f"{M.SKIPPED_UPDATES}/{k}": float(v) for k, v in skipped.items()},
             M.BATCH_SKIPPED: float(updates == 0),
             **extra_metrics,

@@ -15,8 +15,11 @@ tests/gpu/test_learner_gpu.py.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -199,6 +202,7 @@ def test_packing_and_sdpa_equal_padded_megatron_attention(qwen3_dir):
         (dict(attention="te"), "Transformer Engine does not import"),
         (dict(overlap_grad_reduce=True), "learner.overlap_grad_reduce is set"),
         (dict(logprob_kernel="triton"), 'learner.logprob_kernel = "triton" needs a GPU'),
+        (dict(cuda_graphs="on"), 'learner.cuda_graphs = "on" is not possible with the CPU'),
     ],
 )
 def test_options_that_cannot_work_here_are_refused(qwen3_dir, changes, message):
@@ -206,3 +210,47 @@ def test_options_that_cannot_work_here_are_refused(qwen3_dir, changes, message):
 
     with pytest.raises(ValueError, match=message):
         Learner(learner_cfg(str(qwen3_dir), **changes), algo_cfg())
+
+
+@pytest.mark.parametrize(
+    "changes, arch, tp, attention, optimizer, why",
+    [
+        ({}, "dense", 1, "sdpa", "megatron", None),
+        ({}, "moe", 1, "sdpa", "megatron", "a MoE model"),
+        ({}, "dense", 2, "sdpa", "megatron", "learner.tensor_parallel = 2"),
+        ({}, "dense", 1, "sdpa", "master_adamw", 'optimizer resolving to "master_adamw"'),
+        (dict(overlap_grad_reduce=True), "dense", 1, "sdpa", "megatron", "overlap_grad_reduce"),
+        ({}, "dense", 1, "te", "megatron", 'attention resolving to "te"'),
+        (dict(recompute="selective"), "dense", 1, "sdpa", "megatron", 'recompute = "selective"'),
+    ],
+)
+def test_cuda_graphs_resolve_where_their_capture_holds(
+    qwen3_dir, caplog, changes, arch, tp, attention, optimizer, why
+):
+    """The conditions of `learner.cuda_graphs` on a GPU (resolved without one: the rule reads
+    only the config and the model): "auto" is on exactly where all hold and logs the first that
+    fails, "on" is refused with it, "off" is off."""
+    from types import SimpleNamespace
+
+    from slime_async.actors.learner.options import resolve_cuda_graphs
+
+    shape = SimpleNamespace(is_moe=arch == "moe")
+    resolve = functools.partial(
+        resolve_cuda_graphs,
+        arch=shape,
+        tp=tp,
+        on_cpu=False,
+        attention=attention,
+        optimizer=optimizer,
+    )
+    auto = learner_cfg(str(qwen3_dir), **changes)
+    assert auto.cuda_graphs == "auto"  # the default
+    with caplog.at_level(logging.INFO, logger="slime_async.learner"):
+        assert resolve(auto) is (why is None)
+    if why is None:
+        assert resolve(learner_cfg(str(qwen3_dir), cuda_graphs="on", **changes)) is True
+    else:
+        assert why in caplog.text
+        with pytest.raises(ValueError, match=re.escape(why)):
+            resolve(learner_cfg(str(qwen3_dir), cuda_graphs="on", **changes))
+    assert resolve(learner_cfg(str(qwen3_dir), cuda_graphs="off", **changes)) is False

@@ -27,6 +27,7 @@ from tests.support.repo import REPO, pythonpath_with_repo
 sys.path.insert(0, str(REPO / "bench"))
 import bench_engine
 import bench_learner
+import bench_moe
 import roofline
 
 ENV = {**os.environ, "PYTHONPATH": pythonpath_with_repo(), "CUDA_VISIBLE_DEVICES": ""}
@@ -210,6 +211,80 @@ def test_each_roofline_run_parses_with_its_bench(name, limit, cmd, monkeypatch):
             assert shape == (2560, 36, 32, 8, 128, 9728)  # Qwen3-4B's config.json
     else:
         pytest.fail(f"{name}: unknown bench {script}")
+
+
+def parallel_runs() -> list[tuple[str, int, int, list[str]]]:
+    text = (REPO / "bench" / "gpu_suite.sh").read_text()
+    block = re.search(r"PARALLEL_RUNS=\(\n(.*?)\n\)", text, re.S)
+    assert block, "bench/gpu_suite.sh has no PARALLEL_RUNS=( ... ) array"
+    runs = []
+    for line in block.group(1).splitlines():
+        name, limit, nproc, cmd = line.strip().strip('"').split("|")
+        runs.append((name, int(limit), int(nproc), cmd.split()))
+    return runs
+
+
+def test_the_twogpu_parallel_part_pairs_each_two_gpu_row_with_its_one_gpu_row():
+    runs = {name: (nproc, cmd) for name, _, nproc, cmd in parallel_runs()}
+    assert set(runs) == {"learner_4b_tp1", "learner_4b_tp2", "moe_ep1", "moe_ep2"}
+    assert {name: nproc for name, (nproc, _) in runs.items()} == {
+        "learner_4b_tp1": 1, "learner_4b_tp2": 2, "moe_ep1": 1, "moe_ep2": 2
+    }  # fmt: skip
+    one, two = (
+        bench_learner.build_parser().parse_args(runs[n][1][1:])
+        for n in ("learner_4b_tp1", "learner_4b_tp2")
+    )
+    keys = (*bench_learner.SHAPE_KEYS, "warmup", "steps")
+    assert [getattr(one, k) for k in keys] == [getattr(two, k) for k in keys]
+    assert "twogpu_parallel)" in (REPO / "bench" / "gpu_suite.sh").read_text()
+
+
+@pytest.mark.parametrize("name,limit,nproc,cmd", parallel_runs(), ids=lambda x: str(x)[:20])
+def test_each_parallel_run_parses_with_its_bench_at_its_process_count(
+    name, limit, nproc, cmd, monkeypatch
+):
+    """Each run's flags pass its bench's own checks in a world of `nproc` processes on a
+    two-GPU host (the checks that refuse a TP/EP size the process count does not match)."""
+    argv = [*cmd[1:], "--json", "/tmp/x.json"]  # the suite appends --json
+    assert limit > 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    if cmd[0] == "bench/bench_learner.py":
+        args = bench_learner.build_parser().parse_args(argv)
+        bench_learner.check_args(args, world=nproc)
+        assert args.tensor_parallel == nproc and args.baseline == "none"
+        shape = (args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim, args.ffn)
+        assert shape == (2560, 36, 32, 8, 128, 9728)  # Qwen3-4B's config.json
+        assert args.warmup >= 2  # CUDA graphs capture a shape at its second micro-batch
+    elif cmd[0] == "bench/bench_moe.py":
+        args = bench_moe.build_parser().parse_args(argv)
+        bench_moe.check_args(args, world=nproc)
+        assert args.expert_parallel == nproc and args.sides == "grouped"
+        assert args.part == "learner"
+    else:
+        pytest.fail(f"{name}: unknown bench {cmd[0]}")
+
+
+@pytest.mark.parametrize(
+    "bench,argv,world,message",
+    [
+        (bench_learner, ["--tensor-parallel", "2"], 1, "torchrun --nproc-per-node 2"),
+        (bench_learner, [], 2, "WORLD_SIZE is 2 but --tensor-parallel is 1"),
+        (bench_learner, ["--tensor-parallel", "2", "--baseline", "hf"], 2, "runs on one GPU"),
+        (bench_learner, ["--tensor-parallel", "2", "--full"], 2, "--full at --tensor-parallel"),
+        (bench_moe, ["--expert-parallel", "2", "--part", "learner"], 1, "torchrun --nproc"),
+        (bench_moe, ["--expert-parallel", "2"], 2, "--part both at --expert-parallel 2"),
+        (bench_moe, ["--expert-parallel", "2", "--sides", "hf", "--part", "learner"], 2, "one GPU"),
+        (bench_moe, ["--expert-parallel", "3", "--part", "learner"], 3, "not a multiple"),
+    ],
+)
+def test_a_parallel_size_the_world_does_not_fit_is_refused_naming_the_fix(
+    bench, argv, world, message
+):
+    args = bench.build_parser().parse_args(argv)
+    with pytest.raises(SystemExit) as e:
+        bench.check_args(args, world=world)
+    assert message in str(e.value)
 
 
 # ---- tiny CPU runs ------------------------------------------------------------------------------
