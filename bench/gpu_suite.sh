@@ -17,6 +17,9 @@
 #          time in its JSON) and bench_moe's grouped learner side (LEARNER_AB_PARTS, default
 #          "dense moe"), for LEARNER_AB_BASE (a checkout carried with the tree, default .base) and
 #          for this tree, alternating for LEARNER_AB_ROUNDS rounds (default 2)
+#   learner_options_ab  one [learner] option (LEARNER_OPTIONS_A, default cuda_graphs=off) against
+#          the defaults on this tree: bench_learner at the 0.51B shape, each side in processes of
+#          its own, alternating for LEARNER_AB_ROUNDS rounds (default 3)
 #   learner the learner on one GPU: its -m gpu tests (megatron optimizer vs MasterAdamW, packed
 #          vs padded, recomputation, export after DistributedOptimizer steps, resume, the
 #          Triton log-prob kernels), then bench_learner.py --full (0.51B Qwen3 shape, 8 x 1,024
@@ -196,6 +199,22 @@ for part in $SUITE; do
               echo "exit $?"; grep "^learner side" "$log" | cut -c1-400
             fi
           done
+        done
+      done ;;
+    learner_options_ab)
+      # One [learner] option against the defaults on this tree and machine: bench_learner at
+      # the 0.51B shape in processes of their own, "A" (LEARNER_OPTIONS_A, default
+      # cuda_graphs=off) and the defaults alternating for LEARNER_AB_ROUNDS rounds (default 3).
+      for round in $(seq 1 "${LEARNER_AB_ROUNDS:-3}"); do
+        for side in a defaults; do
+          opts=""; [[ $side == a ]] && opts=${LEARNER_OPTIONS_A:-cuda_graphs=off}
+          log="$OUT/learner_options_ab_${side}_$round.log"
+          echo "== learner_options_ab round $round: ${opts:-the defaults} (log $log)"
+          # shellcheck disable=SC2086
+          timeout "${AB_S:-150}" python3 bench/bench_learner.py --warmup 3 --steps 8 \
+            --baseline none --options "$opts" ${LEARNER_AB_ARGS:-} \
+            --json "$OUT/learner_options_ab_${side}_$round.json" >"$log" 2>&1
+          echo "exit $?"; grep "^learner step:" "$log"
         done
       done ;;
     engine_grpo)

@@ -439,3 +439,49 @@ def test_a_failed_hf_child_leaves_the_learner_figures_and_says_why(tmp_path):
     assert "ratio_learner_over_hf" not in res and res["learner_tokens_per_s"] > 0
     assert "HF baseline: no figure: the HF child ran past --hf-timeout" in r.stdout
     assert "HF step: no figure (the HF child ran past" in r.stdout
+
+
+def test_the_options_ab_part_alternates_its_option_and_the_defaults_in_processes_of_their_own(
+    tmp_path,
+):
+    """`SUITE=learner_options_ab`: each round runs bench_learner once with `--options A` and once
+    with the defaults, in that order, each a process of its own, and every command line parses
+    with the bench (its `--options` giving the learner keys A, or none). The GPU bench itself is
+    not run here: `python3` on the suite's PATH records its argv, prints the step line the suite
+    shows, and exits."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "argv.jsonl"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "print('learner step: 1.0 ms, min 1.0, max 1.0 over 8 steps')\n"  # what the suite greps
+    )
+    fake.chmod(0o755)
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho GPU 0: fake\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {
+        **ENV,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SUITE": "learner_options_ab",
+        "LEARNER_AB_ROUNDS": "2",
+        "LEARNER_OPTIONS_A": "cuda_graphs=off;torch_compile=off",
+        "OUT": str(tmp_path / "out"),
+    }
+    r = subprocess.run(
+        ["bash", "bench/gpu_suite.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = [json.loads(x) for x in log.read_text().splitlines()]
+    runs = [a for a in runs if a[:1] == ["bench/bench_learner.py"]]  # not the wheels' install
+    assert len(runs) == 4, runs
+    keys = []
+    for argv in runs:
+        args = bench_learner.build_parser().parse_args(argv[1:])
+        bench_learner.check_args(args)
+        assert args.baseline == "none" and args.warmup >= 2  # a graph is captured at step 2
+        keys.append(bench_learner.learner_keys(args.options))
+    a = {"cuda_graphs": "off", "torch_compile": "off"}
+    assert keys == [a, {}, a, {}]
+    assert len({argv[argv.index("--json") + 1] for argv in runs}) == 4  # one JSON a process
