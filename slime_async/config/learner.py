@@ -132,8 +132,9 @@ class LearnerConfig(Section):
     host launches two graphs instead of thousands of kernels. A shape's first micro-batch runs
     eagerly, its second is captured. Needs a GPU, a dense model at tensor_parallel 1, optimizer
     "megatron" without overlap_grad_reduce, attention "sdpa" and recompute "none"; packed
-    micro-batches run eagerly. "auto": on where all of that holds (the reason logged where not);
-    "on": refused where it does not; "off": eager."""
+    micro-batches run eagerly. "auto": on where all of that holds at data parallel 1 (the reason
+    logged where not); "on": refused where it does not hold, taken at data parallel > 1 too;
+    "off": eager."""
     cuda_graph_shapes: int = Field(16, ge=1)
     """With cuda_graphs: the most micro-batch shapes captured (they share one memory pool, the
     size of the largest); micro-batches of further shapes run eagerly, counted."""

@@ -291,8 +291,8 @@ learner's process (its RMSNorm and RoPE, megatron's SwiGLU) that dynamo has give
 so far, past its recompile limit; each runs eagerly from then on (slower, same results)."""
 CUDA_GRAPHS = "learner/cuda_graphs"
 """learner.cuda_graphs in use: the step's training micro-batches by how their model pass ran, as
-`learner/cuda_graphs/<what>`: `replays` (through a captured graph), `captures` (shapes captured
-this step), `eager/<reason>` (eagerly: `first_seen` a shape's first micro-batch, `packed`,
+`learner/cuda_graphs/<what>`: `replays` (through a captured graph) and `captures` (shapes
+captured this step), both reported when 0, `eager/<reason>` when any (eagerly: `first_seen` a shape's first micro-batch, `packed`,
 `shape_limit` past learner.cuda_graph_shapes, `capture_failed`)."""
 PACKED_MICRO_BATCHES = "learner/packed_micro_batches"
 """Training micro-batches of the step that ran packed (several rows in one, no padding); with

@@ -27,8 +27,9 @@ of some thousand kernels. The output layer, the log-probs, the loss and its stat
   function whose backward copies the incoming gradient into the graph's input and replays the
   backward graph: the eager loss's `backward()` runs it in place.
 - Nothing silent: replays, captures and every micro-batch that ran eagerly (with its reason) are
-  counted for the step's metrics (`take_counts`); a capture that fails turns the graphs off for
-  the rest of the run, logged with the error.
+  counted for the step's metrics (`take_counts`); after a capture that fails (logged with its
+  error) no further shape is captured: shapes captured before keep replaying, others run
+  eagerly.
 
 Where graphs apply is resolved at start (`options.resolve_cuda_graphs`): a GPU, a dense model at
 TP 1, megatron's optimizer without overlapped gradient reduction, SDPA attention, no activation
@@ -119,8 +120,9 @@ class ModelGraphs:
         self._counts[f"eager/{reason}"] += 1
 
     def take_counts(self) -> dict[str, float]:
-        """Replays, captures and eager micro-batches (by reason) since the last call."""
-        out = {k: float(v) for k, v in self._counts.items()}
+        """Replays and captures (0 included) and eager micro-batches by reason since the last
+        call."""
+        out = {"replays": 0.0, "captures": 0.0, **{k: float(v) for k, v in self._counts.items()}}
         self._counts.clear()
         return out
 
@@ -175,11 +177,11 @@ class ModelGraphs:
                 with torch.cuda.graph(bwd, pool=fwd.pool()):
                     self._backward(hidden, grad)
             self._pool = fwd.pool()
-        except Exception as e:  # a capture that fails: eager from here on, said once
+        except Exception as e:  # a capture that fails: no more captures, said once
             self.failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             log.warning(
-                "learner: CUDA graph capture of micro-batch shape %s failed; training "
-                "micro-batches run eagerly from now on: %s",
+                "learner: CUDA graph capture of micro-batch shape %s failed; no further shape "
+                "is captured (micro-batches of other shapes run eagerly): %s",
                 key,
                 self.failed,
             )

@@ -106,10 +106,18 @@ def resolve_logprob_kernel(cfg: LearnerConfig, on_cpu: bool) -> str:
 
 
 def resolve_cuda_graphs(
-    cfg: LearnerConfig, arch: ModelArch, tp: int, on_cpu: bool, attention: str, optimizer: str
+    cfg: LearnerConfig,
+    arch: ModelArch,
+    tp: int,
+    on_cpu: bool,
+    attention: str,
+    optimizer: str,
+    dp: int = 1,
 ) -> bool:
     """Whether training micro-batches run through CUDA graphs (`graphs.py`): "auto" where every
-    condition below holds (else eager, the reason logged), "on" refused where one fails."""
+    condition below holds (else eager, the reason logged), "on" refused where one fails. Data
+    parallelism: "auto" only at DP 1, where the graphs are checked against eager steps; "on"
+    takes DP > 1 (megatron's DDP reduces the buffer the graphs add into, after the backward)."""
     if cfg.cuda_graphs == "off":
         return False
     why = (
@@ -131,6 +139,8 @@ def resolve_cuda_graphs(
         if cfg.recompute != "none"
         else None
     )
+    if why is None and dp > 1 and cfg.cuda_graphs == "auto":
+        why = f'data parallel {dp} (the graphs are checked at DP 1; cuda_graphs = "on" takes it)'
     if why is None:
         return True
     if cfg.cuda_graphs == "on":

@@ -153,7 +153,7 @@ class Learner:
             cfg, self.arch, p.tp_size, on_cpu
         )
         self.cuda_graphs = resolve_cuda_graphs(
-            cfg, self.arch, p.tp_size, on_cpu, attention, optimizer_kind
+            cfg, self.arch, p.tp_size, on_cpu, attention, optimizer_kind, dp=p.dp_size
         )
         if self.cuda_graphs:
             # This thread's CUDA work on a stream of the learner's own from here on, before the

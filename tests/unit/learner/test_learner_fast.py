@@ -216,6 +216,7 @@ def test_options_that_cannot_work_here_are_refused(qwen3_dir, changes, message):
     "changes, arch, tp, attention, optimizer, why",
     [
         ({}, "dense", 1, "sdpa", "megatron", None),
+        ({}, "dense", "dp2", "sdpa", "megatron", "data parallel 2"),
         ({}, "moe", 1, "sdpa", "megatron", "a MoE model"),
         ({}, "dense", 2, "sdpa", "megatron", "learner.tensor_parallel = 2"),
         ({}, "dense", 1, "sdpa", "master_adamw", 'optimizer resolving to "master_adamw"'),
@@ -229,26 +230,29 @@ def test_cuda_graphs_resolve_where_their_capture_holds(
 ):
     """The conditions of `learner.cuda_graphs` on a GPU (resolved without one: the rule reads
     only the config and the model): "auto" is on exactly where all hold and logs the first that
-    fails, "on" is refused with it, "off" is off."""
+    fails, "on" is refused with it (but takes data parallel > 1), "off" is off."""
     from types import SimpleNamespace
 
     from slime_async.actors.learner.options import resolve_cuda_graphs
 
     shape = SimpleNamespace(is_moe=arch == "moe")
+    dp = 2 if tp == "dp2" else 1
     resolve = functools.partial(
         resolve_cuda_graphs,
         arch=shape,
-        tp=tp,
+        tp=1 if tp == "dp2" else tp,
         on_cpu=False,
         attention=attention,
         optimizer=optimizer,
+        dp=dp,
     )
     auto = learner_cfg(str(qwen3_dir), **changes)
     assert auto.cuda_graphs == "auto"  # the default
     with caplog.at_level(logging.INFO, logger="slime_async.learner"):
         assert resolve(auto) is (why is None)
-    if why is None:
+    if why is None or dp > 1:  # "on" takes DP > 1
         assert resolve(learner_cfg(str(qwen3_dir), cuda_graphs="on", **changes)) is True
+        assert why is None or why in caplog.text
     else:
         assert why in caplog.text
         with pytest.raises(ValueError, match=re.escape(why)):
