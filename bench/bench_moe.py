@@ -42,7 +42,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import bench_engine
@@ -128,16 +127,9 @@ ALGO = AlgoConfig(loss="ppo_clip", advantage="grpo", mini_batches=1)
 
 
 def learner_steps(learner, group, args) -> tuple[list[float], list[float]]:
-    """(seconds of each step after --warmup, every step's loss)."""
-    times, losses = [], []
-    for i in range(args.warmup + args.steps):
-        bench_learner.sync()
-        t0 = time.perf_counter()
-        m = learner.train_step([group])
-        bench_learner.sync()
-        losses.append(m["loss"])
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    """(seconds of each step after --warmup, every step's loss): bench_learner's timing."""
+    times: list[float] = []
+    _, losses = bench_learner.time_learner(learner, [group], args, times=times)
     return times, losses
 
 

@@ -107,13 +107,8 @@ class ModelGraphs:
         # replayed function then has a backward), which it never gets.
         self._anchor = torch.zeros((), device=device, requires_grad=True)
         self.failed: str | None = None
-        """Why the graphs were turned off (a capture failed), or None."""
+        """Why no further shape is captured (a capture failed), or None."""
         self._counts: Counter[str] = Counter()
-
-    @property
-    def shapes(self) -> list[tuple[int, int]]:
-        """The captured (rows, padded tokens a row) shapes."""
-        return list(self._shapes)
 
     def count_eager(self, reason: str) -> None:
         """A training micro-batch that ran eagerly, for `reason` (a metric key's last part)."""
@@ -134,22 +129,25 @@ class ModelGraphs:
         key = (b, -(-s // SEQ_MULTIPLE) * SEQ_MULTIPLE)
         shape = self._shapes.get(key)
         if shape is None:
-            if self.failed is not None:
-                self.count_eager("capture_failed")
-                return run(ids, pos)
-            if key not in self._seen:
-                self._seen.add(key)
-                self.count_eager("first_seen")
-                return run(ids, pos)
-            if len(self._shapes) >= self.max_shapes:
-                self.count_eager("shape_limit")
-                return run(ids, pos)
-            shape = self._capture(run, key, ids.dtype)
-            if shape is None:
-                self.count_eager("capture_failed")
+            eager = (
+                "capture_failed"
+                if self.failed is not None
+                else "first_seen"
+                if key not in self._seen
+                else "shape_limit"
+                if len(self._shapes) >= self.max_shapes
+                else None
+            )
+            self._seen.add(key)
+            if eager is None:
+                shape = self._capture(run, key, ids.dtype)
+                eager = "capture_failed" if shape is None else None
+            if eager is not None:
+                self.count_eager(eager)
                 return run(ids, pos)
         shape.ids[:, :s].copy_(ids)
-        shape.ids[:, s:].zero_()
+        if s < key[1]:
+            shape.ids[:, s:].zero_()
         shape.pos[:, :s].copy_(pos)  # the padding's positions stay those of the capture
         self._counts["replays"] += 1
         return _Replay.apply(self._anchor, shape)

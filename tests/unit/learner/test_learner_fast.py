@@ -258,3 +258,33 @@ def test_cuda_graphs_resolve_where_their_capture_holds(
         with pytest.raises(ValueError, match=re.escape(why)):
             resolve(learner_cfg(str(qwen3_dir), cuda_graphs="on", **changes))
     assert resolve(learner_cfg(str(qwen3_dir), cuda_graphs="off", **changes)) is False
+
+
+def test_cuda_graphs_count_every_eager_micro_batch_and_survive_a_failed_capture(caplog):
+    """`ModelGraphs` where no capture can succeed (the CPU: no CUDA stream): a shape's first
+    micro-batch runs eagerly as `first_seen`; its second tries the capture, which fails, logged
+    with the error; from then on every micro-batch runs eagerly as `capture_failed`, with the
+    eager function's own result. Every micro-batch is counted, and the counts reset per step."""
+    from slime_async.actors.learner.graphs import ModelGraphs
+
+    w = torch.nn.Parameter(torch.randn(4, 8))
+    w.main_grad = torch.zeros_like(w)
+    graphs = ModelGraphs(torch.device("cpu"), [w], max_shapes=4)
+    run = lambda ids, pos: w[ids] + pos[..., None]  # noqa: E731
+    ids = torch.randint(0, 4, (2, 5))
+    pos = torch.arange(5).expand(2, -1)
+    with caplog.at_level(logging.WARNING, logger="slime_async.learner"):
+        outs = [graphs.hidden(run, ids, pos) for _ in range(3)]
+    for out in outs:
+        torch.testing.assert_close(out, run(ids, pos), rtol=0, atol=0)
+    assert graphs.take_counts() == {
+        "replays": 0.0,
+        "captures": 0.0,
+        "eager/first_seen": 1.0,
+        "eager/capture_failed": 2.0,
+    }
+    assert graphs.failed and "capture of micro-batch shape (2, 64) failed" in caplog.text
+    graphs.hidden(run, torch.randint(0, 4, (3, 70)), torch.arange(70).expand(3, -1))
+    assert graphs.take_counts() == {"replays": 0.0, "captures": 0.0, "eager/capture_failed": 1.0}
+    with pytest.raises(ValueError, match="main_grad on every trained parameter"):
+        ModelGraphs(torch.device("cpu"), [torch.nn.Parameter(torch.zeros(2))], max_shapes=1)
