@@ -65,7 +65,9 @@ def _rows(vocab: int, n: int, dev: torch.device, args, compiled) -> list[str]:
         variants["unseeded, torch.compile'd picks, bf16 logits"] = lambda: sample(
             half, *params, picks=compiled[1]
         )
-        kernels = Picks(pick_kernels.greedy_pick, pick_kernels.temperature_pick)
+        kernels = Picks(
+            pick_kernels.greedy_pick, pick_kernels.temperature_pick, pick_kernels.filtered_pick
+        )
         variants["unseeded, pick kernels (the engine's), bf16 logits"] = lambda: sample(
             half, *params, picks=kernels
         )

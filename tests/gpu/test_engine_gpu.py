@@ -10,9 +10,11 @@ from slime_async.actors.engine.embedded import attention, pick_kernels
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
 from slime_async.actors.engine.embedded.sampling import (
     SamplingParams,
+    filter_thresholds,
     greedy_pick,
     sample,
     seeded_argmax,
+    thresholds_hold,
 )
 from slime_async.actors.engine.embedded.scheduler import Scheduler
 from slime_async.models.toy import make_tiny_model
@@ -42,6 +44,36 @@ def test_paged_decode_kernel_on_gpu(dtype, splits):
     ref = attention.decode_reference(q.float(), kc.float(), vc.float(), bt, lens, 128**-0.5)
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_filter_kernels_find_the_sorts_thresholds_at_qwens_vocabulary():
+    """Top-k/top-p without a sort, 256 rows of bf16 logits at 151,936 columns: each row's
+    threshold is the sort's (`filter_thresholds`) except where the mass at the boundary is within
+    fp32 summation rounding of top_p; the draws stay at or above it; log-probs unfiltered."""
+    n, vocab = 256, 151_936
+    g = torch.Generator(device="cuda").manual_seed(6)
+    logits = (torch.randn(n, vocab, generator=g, device="cuda") * 4).bfloat16()
+    r = torch.arange(n, device="cuda")
+    top_k = torch.where(r % 3 == 0, 50, vocab)
+    top_k[1::7] = 2000
+    top_p = torch.where(r % 3 == 1, 1.0, 0.95 - 0.003 * (r % 100))
+    temp = 0.6 + 0.01 * (r % 50)
+    inv_t = temp.reciprocal()
+    got = pick_kernels.thresholds(logits, inv_t, top_k, top_p)
+    x = logits.float() * inv_t[:, None]
+    want = filter_thresholds(x, top_k, top_p)
+    assert (
+        thresholds_hold(x, got, top_k, top_p).all() and thresholds_hold(x, want, top_k, top_p).all()
+    )
+    assert int((got != want).sum()) <= 2  # rows whose boundary mass is within rounding of top_p
+    greedy = r % 5 == 0
+    tok, lp = pick_kernels.filtered_pick(logits, temp, greedy, top_k, top_p, g)
+    assert (x.gather(1, tok[:, None])[:, 0] >= got).all()
+    assert torch.equal(tok[greedy], logits.float()[greedy].argmax(-1))
+    ref = torch.log_softmax(x, -1).gather(1, tok[:, None])[:, 0]
+    torch.testing.assert_close(lp, ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.gpu

@@ -355,3 +355,10 @@ def test_the_sampling_kernels_are_eager_on_a_cpu_and_fall_back_to_eager_when_com
     assert runner.seeded_draw is seeded_argmax and runner.picks is EAGER_PICKS
     assert "compiling the seeded draw failed" in caplog.text
     assert "compiling the sampler's picks failed" in caplog.text
+    # top-k/top-p kernels that fail alone: the unfiltered picks keep theirs, top-p sorts eagerly
+    kept = EAGER_PICKS.greedy, EAGER_PICKS.temperature
+    runner.picks = Picks(*kept, broken)
+    assert runner.warm_sampling() is True
+    assert (runner.picks.greedy, runner.picks.temperature) == kept
+    assert runner.picks.filtered is EAGER_PICKS.filtered
+    assert "the top-k/top-p kernels failed their check" in caplog.text

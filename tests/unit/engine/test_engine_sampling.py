@@ -6,7 +6,13 @@ import math
 import pytest
 import torch
 
-from slime_async.actors.engine.embedded.sampling import SamplingParams, murmur_hash32, sample
+from slime_async.actors.engine.embedded.sampling import (
+    SamplingParams,
+    filter_thresholds,
+    murmur_hash32,
+    sample,
+    thresholds_hold,
+)
 from tests.support import sglang_wheel as sw
 
 
@@ -258,3 +264,80 @@ def test_bf16_logits_are_sampled_as_their_fp32_values(temperature):
 def test_sampling_params_errors_name_the_field(raw, words):
     with pytest.raises(ValueError, match=words):
         SamplingParams.from_request(raw, vocab_size=10)
+
+
+def _brute_thresholds(x: torch.Tensor, k: int, p: float) -> float:
+    """The keep rule by its definition, value by value: top-k keeps x >= the k-th largest
+    value; top-p keeps x >= the largest value v whose tokens (within top-k) hold >= p of the
+    top-k mass. Python floats in float64."""
+    vals = sorted(x.tolist(), reverse=True)
+    tk = vals[min(k, len(vals)) - 1]
+    kept = [v for v in vals if v >= tk]
+    top = kept[0]
+    z = sum(math.exp(v - top) for v in kept)
+    for v in sorted(set(kept), reverse=True):
+        if sum(math.exp(u - top) for u in kept if u >= v) >= p * z:
+            return v
+    raise AssertionError("the lowest kept value always holds all the mass")
+
+
+def test_filter_thresholds_follow_the_rule_and_keep_every_tied_token():
+    g = torch.Generator().manual_seed(11)
+    # bf16-rounded logits: many exact ties, some at the boundaries
+    x = (torch.randn(40, 300, generator=g) * 2).bfloat16().float()
+    x[3, :50] = x[3, 0]  # a tie group large enough to hold the top-k and the top-p boundary
+    x[4, 7] = float("-inf")  # a banned column
+    ks = torch.randint(1, 300, (40,), generator=g)
+    ps = torch.rand(40, generator=g).clamp_min(0.05)
+    ks[::5], ps[1::5] = 300, 1.0  # top-p only / top-k only rows
+    thr = filter_thresholds(x, ks, ps)
+    for r in range(40):
+        assert thr[r].item() == _brute_thresholds(x[r], int(ks[r]), float(ps[r])), r
+    free = filter_thresholds(x[:2], torch.full((2,), 300), torch.ones(2))
+    assert free.tolist() == [float("-inf")] * 2
+    # a tie at the k-th value keeps all of it: top-k 2 of [3, 1, 1, 0] keeps three tokens
+    tied = filter_thresholds(_row([3.0, 1.0, 1.0, 0.0]), torch.tensor([2]), torch.ones(1))
+    assert tied.item() == 1.0
+
+
+def test_top_p_draws_follow_the_renormalised_nucleus_among_many_tokens():
+    """Rows long enough that the nucleus holds hundreds of tokens: the draws stay inside it and
+    follow the renormalised distribution (binned by rank), log-probs unfiltered."""
+    logits = torch.randn(1, 2000, generator=torch.Generator().manual_seed(12)) * 2
+    n = 6000
+    rows = logits.expand(n, -1)
+    temp, k, p = torch.full((n,), 0.9), torch.full((n,), -1), torch.full((n,), 0.8)
+    tok, lp = sample(rows, temp, k, p, torch.Generator().manual_seed(13))
+    x = logits[0] / 0.9
+    thr = filter_thresholds(x[None], torch.tensor([2000]), torch.tensor([0.8]))[0]
+    kept = x >= thr
+    assert kept[tok].all() and 50 < int(kept.sum()) < 2000
+    want = torch.softmax(x.masked_fill(~kept, float("-inf")), -1)
+    order = want.argsort(descending=True)
+    bins = torch.zeros(2000, dtype=torch.long)
+    bins[order] = torch.arange(2000) * 8 // int(kept.sum())  # 8 bins by rank inside the nucleus
+    got = torch.bincount(bins[tok], minlength=9)[:8].float() / n
+    exp = torch.zeros(9).index_add_(0, bins.clamp(max=8), want)[:8]
+    assert torch.allclose(got, exp, atol=4 * (exp * (1 - exp) / n).sqrt().max().item())
+    torch.testing.assert_close(lp, torch.log_softmax(x, -1)[tok])
+
+
+def test_thresholds_hold_takes_the_sorts_boundary_and_refuses_its_neighbours():
+    """The check the GPU kernels are held to: the rule's thresholds pass it; the next value
+    above or below a boundary fails, as does a value not in the row."""
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(30, 500, generator=g) * 3
+    k = torch.randint(1, 500, (30,), generator=g)
+    k[::3] = 500
+    p = torch.rand(30, generator=g).clamp(0.05, 0.99)
+    p[1::3] = 1.0
+    thr = filter_thresholds(x, k, p)
+    assert thresholds_hold(x, thr, k, p).all()
+    s = x.sort(-1, descending=True).values
+    rank = (s >= thr[:, None]).sum(-1) - 1  # the boundary's rank
+    for step in (-1, 1):  # the value just above / just below the boundary
+        r = (rank + step).clamp(0, 499)
+        moved = s.gather(1, r[:, None])[:, 0]
+        changed = moved != thr
+        assert not thresholds_hold(x, moved, k, p)[changed].any()
+    assert not thresholds_hold(x, thr + 1e-3, k, p)[~torch.isneginf(thr)].any()

@@ -1,7 +1,8 @@
 """The sampler's pick kernels (pick_kernels.py) against the eager picks of sampling.py, in
 Triton's CPU interpreter (the GPU runs the same checks in tests/gpu/test_engine_gpu.py): the
 greedy token is torch's first maximum, across chunks and ties; log-probs are log_softmax(x / T)
-of the token; draws follow softmax(x / T), banned (-inf) columns never drawn."""
+of the token; draws follow softmax(x / T), banned (-inf) columns never drawn; the top-k/top-p thresholds are
+the sort's (`sampling.filter_thresholds`), and filtered draws stay at or above them."""
 
 import os
 
@@ -9,7 +10,11 @@ import pytest
 import torch
 
 from slime_async.actors.engine.embedded import pick_kernels
-from slime_async.actors.engine.embedded.sampling import greedy_pick
+from slime_async.actors.engine.embedded.sampling import (
+    filter_thresholds,
+    filtered_pick,
+    greedy_pick,
+)
 
 pytestmark = pytest.mark.skipif(
     pick_kernels.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
@@ -55,3 +60,48 @@ def test_a_seeded_generator_gives_the_same_draws_and_another_seed_others():
     b, _ = pick_kernels.temperature_pick(logits, temp, greedy, torch.Generator().manual_seed(9))
     c, _ = pick_kernels.temperature_pick(logits, temp, greedy, torch.Generator().manual_seed(10))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_thresholds_are_the_sorts_across_blocks_ties_bans_and_temperatures():
+    vocab = 2 * pick_kernels.BLOCK + 37  # three blocks, the last one short
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(10, vocab, generator=g) * 3).bfloat16()  # bf16: ties
+    logits[2, :300] = logits[2, 5]  # a tie group across the top-p boundary
+    logits[3, 100:] = float("-inf")  # a banned tail: top-p within the first 100 tokens
+    logits[4] = -logits[4].abs()  # all negative: keys of one sign
+    top_k = torch.tensor([vocab, 10, vocab, 40, vocab, 1, 700, vocab, 3, vocab])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.7, 1.0, 0.99, 1.0, 0.2, 0.001])
+    temp = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 1.0, 0.5, 1.0, 2.0, 1.0])
+    inv_t = temp.reciprocal()
+    got = pick_kernels.thresholds(logits, inv_t, top_k, top_p)
+    want = filter_thresholds(logits.float() * inv_t[:, None], top_k, top_p)
+    assert got.tolist() == want.tolist()
+    assert got[7].item() == float("-inf")
+
+
+def test_filtered_draws_stay_in_the_nucleus_and_match_the_eager_distribution():
+    n = 1200  # the interpreter runs one program a row, one at a time
+    row = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0, float("-inf"), 2.5])
+    logits = row.expand(n, -1).contiguous()
+    temp = torch.full((n,), 1.0)
+    greedy = torch.zeros(n, dtype=torch.bool)
+    greedy[::6] = True
+    k = torch.full((n,), 8)
+    k[1::2] = 2  # top-k 2 of a tie at the second value: three tokens kept
+    p = torch.full((n,), 0.8)
+    tok, lp = pick_kernels.filtered_pick(
+        logits, temp, greedy, k, p, torch.Generator().manual_seed(2)
+    )
+    assert (tok[greedy] == 0).all()
+    for sel in (torch.arange(n) % 2 == 0, torch.arange(n) % 2 == 1):
+        rows = sel & ~greedy
+        drawn = tok[rows]
+        thr = filter_thresholds(row[None], k[sel][:1], p[:1])[0]
+        want = torch.softmax(row.masked_fill(row < thr, float("-inf")), -1)
+        freq = torch.bincount(drawn, minlength=8).float() / drawn.numel()
+        assert (freq[row < thr] == 0).all()
+        assert torch.allclose(freq, want, atol=4 * (want * (1 - want) / drawn.numel()).sqrt().max())
+    ref = torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0]
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
+    eager, _ = filtered_pick(logits[:4], temp[:4], greedy[:4], k[:4], p[:4], None)
+    assert eager[0].item() == 0

@@ -46,6 +46,7 @@ from slime_async.actors.engine.embedded.sampling import (
     SeededDraw,
     greedy_pick,
     seeded_argmax,
+    thresholds_hold,
 )
 from slime_async.models.families import FAMILIES
 from slime_async.models.family import Family
@@ -114,7 +115,9 @@ class ModelRunner:
         # Triton kernels of pick_kernels.py, one pass over the [rows, V] logits in the model's
         # dtype (checked against the eager picks at start: `warm_sampling`).
         self.picks: Picks = (
-            Picks(pick_kernels.greedy_pick, pick_kernels.temperature_pick)
+            Picks(
+                pick_kernels.greedy_pick, pick_kernels.temperature_pick, pick_kernels.filtered_pick
+            )
             if cuda and pick_kernels.available(self.device)
             else EAGER_PICKS
         )
@@ -462,6 +465,15 @@ class ModelRunner:
                 else:
                     log.error("the sampler's pick kernels failed their check (%s): eager", err)
                     self.picks = EAGER_PICKS
+        if self.picks.filtered is not EAGER_PICKS.filtered:
+            try:
+                err = self._check_filtered()
+            except Exception:
+                err = "it raised"
+                log.exception("the top-k/top-p kernels failed to run")
+            if err is not None:  # the unfiltered picks stay on their kernels
+                log.error("the top-k/top-p kernels failed their check (%s): sorted eagerly", err)
+                self.picks = self.picks._replace(filtered=EAGER_PICKS.filtered)
         return compiled
 
     def _check_picks(self) -> str | None:
@@ -484,6 +496,29 @@ class ModelRunner:
             return f"drawn tokens {tok.tolist()} (greedy row's {want[2].item()})"
         if (lp - ref.gather(1, tok[:, None])[:, 0]).abs().max().item() > 1e-4:
             return "drawn tokens' log-probs differ from log_softmax(logits / T)"
+        return None
+
+    def _check_filtered(self) -> str | None:
+        """The top-k/top-p kernels (compiled by this first call) on random logits of this
+        vocabulary: thresholds those of the sort (`thresholds_hold`: up to fp32 summation
+        order), draws at or above them with unfiltered log-probs, a greedy row's token the
+        argmax."""
+        g = torch.Generator(device=self.device).manual_seed(1)
+        logits = torch.randn(3, self.vocab_size, generator=g, device=self.device).to(self.dtype)
+        want = logits.float().argmax(-1)
+        temp = torch.tensor([1.0, 0.5, 1.0], device=self.device)
+        greedy = torch.tensor([False, False, True], device=self.device)
+        top_k = torch.tensor([self.vocab_size, 5, 40], device=self.device)
+        top_p = torch.tensor([0.9, 1.0, 0.5], device=self.device)
+        got = pick_kernels.thresholds(logits, temp.reciprocal(), top_k, top_p)
+        x = logits.float() * temp.reciprocal()[:, None]
+        if not thresholds_hold(x, got, top_k, top_p).all():
+            return f"top-k/top-p thresholds {got.tolist()} are not the sort's"
+        tok, lp = self.picks.filtered(logits, temp, greedy, top_k, top_p, g)
+        if not (x.gather(1, tok[:, None])[:, 0] >= got).all() or tok[2] != want[2]:
+            return f"filtered draws {tok.tolist()} below their thresholds {got.tolist()}"
+        if (lp - torch.log_softmax(x, -1).gather(1, tok[:, None])[:, 0]).abs().max().item() > 1e-4:
+            return "filtered draws' log-probs differ from log_softmax(logits / T)"
         return None
 
     def capture_cuda_graphs(self) -> list[int]:

@@ -8,6 +8,10 @@ filtering (the learner computes exactly that at the trajectory's temperature and
   (k <= 0: all), renormalised, then restricted to the smallest prefix (by descending probability)
   whose mass reaches top_p (the token that crosses top_p is kept), renormalised.
   logprob = `log_softmax(logits / T)[token]` (unfiltered).
+  Both restrictions are thresholds on x = logits / T (`filter_thresholds`): top-k keeps x >= the
+  k-th largest value, top-p keeps x >= the value of the token that crosses top_p. Tokens tied
+  with the boundary token are all kept (a sort would keep an arbitrary few of them), so the kept
+  set is a function of the logits alone and a GPU can find it without sorting the vocabulary.
 - temperature 0 (greedy, T < 1e-5 as in SGLang, which samples it as T = 1 with top_k = 1):
   token = argmax(logits) and logprob = `log_softmax(logits)[token]` (T = 1.0).
 
@@ -225,12 +229,87 @@ def temperature_pick(
     return tok, x.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
 
 
+def filter_thresholds(
+    x: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    sorted_x: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each row's lowest kept value of x = logits / T ([n, V] fp32) under top-k (`top_k` [n],
+    1..V; V: no limit) then top-p (`top_p` [n]) on the renormalised top-k; -inf where neither
+    restricts. The keep rule is `x >= threshold`: top-k's threshold is the k-th largest value,
+    top-p's the largest value v whose tokens x >= v (within top-k) hold at least top_p of the
+    top-k mass, i.e. the value of the token whose cumulative mass crosses top_p. One sort of the
+    rows (or `sorted_x`, x sorted descending): the reference the GPU kernel
+    (pick_kernels.filtered_pick) is checked against."""
+    vocab = x.shape[-1]
+    s = x.sort(-1, descending=True).values if sorted_x is None else sorted_x
+    tk = s.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])  # [n, 1]
+    e = torch.where(s >= tk, (s - s[:, :1]).exp(), 0.0)
+    cum = e.cumsum(-1)
+    crossed = cum >= top_p[:, None] * cum[:, -1:]  # the last column always crosses (p <= 1)
+    tp = s.gather(1, crossed.to(torch.uint8).argmax(-1, keepdim=True))  # the first crossing
+    thr = torch.maximum(tk, tp)[:, 0]
+    free = (top_k >= vocab) & (top_p >= 1.0)
+    return thr.masked_fill(free, float("-inf"))
+
+
+def thresholds_hold(
+    x: torch.Tensor,
+    thr: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    tol: float = 1e-4,
+) -> torch.Tensor:
+    """[n] bool: whether each row's `thr` is what `filter_thresholds` gives up to the order of
+    fp32 sums. -inf where neither filter restricts; else a value of the row, at or above the
+    k-th largest (equal to it without top-p); with top-p, the tokens x >= thr hold at least
+    top_p - tol of the top-k mass and those x > thr less than top_p + tol. (Two summation
+    orders may put a boundary whose mass is within rounding of top_p one value apart; every
+    other difference fails.)"""
+    vocab = x.shape[-1]
+    xd, t = x.double(), thr.double()[:, None]
+    s = xd.sort(-1, descending=True).values
+    tk = s.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])
+    e = torch.where(xd >= tk, (xd - s[:, :1]).exp(), 0.0)
+    z = e.sum(-1)
+    at_or_above = torch.where(xd >= t, e, 0.0).sum(-1) / z
+    above = torch.where(xd > t, e, 0.0).sum(-1) / z
+    p = top_p.double()
+    nucleus = (at_or_above >= p - tol) & (above < p + tol)
+    ok = (xd == t).any(-1) & (t >= tk)[:, 0] & torch.where(top_p < 1.0, nucleus, (t == tk)[:, 0])
+    free = (top_k >= vocab) & (top_p >= 1.0)
+    return torch.where(free, torch.isneginf(thr), ok)
+
+
+def filtered_pick(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`temperature_pick` restricted by top-k/top-p (`top_k` [n] 1..V, V: none; `top_p` [n]):
+    the exponential race among the tokens with x >= `filter_thresholds`; greedy rows take the
+    argmax (which every filter keeps). Log-probs unfiltered, as `temperature_pick`'s."""
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    noise.exponential_(generator=generator)
+    x = logits.float() / temperature[:, None]
+    thr = filter_thresholds(x, top_k, top_p)
+    q = torch.where(greedy[:, None], 1.0, noise.clamp_min(torch.finfo(torch.float32).tiny))
+    race = torch.where(x >= thr[:, None], x - q.log(), float("-inf"))
+    tok = race.argmax(-1)
+    return tok, x.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
+
+
 class Picks(NamedTuple):
-    """The unfiltered, unseeded draws of `sample`: these eager ones, or on a GPU the Triton
-    kernels of pick_kernels.py (the same math in one pass over the logits)."""
+    """The unseeded draws of `sample`: these eager ones, or on a GPU the Triton kernels of
+    pick_kernels.py (the same math in a few passes over the logits, no sort)."""
 
     greedy: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = greedy_pick
     temperature: Callable[..., tuple[torch.Tensor, torch.Tensor]] = temperature_pick
+    filtered: Callable[..., tuple[torch.Tensor, torch.Tensor]] = filtered_pick
 
 
 EAGER_PICKS = Picks()
@@ -261,8 +340,9 @@ def sample(
     Each row's logprob is `log_softmax(logits / T)` of its token, unfiltered (module docstring).
     Logits may be in the model's dtype (bf16): every computation upcasts them to fp32.
 
-    Without top-k/top-p and seeds, the batch goes through `picks` (on a GPU one pass over the
-    logits): all greedy, or the exponential race of `temperature_pick`.
+    Without seeds, the batch goes through `picks` (on a GPU Triton kernels over the logits, no
+    sort): all greedy, the exponential race of `temperature_pick`, or with top-k/top-p that race
+    among the tokens `filter_thresholds` keeps (`filtered_pick`).
     """
     vocab = logits.shape[-1]
     # The per-row parameters are decided on the host (no device sync); only the math runs there.
@@ -275,8 +355,12 @@ def sample(
     dev = logits.device
     greedy = to_device(greedy_host, dev)
     temp = to_device(torch.where(greedy_host, torch.ones_like(temperature), temperature), dev)
-    if not restrict and not seeded:
-        return picks.temperature(logits, temp, greedy, generator)
+    if not seeded:
+        if not restrict:
+            return picks.temperature(logits, temp, greedy, generator)
+        return picks.filtered(
+            logits, temp, greedy, to_device(k, dev), to_device(top_p, dev), generator
+        )
 
     logits = logits.float()
     greedy_tok = logits.argmax(-1)
@@ -287,16 +371,11 @@ def sample(
     draw = scaled
     sorted_logits = order = None
     if restrict:
-        # Restrict in sorted order: first top-k, then the top-p nucleus of the renormalised top-k.
+        # Seeded rows hash ranks, so this path sorts; the kept set is the thresholds' (a prefix
+        # of the sorted row: top-k, then the top-p nucleus of the renormalised top-k).
         sorted_logits, order = scaled.sort(-1, descending=True)
-        ranks = torch.arange(vocab, device=dev)
-        drop = ranks[None, :] >= k[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(sorted_logits, -1)
-        mass_before = probs.cumsum(-1) - probs
-        drop = drop | (mass_before >= top_p[:, None])
-        drop[:, 0] = False  # the most likely token always survives
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        thr = filter_thresholds(scaled, k, top_p, sorted_logits)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < thr[:, None], float("-inf"))
         draw = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
     probs = torch.softmax(draw, -1)
     tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
