@@ -3,10 +3,13 @@
 pays), eager and compiled (on a GPU the runner compiles the seeded draw and runs the
 unfiltered picks as the Triton kernels of pick_kernels.py over the graph's bf16 logits; the
 same picks torch.compile'd for comparison), each beside the memory-bandwidth floor of reading
-the step's float32 logits once. `--temperature 0` times the greedy draw.
+the step's float32 logits once. `--temperature 0` times the greedy draw. With `--top-p` < 1 the
+unseeded eager rows sort every row while the kernels search for each row's threshold
+(pick_kernels.filtered_pick); that search alone is timed at each of `--pivots` keys a pass.
 
     python bench/bench_sampling.py --device cuda                     # 256 rows, vocab 64 and 151,936
     python bench/bench_sampling.py --device cpu --rows 64 --vocab 64,32000 --reps 3
+    python bench/bench_sampling.py --device cuda --vocab 151936 --top-p 0.95 --pivots 4,8,16,32
 
 Median over `--reps` timed draws after two warm-ups (compiling included in the warm-ups), with
 [min, max]; `--hbm-tbps` (default 4.8, an H200) sets the floor. The draws of each variant are
@@ -28,6 +31,7 @@ from slime_async.actors.engine.embedded.sampling import (
     sample,
     seeded_argmax,
     temperature_pick,
+    thresholds_hold,
 )
 
 
@@ -78,6 +82,18 @@ def _rows(vocab: int, n: int, dev: torch.device, args, compiled) -> list[str]:
             variants["seeded, compiled"]()[0], variants["seeded, eager"]()[0]
         ):
             raise SystemExit(f"vocab {vocab}: the compiled seeded draw differs from eager")
+        if args.top_p < 1.0:  # the top-p kernel alone, at each pivot count
+            inv_t = torch.full((n,), 1.0 / max(args.temperature, 1e-5), device=dev)
+            k_dev = torch.full((n,), vocab, device=dev)
+            p_dev = torch.full((n,), args.top_p, device=dev)
+            x = half.float() * inv_t[:, None]
+            for piv in (int(v) for v in args.pivots.split(",")):
+                thr = pick_kernels.thresholds(half, inv_t, k_dev, p_dev, pivots=piv)
+                if not thresholds_hold(x, thr, k_dev, p_dev).all():
+                    raise SystemExit(f"vocab {vocab}: the thresholds at {piv} pivots are wrong")
+                variants[f"top-p thresholds alone, {piv} pivots a pass"] = lambda piv=piv: (
+                    pick_kernels.thresholds(half, inv_t, k_dev, p_dev, pivots=piv)
+                )
     floor_ms = n * vocab * 4 / (args.hbm_tbps * 1e12) * 1e3
     rows, base = [], None
     for name, fn in variants.items():
@@ -100,6 +116,12 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=1.0, help="of every row (0: greedy)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--hbm-tbps", type=float, default=4.8)
+    ap.add_argument(
+        "--pivots",
+        default="4,8,16",
+        help="with --top-p < 1 on a GPU: pivot counts (powers of 2) of the top-p threshold "
+        "kernel to time alone (the engine uses pick_kernels.PIVOTS)",
+    )
     args = ap.parse_args()
     dev = torch.device(args.device)
     n = args.rows

@@ -341,3 +341,13 @@ def test_thresholds_hold_takes_the_sorts_boundary_and_refuses_its_neighbours():
         changed = moved != thr
         assert not thresholds_hold(x, moved, k, p)[changed].any()
     assert not thresholds_hold(x, thr + 1e-3, k, p)[~torch.isneginf(thr)].any()
+
+
+def test_the_threshold_kernel_refuses_a_pivot_count_that_is_not_a_power_of_two():
+    """Checked before any kernel runs (so on a machine without Triton too)."""
+    from slime_async.actors.engine.embedded import pick_kernels
+
+    x, k, p = torch.zeros(1, 8), torch.full((1,), 8), torch.full((1,), 0.5)
+    for bad in (1, 6, 0):
+        with pytest.raises(ValueError, match="power of 2"):
+            pick_kernels.thresholds(x, torch.ones(1), k, p, pivots=bad)

@@ -76,6 +76,8 @@ def test_thresholds_are_the_sorts_across_blocks_ties_bans_and_temperatures():
     got = pick_kernels.thresholds(logits, inv_t, top_k, top_p)
     want = filter_thresholds(logits.float() * inv_t[:, None], top_k, top_p)
     assert got.tolist() == want.tolist()
+    fewer = pick_kernels.thresholds(logits, inv_t, top_k, top_p, pivots=2)  # more, finer passes
+    assert fewer.tolist() == want.tolist()
     assert got[7].item() == float("-inf")
 
 

@@ -244,10 +244,17 @@ def temperature_pick(
 
 
 def thresholds(
-    logits: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    inv_t: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    pivots: int = PIVOTS,
 ) -> torch.Tensor:
     """`sampling.filter_thresholds` of x = logits * inv_t without a sort ([n] fp32, -inf where
-    neither filter restricts): one program a row (`_thresholds`)."""
+    neither filter restricts): one program a row (`_thresholds`), `pivots` (a power of 2) keys
+    tested a pass (`bench_sampling.py --pivots` times the choices)."""
+    if pivots < 2 or pivots & (pivots - 1):
+        raise ValueError(f"pivots must be a power of 2 >= 2, got {pivots}")
     n, vocab = logits.shape
     thr = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n == 0:
@@ -256,7 +263,7 @@ def thresholds(
         logits = logits.contiguous()
     _thresholds[(n,)](
         logits, logits.stride(0), inv_t, top_k.to(torch.int32), top_p.float(), thr, vocab,
-        BLOCK=BLOCK, NP=PIVOTS, num_warps=8,
+        BLOCK=BLOCK, NP=pivots, num_warps=8,
     )  # fmt: skip
     return thr
 
