@@ -356,9 +356,17 @@ def test_the_sampling_kernels_are_eager_on_a_cpu_and_fall_back_to_eager_when_com
     assert "compiling the seeded draw failed" in caplog.text
     assert "compiling the sampler's picks failed" in caplog.text
     # top-k/top-p kernels that fail alone: the unfiltered picks keep theirs, top-p sorts eagerly
-    kept = EAGER_PICKS.greedy, EAGER_PICKS.temperature
+    # stand-ins for working kernels (the eager math under other names)
+    kept = (lambda x: EAGER_PICKS.greedy(x)), (lambda *a: EAGER_PICKS.temperature(*a))
     runner.picks = Picks(*kept, broken)
     assert runner.warm_sampling() is True
     assert (runner.picks.greedy, runner.picks.temperature) == kept
     assert runner.picks.filtered is EAGER_PICKS.filtered
     assert "the top-k/top-p kernels failed their check" in caplog.text
+    # what /server_info reports: only the failed kernel shows as eager
+    assert runner.sampling_kernels() == {
+        "greedy": "triton",
+        "temperature": "triton",
+        "filtered": "eager",
+        "seeded": "eager",
+    }

@@ -476,6 +476,16 @@ class ModelRunner:
                 self.picks = self.picks._replace(filtered=EAGER_PICKS.filtered)
         return compiled
 
+    def sampling_kernels(self) -> dict[str, str]:
+        """Which draw runs where ("triton" or "eager"; "compiled" for the seeded draw), as
+        /server_info reports it: a kernel that failed its start-up check shows as eager."""
+        out = {
+            name: "eager" if fn is getattr(EAGER_PICKS, name) else "triton"
+            for name, fn in self.picks._asdict().items()
+        }
+        out["seeded"] = "eager" if self.seeded_draw is seeded_argmax else "compiled"
+        return out
+
     def _check_picks(self) -> str | None:
         """The pick kernels (compiled by this first call) against the eager picks on random
         logits of this vocabulary: the greedy tokens equal, the log-probs within fp32 rounding;

@@ -237,10 +237,12 @@ def temperature_pick(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sampling.temperature_pick` in two kernels, the draw by Gumbel-max with noise from a seed
     drawn from `generator` on the device (`temperature` of greedy rows is 1)."""
-    seed = torch.randint(
-        0, 2**31 - 1, (1,), generator=generator, device=logits.device, dtype=torch.int64
-    )
-    return _run(logits, temperature.reciprocal(), greedy, seed)
+    return _run(logits, temperature.reciprocal(), greedy, _step_seed(generator, logits.device))
+
+
+def _step_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """The Philox seed of one step's draw, drawn on the device (no host sync)."""
+    return torch.randint(0, 2**31 - 1, (1,), generator=generator, device=device, dtype=torch.int64)
 
 
 def thresholds(
@@ -278,8 +280,6 @@ def filtered_pick(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sampling.filtered_pick` in three kernels: the rows' thresholds, then the Gumbel-max race
     of `temperature_pick` among the tokens at or above them."""
-    seed = torch.randint(
-        0, 2**31 - 1, (1,), generator=generator, device=logits.device, dtype=torch.int64
-    )
     inv_t = temperature.reciprocal()
-    return _run(logits, inv_t, greedy, seed, thresholds(logits, inv_t, top_k, top_p))
+    thr = thresholds(logits, inv_t, top_k, top_p)
+    return _run(logits, inv_t, greedy, _step_seed(generator, logits.device), thr)

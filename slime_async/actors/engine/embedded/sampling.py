@@ -221,11 +221,24 @@ def temperature_pick(
     draws one sample), taken as `argmax(logits / T - log q)`; greedy rows (`greedy`, their
     temperature 1) take q = 1, i.e. the argmax, in the same pass. Returns (tokens,
     log_softmax(logits / T) of each)."""
-    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    return _race(logits.float() / temperature[:, None], greedy, generator, None)
+
+
+def _race(
+    x: torch.Tensor,
+    greedy: torch.Tensor,
+    generator: torch.Generator | None,
+    thr: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exponential race over x = logits / T (only x >= `thr` when given), greedy rows with
+    q = 1; (tokens, log_softmax(x) of each)."""
+    noise = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     noise.exponential_(generator=generator)
-    x = logits.float() / temperature[:, None]
     q = torch.where(greedy[:, None], 1.0, noise.clamp_min(torch.finfo(torch.float32).tiny))
-    tok = (x - q.log()).argmax(-1)
+    race = x - q.log()
+    if thr is not None:
+        race = race.masked_fill(x < thr[:, None], float("-inf"))
+    tok = race.argmax(-1)
     return tok, x.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
 
 
@@ -293,14 +306,8 @@ def filtered_pick(
     """`temperature_pick` restricted by top-k/top-p (`top_k` [n] 1..V, V: none; `top_p` [n]):
     the exponential race among the tokens with x >= `filter_thresholds`; greedy rows take the
     argmax (which every filter keeps). Log-probs unfiltered, as `temperature_pick`'s."""
-    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    noise.exponential_(generator=generator)
     x = logits.float() / temperature[:, None]
-    thr = filter_thresholds(x, top_k, top_p)
-    q = torch.where(greedy[:, None], 1.0, noise.clamp_min(torch.finfo(torch.float32).tiny))
-    race = torch.where(x >= thr[:, None], x - q.log(), float("-inf"))
-    tok = race.argmax(-1)
-    return tok, x.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
+    return _race(x, greedy, generator, filter_thresholds(x, top_k, top_p))
 
 
 class Picks(NamedTuple):

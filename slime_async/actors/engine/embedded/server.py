@@ -673,6 +673,7 @@ class EmbeddedEngine:
                 "decode_steps": self.scheduler.steps,
                 **self.scheduler.stats(),
                 "decode_attention": self.runner.decode_attention,
+                "sampling_kernels": self.runner.sampling_kernels(),
                 "cuda_graph_batch_sizes": self.runner.graphs.sizes if self.runner.graphs else [],
                 "memory": self.runner.memory_info(),
                 "ignored_fields": self.ignored_fields,
