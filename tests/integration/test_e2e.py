@@ -7,11 +7,13 @@ with a counted reason, or is still held by the buffer.
 """
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
+import slime_async.metrics.names as M
 from slime_async.metrics import read_metrics
 from tests.support.repo import REPO
 from tests.support.run_config import E2E_MAX_STALENESS as MAX_STALENESS
@@ -154,6 +156,12 @@ def test_interrupted_run_resumes_without_loss_or_repeat(tiny_setup):
     assert versions == sorted(versions), versions
     log = (run_dir / "logs" / "learner.log").read_text()
     assert "resumed at step" in log
+    # Each save is logged with its time and carried by the next step's record (saves at 6, 9,
+    # ..., 21 of the resumed learner; the last, at 24, in the log only).
+    assert re.search(rf"checkpoint \S+/step_{total} written in [0-9.]+ s", log), log[-2000:]
+    saved_after = [r["step"] - 1 for r in learner if M.CHECKPOINT_S in r]
+    assert set(range(6, total, 3)) <= set(saved_after), saved_after
+    assert all(r[M.CHECKPOINT_S] > 0 for r in learner if M.CHECKPOINT_S in r)
     final = json.loads((run_dir / "buffer_final.json").read_text())
     # Every batch up to the last checkpoint committed once; what was trained after it came back.
     assert final["counts"]["committed_trajectories"] >= (total - 3) * 8

@@ -169,8 +169,9 @@ class _Rank0:
                 ),
             )
         self.metrics: MetricsLogger | None = None
-        self.first_record: dict[str, Any] = {}
-        """Start-up facts logged with the first step's record."""
+        self.next_record: dict[str, Any] = {}
+        """Facts logged with the next step's record: start-up facts with the first, a
+        checkpoint's save time with the step after it."""
         self.run_dir = run_dir
         self.eval_pending: int | None = None
         """The version whose pinned evaluation was requested and not yet waited for."""
@@ -259,8 +260,8 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
         learner.line = Line.parse(breaks)
         if version != learner.version:
             if rank0 is not None:  # reported with the first step's record
-                rank0.first_record[M.VERSION_FRESH] = float(version)
-                rank0.first_record[M.VERSION_RESUMED_FROM] = float(learner.version)
+                rank0.next_record[M.VERSION_FRESH] = float(version)
+                rank0.next_record[M.VERSION_RESUMED_FROM] = float(learner.version)
             learner.version = version
         if rank0 is not None:
             # The version and line before any push: groups with superseded tokens are dropped
@@ -505,7 +506,7 @@ def _train(
             record = {
                 **info,
                 **_buffer_drop_metrics(rank0.consumer.stats()),
-                **rank0.first_record,
+                **rank0.next_record,
                 **holds,
                 **{k: v for k, v in m.items() if isinstance(v, int | float)},
                 M.VERSION: learner.version,
@@ -518,7 +519,7 @@ def _train(
                 **(rank0.pusher.metrics() if rank0.pusher is not None else {}),
                 M.STEP_SECONDS: step_s,
             }
-            rank0.first_record = {}
+            rank0.next_record = {}
             if rank0.metrics is not None:
                 rank0.metrics.log(learner.step, record)
             log.info(
@@ -541,11 +542,16 @@ def _train(
             # Every batch delivered so far is trained on: the cursor is exactly this step's.
             cursor = rank0.consumer.cursor() if rank0 is not None else 0
             n_hf = lc.save_hf_interval
-            learner.save_checkpoint(
+            t_save = time.perf_counter()
+            path = learner.save_checkpoint(
                 save_dir / f"step_{learner.step}",
                 extra={"buffer_cursor": cursor, "lineage": learner.line.to_list()},
                 hf=bool(n_hf) and (last or learner.step % n_hf == 0),
             )
+            save_s = time.perf_counter() - t_save
+            if rank0 is not None:
+                log.info("checkpoint %s written in %.2f s", path, save_s)
+                rank0.next_record[M.CHECKPOINT_S] = save_s  # the save follows this step's record
         if rank0 is not None and (checkpoint or not lc.save_interval):
             # Commit what a checkpoint now holds; without mid-run checkpoints commit at once
             # (a crash would restart from scratch anyway).

@@ -208,7 +208,7 @@ def test_fixed_lag_holds_every_push_the_last_one_too_until_the_served_versions_g
     class Rank0:
         consumer = buffer
         pusher = eval_pending = run_dir = None
-        first_record: dict = {}
+        next_record: dict = {}
         metrics = type("Metrics", (), {"log": lambda self, step, r: records.append(r)})()
 
         def poll_batch(self):
