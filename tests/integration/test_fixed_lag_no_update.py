@@ -8,6 +8,8 @@ rewards were all 0). `buffer.fixed_lag_timeout_s` bounds that wait now; the run 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from slime_async.metrics import names as M
@@ -45,3 +47,8 @@ def test_batches_without_an_update_still_make_the_versions_fixed_lag_waits_for(t
     assert lags == [(min(s, LAG), min(s, LAG)) for s in range(STEPS)]
     log = (root / "run" / "logs" / "learner.log").read_text()
     assert "one version a batch: buffer.fixed_lag" in log
+    # save_interval = 0 (the default): the run's one checkpoint is its last, logged with its time;
+    # no step follows it, so no record carries learner/checkpoint_s.
+    assert re.search(rf"checkpoint \S+/step_{STEPS} written in [0-9.]+ s", log), log[-2000:]
+    assert log.count(" written in ") == 1
+    assert not any(M.CHECKPOINT_S in r for r in learner)
