@@ -700,6 +700,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> None:
             "logprob_kernel": learner.logprob_kernel,
             "recompute": args.recompute,
             "layer_ops": "compiled" if learner.compiled_ops else "eager",
+            "swiglu_kernel": learner.swiglu_kernel,
             "cuda_graphs": learner.cuda_graphs,
         }
         local_params = sum(p.numel() for p in learner.model.parameters())

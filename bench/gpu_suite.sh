@@ -22,7 +22,8 @@
 #          its own, alternating for LEARNER_AB_ROUNDS rounds (default 3)
 #   learner the learner on one GPU: its -m gpu tests (megatron optimizer vs MasterAdamW, packed
 #          vs padded, recomputation, export after DistributedOptimizer steps, resume, the
-#          Triton log-prob kernels), then bench_learner.py --full (0.51B Qwen3 shape, 8 x 1,024
+#          Triton log-prob and SwiGLU kernels), bench_swiglu.py (the SwiGLU kernels against
+#          megatron's fusion), then bench_learner.py --full (0.51B Qwen3 shape, 8 x 1,024
 #          vs HF; RL lengths auto / packed / padded; plain megatron-core step; recomputation;
 #          the options without fast paths; LEARNER_BENCH_ARGS may add --variants and --profile "$OUT")
 #   onegpu the quickstart (4 steps) on one GPU: engine on the CPU, engine on the learner's GPU
@@ -227,6 +228,9 @@ for part in $SUITE; do
       # the compiled-vs-eager runs) on an H100.
       timeout "${LEARNER_TEST_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/gpu/test_learner_gpu.py 2>&1 | tee "$OUT/learner_tests.log" | tail -25
+      echo "== the SwiGLU kernels against megatron's fusion (8,192 tokens, F 3,072 and 9,728)"
+      timeout "${SWIGLU_S:-120}" python3 bench/bench_swiglu.py --hbm-tbps "${HBM_TBPS:-4.8}" \
+        2>&1 | grep -v -i warn | tee "$OUT/bench_swiglu.log" | tail -15
       echo "== learner benchmark"
       # shellcheck disable=SC2086
       timeout "${LEARNER_BENCH_S:-200}" python3 bench/bench_learner.py \

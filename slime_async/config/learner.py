@@ -122,10 +122,19 @@ class LearnerConfig(Section):
     "torch" the exact elementwise torch ops (fp32 on the CPU), "auto": "triton" on a GPU where
     Triton imports, else "torch"."""
     torch_compile: Literal["auto", "off"] = "auto"
-    """The layers' pointwise ops as torch.compile'd kernels, forward and backward: RMSNorm and
-    RoPE (`models/fused_ops.py`), and megatron's own SwiGLU fusion. "auto": on a GPU, after a
-    check at start that they run and match eager torch (logged and eager if not); the CPU runs
-    eager. "off": eager everywhere. Compiling takes some seconds at the first steps."""
+    """The layers' pointwise ops as fused kernels, forward and backward: RMSNorm and RoPE
+    torch.compile'd (`models/fused_ops.py`), and megatron's SwiGLU fusion (its function as
+    `swiglu_kernel` says). "auto": on a GPU, after a check at start that they run and match
+    eager torch (logged and eager if not); the CPU runs eager. "off": eager everywhere.
+    Compiling takes some seconds at the first steps."""
+    swiglu_kernel: Literal["auto", "triton", "megatron"] = "auto"
+    """With the compiled layer ops, the MLP's SwiGLU forward and backward: "triton" two
+    hand-written kernels that read and write each byte once (`models/swiglu_triton.py`),
+    "megatron" megatron's own fusion, torch.compile'd by megatron (its backward kernel takes 5-7x
+    its bytes' time). "auto": "triton" where the compiled ops are on (a GPU with Triton,
+    `torch_compile` "auto") and the kernels pass their check at start, megatron's fusion where
+    they fail it (logged). "triton" is refused at start where it cannot run (the CPU, no Triton,
+    `torch_compile` "off", a failed check). Without the compiled ops the SwiGLU runs eagerly."""
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """Training micro-batches' model forward and backward as CUDA graphs, one pair per
     micro-batch shape (rows padded to a multiple of 64 tokens; `actors/learner/graphs.py`): the

@@ -1,4 +1,4 @@
-"""The learner's pointwise layer ops as torch.compile'd (Triton) kernels on a GPU: RMSNorm and RoPE.
+"""The learner's pointwise layer ops as Triton kernels on a GPU: RMSNorm, RoPE and SwiGLU.
 
 Megatron's local layer spec (no Transformer Engine, no Apex) runs these eagerly: torch's fused
 RMSNorm forward is one kernel, but its backward reduces the weight's gradient with a generic
@@ -6,8 +6,9 @@ kernel that is slow for the q/k norms' 128-wide weights over every token and hea
 a 110 ms step at the 0.51B Qwen3 shape, 8 x 1,024 tokens, on an H100), and RoPE is a chunk, a
 negation, a concatenation, two products and a sum each way (about 10 ms). Compiled, each is one
 kernel forward and one or two backward, computed in fp32 and rounded once. With them the layers
-use megatron's own SwiGLU fusion (`bias_activation_fusion`, which megatron compiles with
-torch.compile), checked here too.
+use megatron's SwiGLU fusion (`bias_activation_fusion`), whose function is replaced by the
+hand-written kernels of `swiglu_triton.py` (megatron's own, which megatron compiles with
+torch.compile, spends 5-7x its bytes' time in the backward pass), checked here too.
 
 - `rms_norm(x, weight, eps)`: torch's RMSNorm (`torch.nn.functional.rms_norm`): x in fp32 times
   rsqrt(mean(x^2) + eps), times the weight in fp32, rounded to x's dtype.
@@ -19,10 +20,12 @@ torch.compile), checked here too.
 `compiled()` gives both compiled (`torch.compile`, automatic dynamic shapes: the token count
 varies from one micro-batch to the next) after a check on the device that each runs forward and
 backward and matches the eager function; None with the reason logged when it does not (the
-layers then stay eager). `fallbacks()` counts the functions dynamo has since given up recompiling
-(past its recompile limit they run eagerly). `install_rope(fn)` makes megatron's RoPE call `fn` (None: megatron's
-own again): its layers call the module-level function by name. The CPU always runs eager (tests compare these functions with
-megatron's and torch's own there).
+layers then stay eager). Its `swiglu` is the Triton SwiGLU where it passes the same check (None,
+logged, where not: megatron's compiled fusion then, itself checked). `fallbacks()` counts the
+functions dynamo has since given up recompiling (past its recompile limit they run eagerly).
+`install_rope(fn)` makes megatron's RoPE call `fn`, `install_swiglu(fn)` its MLP's SwiGLU fusion
+(None: megatron's own again): its layers call the module-level functions by name. The CPU always
+runs eager (tests compare these functions with megatron's and torch's own there).
 """
 
 from __future__ import annotations
@@ -118,17 +121,20 @@ def watch_fallbacks() -> None:
 class Compiled(NamedTuple):
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     rope: Callable[..., torch.Tensor]
+    swiglu: Callable[..., torch.Tensor] | None
+    """`swiglu_triton.megatron_swiglu` where it passed its check on the device, else None
+    (megatron's compiled fusion)."""
 
 
 @functools.cache
 def compiled(device_index: int = 0) -> Compiled | None:
-    """Both ops compiled and checked on CUDA device `device_index`; None (logged) if not usable."""
+    """The ops compiled and checked on CUDA device `device_index`; None (logged) if not usable."""
     try:
         # dynamic: the token count changes between micro-batches and the heads between q and
         # k; what stays specialised (a batch of 1 for packed rows, grad mode, dtype) gives a few
         # graphs per function, under dynamo's recompile limit (past it dynamo runs them eagerly
         # and says so).
-        ops = Compiled(torch.compile(rms_norm, dynamic=True), torch.compile(rope, dynamic=True))
+        norm, rope_fn = torch.compile(rms_norm, dynamic=True), torch.compile(rope, dynamic=True)
         dev = torch.device("cuda", device_index)
         gen = torch.Generator(device=dev).manual_seed(0)
 
@@ -139,8 +145,8 @@ def compiled(device_index: int = 0) -> Compiled | None:
         freqs = torch.rand(5, 1, 1, 32, device=dev, generator=gen) * 6.0
         q = randn(5, 2, 4, 64)
         for name, fn, ref, args in (
-            ("rms_norm", ops.rms_norm, rms_norm, (x, w, 1e-6)),
-            ("rope", ops.rope, rope, (q, freqs)),
+            ("rms_norm", norm, rms_norm, (x, w, 1e-6)),
+            ("rope", rope_fn, rope, (q, freqs)),
         ):
             out, want = fn(*args), ref(*args)
             inputs = [a for a in args[:2] if a.requires_grad]  # x and w; q (freqs: none)
@@ -156,6 +162,8 @@ def compiled(device_index: int = 0) -> Compiled | None:
             if not err < 0.1:
                 raise RuntimeError(f"compiled {name} differs from eager by {err:.3g}")
         _check_megatron_swiglu(randn(5, 2, 128))
+        # A half width that no block divides: the tiles' masked edges run too.
+        ops = Compiled(norm, rope_fn, _checked_triton_swiglu(randn(5, 3, 2 * 200)))
         watch_fallbacks()
     except Exception as e:  # any failure: eager layers, said once
         log.warning(
@@ -180,6 +188,46 @@ def _check_megatron_swiglu(y: torch.Tensor) -> None:
     err = float((out.float() - want.float()).abs().max())
     if not err < 0.1 or y.grad is None:
         raise RuntimeError(f"megatron's fused SwiGLU differs from silu(a) * b by {err:.3g}")
+
+
+def _checked_triton_swiglu(y: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """`swiglu_triton.megatron_swiglu` if its kernels run forward and backward on y's device and
+    give silu(a) * b and its gradient (eager torch autograd); None, logged, if not."""
+    from slime_async.models import swiglu_triton
+
+    try:
+        if not swiglu_triton.available(y.device):
+            raise RuntimeError("Triton does not import")
+        out = swiglu_triton.megatron_swiglu(y, None)
+        a, b = torch.chunk(y, 2, dim=-1)
+        want = torch.nn.functional.silu(a.float()) * b.float()
+        (grad,) = torch.autograd.grad(out.float().square().sum(), y)
+        (grad_want,) = torch.autograd.grad(want.square().sum(), y)
+        err = max(
+            float((out.detach().float() - want.detach()).abs().max()),
+            float((grad.float() - grad_want).abs().max() / (grad_want.abs().max() + 1)),
+        )
+        if not err < 0.1:
+            raise RuntimeError(f"it differs from eager torch by {err:.3g}")
+    except Exception as e:  # megatron's compiled fusion instead, said once
+        log.warning(
+            "learner.swiglu_kernel: the Triton SwiGLU is not usable here, the layers run "
+            "megatron's compiled SwiGLU fusion (%s: %s)",
+            type(e).__name__,
+            e,
+        )
+        return None
+    return swiglu_triton.megatron_swiglu
+
+
+def install_swiglu(fn: Callable[..., torch.Tensor] | None) -> None:
+    """megatron's MLP applies its SwiGLU fusion (`bias_activation_fusion`) through `fn`, with
+    the signature of megatron's `bias_swiglu_impl`, or through megatron's own function again
+    with None (process-wide: the MLP calls the name `bias_swiglu_impl` of its module)."""
+    from megatron.core.transformer import mlp
+
+    original = mlp.__dict__.setdefault("_slime_async_original_swiglu", mlp.bias_swiglu_impl)
+    mlp.bias_swiglu_impl = original if fn is None else fn
 
 
 def install_rope(fn: Callable[..., torch.Tensor] | None) -> None:

@@ -43,6 +43,7 @@ def build_gpt_model(
     moe_z_loss_coeff: float = 0.0,
     compiled_ops: bool | None = None,
     wgrad_fusion: bool = False,
+    triton_swiglu: bool = True,
 ):
     """A GPTModel for `arch` on this rank's TP/EP shard; `init=False` skips random init (to load).
 
@@ -54,10 +55,13 @@ def build_gpt_model(
     DotProductAttention) or "te" (Transformer Engine's); `recompute`: "none", "selective" (core
     attention) or "full" (every layer), megatron's activation recomputation; `compiled_ops`:
     True: RMSNorm, RoPE and SwiGLU as compiled kernels on a GPU (`fused_ops.py`; eager where
-    they do not pass its check, and on the CPU), False: eager (megatron's RoPE again, for the
-    whole process), None: RoPE as the process has it; `wgrad_fusion`: megatron's linear layers
-    add their weight gradients into `main_grad` themselves (`wgrad.py`; only for a model that
-    megatron's DDP wraps before its first backward pass)."""
+    they do not pass its check, and on the CPU), False: eager (megatron's RoPE and SwiGLU
+    fusion again, for the whole process), None: RoPE and SwiGLU as the process has them;
+    `triton_swiglu`, with the compiled ops: the SwiGLU kernels of `swiglu_triton.py` (megatron's
+    fusion where they did not pass their check), False: megatron's compiled fusion (process-wide
+    as RoPE); `wgrad_fusion`: megatron's linear layers add their weight gradients into
+    `main_grad` themselves (`wgrad.py`; only for a model that megatron's DDP wraps before its
+    first backward pass)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -109,6 +113,7 @@ def build_gpt_model(
         if compiled_ops and not on_cpu and torch.cuda.is_available():
             ops = fused_ops.compiled(torch.cuda.current_device())
         fused_ops.install_rope(ops.rope if ops is not None else None)
+        fused_ops.install_swiglu(ops.swiglu if ops is not None and triton_swiglu else None)
     if wgrad_fusion:
         from slime_async.models import wgrad
 
@@ -130,7 +135,8 @@ def build_gpt_model(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # Every fusion off (they need CUDA kernels, Apex's or TE's, that the CPU path lacks)
-        # but megatron's SwiGLU, compiled by megatron itself, with the compiled ops, and the
+        # but megatron's SwiGLU with the compiled ops (the function `fused_ops.install_swiglu`
+        # put in its MLP: the Triton kernels, or megatron's own, compiled by megatron), and the
         # weight gradients' accumulation through torch's own matmul (`wgrad.py`).
         bias_activation_fusion=ops is not None,
         bias_dropout_fusion=False,

@@ -219,6 +219,50 @@ def test_megatron_optimizer_checkpoint_resumes_the_loss_sequence(sharp_dir, tmp_
     assert resumed == pytest.approx(full[0][2:], rel=1e-5)
 
 
+def test_triton_swiglu_equals_megatrons_compiled_fusion_on_the_gpu():
+    """The SwiGLU kernels (`swiglu_triton.py`) against megatron's `bias_swiglu_impl` (compiled
+    by megatron) at the 0.51B shape's [s, b, 2F] = [1024, 2, 2 x 3072] in bf16, forward and
+    backward: both compute in fp32 and round once, so they differ by at most one bf16 step
+    (exp's rounding on each side); each within one step of fp32 autograd too."""
+    from slime_async import megatron_compat
+    from slime_async.models import swiglu_triton
+
+    megatron_compat.apply()
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    y0 = (2 * torch.randn(1024, 2, 2 * 3072, generator=gen, device="cuda")).bfloat16()
+    up = torch.randn(1024, 2, 3072, generator=gen, device="cuda").bfloat16()
+    results = []
+    for fn in (bias_swiglu_impl, swiglu_triton.megatron_swiglu):
+        y = y0.clone().requires_grad_()
+        out = fn(y, None)
+        out.backward(up)
+        results.append((out, y.grad))
+    y32 = y0.float().requires_grad_()
+    a, b = torch.chunk(y32, 2, dim=-1)
+    want = torch.nn.functional.silu(a) * b
+    want.backward(up.float())
+    tol = dict(rtol=2**-7, atol=1e-5)
+    (m_out, m_grad), (t_out, t_grad) = results
+    assert t_out.dtype == t_grad.dtype == torch.bfloat16 and t_out.shape == (1024, 2, 3072)
+    torch.testing.assert_close(t_out, m_out, **tol)
+    torch.testing.assert_close(t_grad, m_grad, **tol)
+    torch.testing.assert_close(t_out.float(), want, **tol)
+    torch.testing.assert_close(t_grad.float(), y32.grad, **tol)
+
+
+def test_triton_and_megatron_swiglu_train_alike(sharp_dir):
+    """The learner with the Triton SwiGLU and with megatron's fusion (CUDA graphs on, as by
+    default): the same losses and log-probs over 4 clipped steps (fp32, TF32 off: relative
+    1e-5)."""
+    runs = {k: _run(sharp_dir, swiglu_kernel=k, dtype="float32") for k in ("megatron", "triton")}
+    assert [runs[k][3].swiglu_kernel for k in runs] == ["megatron", "triton"]
+    assert runs["triton"][0] == pytest.approx(runs["megatron"][0], rel=1e-5)
+    for a, b in zip(runs["triton"][2], runs["megatron"][2], strict=True):
+        assert (a - b).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_triton_logprob_kernels_equal_the_torch_chunks_on_the_gpu(dtype):
     """The fused kernels (`logprobs_triton.py`) against the torch path on CUDA: log-probs,

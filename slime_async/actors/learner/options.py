@@ -10,7 +10,9 @@
   quadratic attention of the row's whole length);
 - optimizer "auto": megatron-core's DDP + DistributedOptimizer on a GPU, `MasterAdamW` on the CPU.
 `resolve_logprob_kernel(cfg, on_cpu)`: "auto" is the fused Triton kernel on a GPU where Triton
-imports, else the torch ops. Every refusal names the keys.
+imports, else the torch ops. `resolve_swiglu_kernel(cfg, on_cpu, ops)`: the MLP's SwiGLU, "auto"
+the Triton kernels where the compiled layer ops are on and they passed their check, else
+megatron's fusion, eager without the compiled ops. Every refusal names the keys.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import torch
 
 from slime_async.config.learner import LearnerConfig
+from slime_async.models import fused_ops
 from slime_async.models.arch import ModelArch
 from slime_async.models.attention import transformer_engine_available, varlen_works
 
@@ -103,6 +106,30 @@ def resolve_logprob_kernel(cfg: LearnerConfig, on_cpu: bool) -> str:
         log.warning("learner: log-probs through torch ops, not Triton (%s)", e)
         return "torch"
     return "triton"
+
+
+def resolve_swiglu_kernel(cfg: LearnerConfig, on_cpu: bool, ops: fused_ops.Compiled | None) -> str:
+    """What runs the MLP's SwiGLU under `learner.swiglu_kernel`, given the compiled layer ops in
+    use (`fused_ops.compiled()`, None where the layers run eagerly): "triton", "megatron" (its
+    compiled fusion) or "eager" (no compiled ops)."""
+    kernel = cfg.swiglu_kernel
+    if kernel == "triton":
+        why = (
+            "a GPU (the CPU runs the layers eagerly)"
+            if on_cpu
+            else 'the compiled layer ops (learner.torch_compile = "auto")'
+            if cfg.torch_compile == "off"
+            else "the compiled layer ops, which failed their check at start (logged)"
+            if ops is None
+            else "its kernels, which failed their check at start (logged)"
+            if ops.swiglu is None
+            else None
+        )
+        if why is not None:
+            raise ValueError(f'learner.swiglu_kernel = "triton" needs {why}; use "auto"')
+    if ops is None:
+        return "eager"
+    return "triton" if kernel != "megatron" and ops.swiglu is not None else "megatron"
 
 
 def resolve_cuda_graphs(

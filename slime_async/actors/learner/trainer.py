@@ -50,6 +50,7 @@ from slime_async.actors.learner.options import (
     resolve_cuda_graphs,
     resolve_logprob_kernel,
     resolve_speed_options,
+    resolve_swiglu_kernel,
 )
 from slime_async.actors.learner.parallel import ParallelLayout
 from slime_async.actors.learner.ppo_step import PPOStep, interpolated_prox_logp
@@ -191,11 +192,13 @@ class Learner:
             "attention": self.attention,
         }
         # The compiled layer ops where asked for and usable here (their check runs once).
-        self.compiled_ops = (
-            cfg.torch_compile == "auto"
-            and not on_cpu
-            and fused_ops.compiled(torch.cuda.current_device()) is not None
+        ops = (
+            fused_ops.compiled(torch.cuda.current_device())
+            if cfg.torch_compile == "auto" and not on_cpu
+            else None
         )
+        self.compiled_ops = ops is not None
+        self.swiglu_kernel = resolve_swiglu_kernel(cfg, on_cpu, ops)
         # The policy and (below) the reference model: one architecture, the same layer ops.
         build = functools.partial(
             build_gpt_model,
@@ -204,6 +207,7 @@ class Learner:
             init=False,
             on_cpu=on_cpu,
             compiled_ops=self.compiled_ops,
+            triton_swiglu=self.swiglu_kernel == "triton",
             **moe,
         )
         # Under megatron's DDP the layers add their weight gradients into its fp32 buffers.
@@ -245,7 +249,7 @@ class Learner:
                 optimizer_kind,
                 cfg.recompute,
                 self.logprob_kernel,
-                "compiled" if self.compiled_ops else "eager",
+                f"compiled (SwiGLU {self.swiglu_kernel})" if self.compiled_ops else "eager",
                 "on" if self.cuda_graphs else "off",
             )
         self.ref_model = None

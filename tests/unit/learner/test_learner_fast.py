@@ -202,6 +202,7 @@ def test_packing_and_sdpa_equal_padded_megatron_attention(qwen3_dir):
         (dict(attention="te"), "Transformer Engine does not import"),
         (dict(overlap_grad_reduce=True), "learner.overlap_grad_reduce is set"),
         (dict(logprob_kernel="triton"), 'learner.logprob_kernel = "triton" needs a GPU'),
+        (dict(swiglu_kernel="triton"), 'learner.swiglu_kernel = "triton" needs a GPU'),
         (dict(cuda_graphs="on"), 'learner.cuda_graphs = "on" is not possible with the CPU'),
     ],
 )
@@ -258,6 +259,43 @@ def test_cuda_graphs_resolve_where_their_capture_holds(
         with pytest.raises(ValueError, match=re.escape(why)):
             resolve(learner_cfg(str(qwen3_dir), cuda_graphs="on", **changes))
     assert resolve(learner_cfg(str(qwen3_dir), cuda_graphs="off", **changes)) is False
+
+
+@pytest.mark.parametrize(
+    "kernel, compile, ops, want",
+    [
+        ("auto", "auto", "triton", "triton"),
+        ("auto", "auto", "failed", "megatron"),
+        ("auto", "auto", None, "eager"),
+        ("auto", "off", None, "eager"),
+        ("megatron", "auto", "triton", "megatron"),
+        ("megatron", "off", None, "eager"),
+        ("triton", "auto", "triton", "triton"),
+        ("triton", "auto", "failed", "its kernels, which failed their check"),
+        ("triton", "auto", None, "the compiled layer ops, which failed their check"),
+        ("triton", "off", None, 'learner.torch_compile = "auto"'),
+    ],
+)
+def test_swiglu_kernel_resolves_from_the_compiled_ops_in_use(kernel, compile, ops, want):
+    """`learner.swiglu_kernel` on a GPU (resolved without one: the rule reads the config and the
+    compiled ops, `fused_ops.Compiled` with its `swiglu` None where the Triton kernels failed
+    their check): "auto" takes the Triton kernels where they passed, megatron's fusion where they
+    did not, eager layers without compiled ops; "triton" is refused, naming the key and why,
+    where it cannot run."""
+    from types import SimpleNamespace
+
+    from slime_async.actors.learner.options import resolve_swiglu_kernel
+    from slime_async.models.swiglu_triton import megatron_swiglu
+
+    checked = megatron_swiglu if ops == "triton" else None
+    compiled = None if ops is None else SimpleNamespace(swiglu=checked)
+    cfg = learner_cfg(swiglu_kernel=kernel, torch_compile=compile)
+    if want in ("triton", "megatron", "eager"):
+        assert resolve_swiglu_kernel(cfg, False, compiled) == want
+    else:
+        with pytest.raises(ValueError, match=re.escape(want)) as refused:
+            resolve_swiglu_kernel(cfg, False, compiled)
+        assert str(refused.value).startswith('learner.swiglu_kernel = "triton" needs')
 
 
 def test_cuda_graphs_count_every_eager_micro_batch_and_survive_a_failed_capture(caplog):
