@@ -5,11 +5,12 @@ unfiltered picks as the Triton kernels of pick_kernels.py over the graph's bf16 
 same picks torch.compile'd for comparison), each beside the memory-bandwidth floor of reading
 the step's float32 logits once. `--temperature 0` times the greedy draw. With `--top-p` < 1 the
 unseeded eager rows sort every row while the kernels search for each row's threshold
-(pick_kernels.filtered_pick); that search alone is timed at each of `--pivots` keys a pass.
+(pick_kernels.filtered_pick); that search alone is timed at each of `--pivots` keys a pass, for
+top-p and for top-k 50 with top-p (two searches).
 
     python bench/bench_sampling.py --device cuda                     # 256 rows, vocab 64 and 151,936
     python bench/bench_sampling.py --device cpu --rows 64 --vocab 64,32000 --reps 3
-    python bench/bench_sampling.py --device cuda --vocab 151936 --top-p 0.95 --pivots 4,8,16,32
+    python bench/bench_sampling.py --device cuda --vocab 151936 --top-p 0.95 --pivots 8,16,32
 
 Median over `--reps` timed draws after two warm-ups (compiling included in the warm-ups), with
 [min, max]; `--hbm-tbps` (default 4.8, an H200) sets the floor. The draws of each variant are
@@ -20,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from timing import spread_ms, timed
 
 from slime_async.actors.engine.embedded import pick_kernels
 from slime_async.actors.engine.embedded.sampling import (
@@ -33,21 +34,6 @@ from slime_async.actors.engine.embedded.sampling import (
     temperature_pick,
     thresholds_hold,
 )
-
-
-def _timed(fn, reps: int, cuda: bool) -> list[float]:
-    for _ in range(2):
-        fn()
-    out = []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def _rows(vocab: int, n: int, dev: torch.device, args, compiled) -> list[str]:
@@ -87,23 +73,26 @@ def _rows(vocab: int, n: int, dev: torch.device, args, compiled) -> list[str]:
             k_dev = torch.full((n,), vocab, device=dev)
             p_dev = torch.full((n,), args.top_p, device=dev)
             x = half.float() * inv_t[:, None]
+            k50 = torch.full((n,), min(50, vocab), device=dev)
             for piv in (int(v) for v in args.pivots.split(",")):
-                thr = pick_kernels.thresholds(half, inv_t, k_dev, p_dev, pivots=piv)
-                if not thresholds_hold(x, thr, k_dev, p_dev).all():
-                    raise SystemExit(f"vocab {vocab}: the thresholds at {piv} pivots are wrong")
-                variants[f"top-p thresholds alone, {piv} pivots a pass"] = lambda piv=piv: (
-                    pick_kernels.thresholds(half, inv_t, k_dev, p_dev, pivots=piv)
-                )
+                passes = pick_kernels.search_passes(piv, 16)
+                for name, k, both in (("top-p", k_dev, False), ("top-k 50 + top-p", k50, True)):
+                    thr = pick_kernels.thresholds(half, inv_t, k, p_dev, piv, two_stage=both)
+                    if not thresholds_hold(x, thr, k, p_dev).all():
+                        raise SystemExit(f"vocab {vocab}: {name} thresholds at {piv} pivots wrong")
+                    variants[
+                        f"{name} thresholds alone, {piv} pivots a pass "
+                        f"({passes * (1 + both)} passes)"
+                    ] = lambda piv=piv, k=k, both=both: pick_kernels.thresholds(
+                        half, inv_t, k, p_dev, piv, two_stage=both
+                    )
     floor_ms = n * vocab * 4 / (args.hbm_tbps * 1e12) * 1e3
     rows, base = [], None
     for name, fn in variants.items():
-        ts = _timed(fn, args.reps, cuda)
+        ts = timed(fn, args.reps, cuda)
         med = statistics.median(ts)
         base = base or med
-        rows.append(
-            f"| {vocab} | {name} | {med * 1e3:.3f} [{min(ts) * 1e3:.3f}, {max(ts) * 1e3:.3f}] "
-            f"| {med / base:.2f}x | {floor_ms:.4f} |"
-        )
+        rows.append(f"| {vocab} | {name} | {spread_ms(ts)} | {med / base:.2f}x | {floor_ms:.4f} |")
     return rows
 
 
@@ -118,7 +107,7 @@ def main() -> int:
     ap.add_argument("--hbm-tbps", type=float, default=4.8)
     ap.add_argument(
         "--pivots",
-        default="4,8,16",
+        default="8,16,32",
         help="with --top-p < 1 on a GPU: pivot counts (powers of 2) of the top-p threshold "
         "kernel to time alone (the engine uses pick_kernels.PIVOTS)",
     )

@@ -62,16 +62,19 @@ def test_a_seeded_generator_gives_the_same_draws_and_another_seed_others():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-def test_thresholds_are_the_sorts_across_blocks_ties_bans_and_temperatures():
-    vocab = 2 * pick_kernels.BLOCK + 37  # three blocks, the last one short
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_thresholds_are_the_sorts_across_splits_ties_bans_and_temperatures(dtype):
+    vocab = 2 * pick_kernels.SPLIT + 37  # three splits, the last one short
     g = torch.Generator().manual_seed(4)
-    logits = (torch.randn(10, vocab, generator=g) * 3).bfloat16()  # bf16: ties
+    logits = (torch.randn(12, vocab, generator=g) * 3).to(dtype)  # bf16/fp16: ties
     logits[2, :300] = logits[2, 5]  # a tie group across the top-p boundary
     logits[3, 100:] = float("-inf")  # a banned tail: top-p within the first 100 tokens
     logits[4] = -logits[4].abs()  # all negative: keys of one sign
-    top_k = torch.tensor([vocab, 10, vocab, 40, vocab, 1, 700, vocab, 3, vocab])
-    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.7, 1.0, 0.99, 1.0, 0.2, 0.001])
-    temp = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 1.0, 0.5, 1.0, 2.0, 1.0])
+    logits[10, 3 * vocab // 4 :] = float("-inf")  # banned splits beside top-k and top-p
+    logits[11, 1] = 1e-30 if dtype != torch.float16 else 1e-7  # a tiny (subnormal in fp16) peak
+    top_k = torch.tensor([vocab, 10, vocab, 40, vocab, 1, 700, vocab, 3, vocab, 5000, vocab])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.7, 1.0, 0.99, 1.0, 0.2, 0.001, 0.9, 0.6])
+    temp = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 1.0, 0.5, 1.0, 2.0, 1.0, 0.9, 1.0])
     inv_t = temp.reciprocal()
     got = pick_kernels.thresholds(logits, inv_t, top_k, top_p)
     want = filter_thresholds(logits.float() * inv_t[:, None], top_k, top_p)
@@ -79,12 +82,22 @@ def test_thresholds_are_the_sorts_across_blocks_ties_bans_and_temperatures():
     fewer = pick_kernels.thresholds(logits, inv_t, top_k, top_p, pivots=2)  # more, finer passes
     assert fewer.tolist() == want.tolist()
     assert got[7].item() == float("-inf")
+    one_stage = torch.arange(12) % 2 == 0  # no row with both filters: the host says so
+    k1, p1 = top_k.where(~one_stage | (top_p >= 1), vocab), top_p.where(one_stage, 1.0)
+    got = pick_kernels.thresholds(logits, inv_t, k1, p1, two_stage=False)
+    assert got.tolist() == filter_thresholds(logits.float() * inv_t[:, None], k1, p1).tolist()
 
 
+def test_search_passes_narrow_any_interval_to_one_key():
+    assert [pick_kernels.search_passes(16, b) for b in (16, 19, 32)] == [4, 5, 8]
+    assert pick_kernels.search_passes(8, 16) == 6 and pick_kernels.search_passes(2, 1) == 1
+
+
+@pytest.mark.timeout(600)  # the interpreter runs every program of some 17 kernels one by one
 def test_filtered_draws_stay_in_the_nucleus_and_match_the_eager_distribution():
     n = 1200  # the interpreter runs one program a row, one at a time
     row = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0, float("-inf"), 2.5])
-    logits = row.expand(n, -1).contiguous()
+    logits = row.bfloat16().expand(n, -1).contiguous()  # exact; bf16: 6 passes a search
     temp = torch.full((n,), 1.0)
     greedy = torch.zeros(n, dtype=torch.bool)
     greedy[::6] = True
@@ -103,7 +116,7 @@ def test_filtered_draws_stay_in_the_nucleus_and_match_the_eager_distribution():
         freq = torch.bincount(drawn, minlength=8).float() / drawn.numel()
         assert (freq[row < thr] == 0).all()
         assert torch.allclose(freq, want, atol=4 * (want * (1 - want) / drawn.numel()).sqrt().max())
-    ref = torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0]
+    ref = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]
     torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
     eager, _ = filtered_pick(logits[:4], temp[:4], greedy[:4], k[:4], p[:4], None)
     assert eager[0].item() == 0

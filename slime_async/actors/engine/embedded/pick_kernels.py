@@ -10,23 +10,30 @@ step at once (no top-k/top-p, no seed):
 - `_pick_rows`, program (row): the chunks combined: logsumexp, the greedy token (the first
   maximum, as torch.argmax), the drawn token (Gumbel-max: argmax of x + g, a draw from
   softmax(x)), and the token's log-prob x[token] - logsumexp.
-- `_thresholds`, program (row), for top-k/top-p (`filtered_pick`): the lowest kept value of x,
-  `sampling.filter_thresholds` without a sort. x's fp32 bits map to integer keys in the same
-  order; a search over the keys tests NP pivots a pass (tokens at or above each pivot: their
-  count for top-k, their mass exp(x - max) for top-p) and keeps the interval between the last
-  pivot that holds k tokens / top_p of the mass and the first that does not, so ~8 passes over
-  the row find the exact boundary value among 2^32 keys. The first kernel then races only the
-  tokens with x >= that value.
+- `thresholds`, for top-k/top-p (`filtered_pick`): the lowest kept value of x,
+  `sampling.filter_thresholds` without a sort. The logits' fp32 bits map to integer keys in the
+  same order (bf16's 2^16 values: 16-bit keys; x = logits / T keeps their order). A search over
+  a row's keys tests NP pivots a pass (tokens at or above each pivot: their count for top-k,
+  their mass exp(x - max) for top-p) and keeps the interval between the last pivot that holds
+  k tokens / top_p of the mass and the first that does not: 6 passes find the exact boundary
+  among a bf16 row's keys at 8 pivots. Each pass is one kernel of programs (row, SPLIT
+  columns), every program first adding up the row's sums of the previous pass in the same
+  order (so every program narrows the interval alike; no atomics, the same thresholds every
+  run). The first kernel then races only the tokens with x >= that value.
 
 Why: the eager torch version writes the scaled logits, the noise and a log-softmax out in fp32
 and reads them back (a dozen passes over [rows, V]); torch.compile'd with dynamic batch sizes
 it reduced each long row in one program. Here every pass reads the logits (bf16) once. With
-top-p the eager version sorts every row (6.5 ms at 256 x 151,936 on an H100).
+top-p the eager version sorts every row (6.5 ms at 256 x 151,936 on an H100); a search of one
+program a row (all passes in it) took 2.4 ms at 256 x 151,936 on an H200, waiting on its own
+loads with most SMs idle.
 The per-step seed is drawn from the scheduler's device generator (`torch.randint` on the device:
 no host sync), so an engine's draws follow its seed as before.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -40,13 +47,14 @@ CHUNK = 4096
 """Columns of one row per program of the first kernel (37 programs a row at Qwen's 151,936)."""
 
 PIVOTS = 8
-"""Keys the threshold search tests per pass over a row: the interval shrinks 9x a pass (about
-eleven passes). On an H200 at 256 x 151,936, top_p 0.95, 4 and 8 pivots took 2.41 ms a search,
-16 took 3.23 and 32 took 3.43 (`bench_sampling.py --pivots 4,8,16,32`): the compare-adds of a
-pass, not the passes over the row, bound it."""
+"""Keys the threshold search tests per pass over a row: the interval shrinks 9x a pass, so a
+row of bf16 logits (2^16 keys) needs 6 passes, of fp32 logits 11 (`search_passes`). On an H100
+at 256 x 151,936 bf16, top_p 0.95, a search took 1.22 ms at 8 pivots, 1.25 at 16 (4 passes)
+and 3.27 at 32; top-k 50 with top-p (two searches) 1.60 ms at 8 and 1.87 at 16
+(`bench_sampling.py --pivots 8,16,32`): each pivot costs every program a reduction."""
 
-BLOCK = 1024
-"""Columns per iteration of the threshold search (a [PIVOTS, BLOCK] comparison)."""
+SPLIT = 4096
+"""Columns of one row per program of the threshold search's passes."""
 
 
 if triton is not None:
@@ -110,73 +118,167 @@ if triton is not None:
         return b ^ ((b >> 31) & 0x7FFFFFFF)
 
     @triton.jit
-    def _search(LOGITS, base, inv_t, V, lo, hi, m, tk, need, COUNT: tl.constexpr,
-                BLOCK: tl.constexpr, NP: tl.constexpr):  # fmt: skip
-        """The largest key in [lo, hi] whose tokens at or above it (among key >= tk) number at
-        least `need` (COUNT) or hold at least `need` of exp(x - m); lo must qualify, hi + 1 not."""
-        j = tl.arange(0, NP).to(tl.int64)
-        while lo < hi:
-            step = (hi - lo + NP) // (NP + 1)  # >= 1; the last pivot may pass hi (it fails)
-            piv = (lo + step * (j + 1)).to(tl.int32)
-            acc = tl.zeros([NP], dtype=tl.float32)
-            for start in range(0, V, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                valid = cols < V
-                x = tl.load(LOGITS + base + cols, mask=valid, other=float("-inf"))
-                x = x.to(tl.float32) * inv_t
-                key = _key(x)
-                if COUNT:
-                    w = tl.where(valid, 1.0, 0.0)
-                else:
-                    w = tl.where(valid & (key >= tk), tl.exp(x - m), 0.0)
-                acc += tl.sum(tl.where(key[None, :] >= piv[:, None], w[None, :], 0.0), 1)
-            ok = acc >= need
-            piv = piv.to(tl.int64)
-            lo = tl.maximum(lo, tl.max(tl.where(ok, piv, lo), 0))
-            hi = tl.minimum(hi, tl.min(tl.where(ok, hi, piv - 1), 0))
-        return lo
+    def _value(key, SHIFT: tl.constexpr):
+        """The fp32 value of a logit's key (`_key(raw) >> SHIFT`): the dropped low bits were
+        zeros of a positive float's bits, ones of a negative one's key."""
+        k = key.to(tl.int32) << SHIFT
+        if SHIFT > 0:
+            k = k | tl.where(key < 0, (1 << SHIFT) - 1, 0)
+        return _key(k).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _thresholds(
-        LOGITS, stride_l, INV_T, TOP_K, TOP_P, THR, V,
-        BLOCK: tl.constexpr, NP: tl.constexpr,
+    def _columns(LOGITS, stride_l, INV_T, row, s, V, SPLIT: tl.constexpr, SHIFT: tl.constexpr):
+        """One program's columns of a row: valid, x = logits * inv_t (fp32), the logits' keys."""
+        cols = s * SPLIT + tl.arange(0, SPLIT)
+        valid = cols < V
+        raw = tl.load(LOGITS + row.to(tl.int64) * stride_l + cols, mask=valid, other=float("-inf"))
+        raw = raw.to(tl.float32)
+        return valid, raw * tl.load(INV_T + row), _key(raw) >> SHIFT
+
+    @triton.jit
+    def _search_stats(
+        LOGITS, stride_l, INV_T, SM, SZ, SLO, SHI, V, S,
+        SPLIT: tl.constexpr, SHIFT: tl.constexpr,
     ):  # fmt: skip
+        """Program (row, split): the split's max of x, sum of exp(x - that max), key range."""
         row = tl.program_id(0)
-        base = row.to(tl.int64) * stride_l
-        inv_t = tl.load(INV_T + row)
+        s = tl.program_id(1)
+        valid, x, key = _columns(LOGITS, stride_l, INV_T, row, s, V, SPLIT, SHIFT)
+        m = tl.max(x, 0)
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        out = row * S + s
+        tl.store(SM + out, m)
+        tl.store(SZ + out, tl.sum(tl.exp(x - m_ref), 0))
+        tl.store(SLO + out, tl.min(tl.where(valid, key, 2**31 - 1), 0))
+        tl.store(SHI + out, tl.max(tl.where(valid, key, -(2**31)), 0))
+
+    @triton.jit
+    def _search_init(
+        SM, SZ, SLO, SHI, TOP_K, TOP_P, M, NEED, TK, MODE, TOP, LO, HI, V, S,
+        SP: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row): the row's max, mass and key range from its splits; what the search
+        looks for (MODE 1: the k-th largest key, by count; 2: top-p of the whole row, by mass;
+        0: nothing) in [LO, HI] (the lowest key qualifies)."""
+        row = tl.program_id(0)
+        c = tl.arange(0, SP)
+        cm = c < S
+        pm = tl.load(SM + row * S + c, mask=cm, other=float("-inf"))
+        m = tl.max(pm, 0)
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.where(pm == float("-inf"), 0.0, tl.exp(pm - m_ref))
+        z = tl.sum(tl.load(SZ + row * S + c, mask=cm, other=0.0) * w, 0)
+        lo = tl.min(tl.load(SLO + row * S + c, mask=cm, other=2**31 - 1), 0).to(tl.int64)
+        hi = tl.max(tl.load(SHI + row * S + c, mask=cm, other=-(2**31)), 0).to(tl.int64)
         k = tl.load(TOP_K + row)
         p = tl.load(TOP_P + row)
-        thr = tl.full([], float("-inf"), tl.float32)
-        if (k < V) | (p < 1.0):
-            m = tl.full([], float("-inf"), tl.float32)
-            lo = tl.full([], 2**31 - 1, tl.int64)
-            hi = tl.full([], -(2**31), tl.int64)
-            for start in range(0, V, BLOCK):  # the row's max and its keys' range
-                cols = start + tl.arange(0, BLOCK)
-                valid = cols < V
-                x = tl.load(LOGITS + base + cols, mask=valid, other=float("-inf"))
-                x = x.to(tl.float32) * inv_t
-                key = _key(x).to(tl.int64)
-                m = tl.maximum(m, tl.max(x, 0))
-                lo = tl.minimum(lo, tl.min(tl.where(valid, key, 2**31 - 1), 0))
-                hi = tl.maximum(hi, tl.max(tl.where(valid, key, -(2**31)), 0))
-            top = hi
-            if k < V:  # top-k: the k-th largest value's key
-                lo = _search(LOGITS, base, inv_t, V, lo, hi, m, lo, k.to(tl.float32),
-                             True, BLOCK, NP)  # fmt: skip
-            if p < 1.0:  # top-p of the renormalised top-k
-                tk = lo.to(tl.int32)
-                z = tl.zeros([], tl.float32)
-                for start in range(0, V, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    valid = cols < V
-                    x = tl.load(LOGITS + base + cols, mask=valid, other=float("-inf"))
-                    x = x.to(tl.float32) * inv_t
-                    z += tl.sum(tl.where(valid & (_key(x) >= tk), tl.exp(x - m), 0.0), 0)
-                lo = _search(LOGITS, base, inv_t, V, lo, top, m, tk, p * z, False, BLOCK, NP)
-            b = lo.to(tl.int32)
-            thr = (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        tl.store(THR + row, thr)
+        mode = tl.where(k < V, 1, tl.where(p < 1.0, 2, 0))
+        tl.store(M + row, m)
+        tl.store(NEED + row, tl.where(k < V, k.to(tl.float32), p * z))
+        tl.store(TK + row, lo.to(tl.int32))
+        tl.store(MODE + row, mode)
+        tl.store(TOP + row, hi)
+        tl.store(LO + row, lo)
+        tl.store(HI + row, tl.where(mode == 0, lo, hi))
+
+    @triton.jit
+    def _advance(LO, HI, PART, NEED, row, S, SP: tl.constexpr, NP: tl.constexpr,
+                 APPLY: tl.constexpr):  # fmt: skip
+        """A row's interval [lo, hi] after its last pass: the splits' sums at each of NP pivots
+        (PART [rows, S, NP]) added up in split order (the same in every program), the interval
+        narrowed to between the last pivot that holds what the row needs and the first that
+        does not. APPLY False: no pass yet."""
+        lo = tl.load(LO + row)
+        hi = tl.load(HI + row)
+        if APPLY:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if lo < hi:
+                s = tl.arange(0, SP)
+                j = tl.arange(0, NP)
+                part = tl.load(
+                    PART + (row * S + s[:, None]) * NP + j[None, :],
+                    mask=(s < S)[:, None],
+                    other=0.0,
+                )
+                ok = tl.sum(part, 0) >= tl.load(NEED + row)
+                piv = lo + (hi - lo + NP) // (NP + 1) * (j + 1)
+                new_lo = tl.maximum(lo, tl.max(tl.where(ok, piv, lo), 0))
+                hi = tl.minimum(hi, tl.min(tl.where(ok, hi, piv - 1), 0))
+                lo = new_lo
+        return lo, hi
+
+    @triton.jit
+    def _search_pass(
+        LOGITS, stride_l, INV_T, M, NEED, TK, MODE, LO, HI, PART, LO_OUT, HI_OUT, PART_OUT, V, S,
+        SPLIT: tl.constexpr, SHIFT: tl.constexpr, SP: tl.constexpr, NP: tl.constexpr,
+        APPLY: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row, split): the row's interval after its last pass (kept by split 0 for
+        the next), then this split's count (MODE 1) or mass exp(x - max) among keys >= TK
+        (MODE 2) of the tokens at or above each of NP pivots evenly inside it."""
+        row = tl.program_id(0)
+        s = tl.program_id(1)
+        lo, hi = _advance(LO, HI, PART, NEED, row, S, SP, NP, APPLY)
+        if s == 0:
+            tl.store(LO_OUT + row, lo)
+            tl.store(HI_OUT + row, hi)
+        if lo < hi:
+            valid, x, key = _columns(LOGITS, stride_l, INV_T, row, s, V, SPLIT, SHIFT)
+            if tl.load(MODE + row) == 1:
+                w = tl.where(valid, 1.0, 0.0)
+            else:
+                w = tl.where(valid & (key >= tl.load(TK + row)), tl.exp(x - tl.load(M + row)), 0.0)
+            step = (hi - lo + NP) // (NP + 1)  # >= 1; the last pivots may pass hi (they fail)
+            out = PART_OUT + (row * S + s) * NP
+            for j in tl.static_range(NP):
+                tl.store(out + j, tl.sum(tl.where(key >= lo + step * (j + 1), w, 0.0), 0))
+
+    @triton.jit
+    def _search_mass(
+        LOGITS, stride_l, INV_T, TOP_P, M, NEED, MODE, LO, HI, PART, ZP, V, S,
+        SPLIT: tl.constexpr, SHIFT: tl.constexpr, SP: tl.constexpr, NP: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row, split), rows with top-k and top-p: the split's mass exp(x - max) of
+        the top-k tokens (keys >= the finished count search's)."""
+        row = tl.program_id(0)
+        s = tl.program_id(1)
+        if (tl.load(MODE + row) == 1) & (tl.load(TOP_P + row) < 1.0):
+            lo, _hi = _advance(LO, HI, PART, NEED, row, S, SP, NP, True)  # lo == hi: top-k's
+            valid, x, key = _columns(LOGITS, stride_l, INV_T, row, s, V, SPLIT, SHIFT)
+            w = tl.where(valid & (key >= lo), tl.exp(x - tl.load(M + row)), 0.0)
+            tl.store(ZP + row * S + s, tl.sum(w, 0))
+
+    @triton.jit
+    def _search_switch(
+        TOP_P, M, NEED, TK, MODE, TOP, LO, HI, PART, ZP, LO_OUT, HI_OUT, S,
+        SP: tl.constexpr, NP: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row): rows with top-k and top-p turn from the count to the mass search, from
+        the k-th largest key (it qualifies) up to the row's top, needing top_p of the top-k's
+        mass; the other rows' intervals carried on."""
+        row = tl.program_id(0)
+        lo, hi = _advance(LO, HI, PART, NEED, row, S, SP, NP, True)
+        p = tl.load(TOP_P + row)
+        if (tl.load(MODE + row) == 1) & (p < 1.0):
+            c = tl.arange(0, SP)
+            z = tl.sum(tl.load(ZP + row * S + c, mask=c < S, other=0.0), 0)
+            tl.store(NEED + row, p * z)
+            tl.store(TK + row, lo.to(tl.int32))
+            tl.store(MODE + row, 2)
+            hi = tl.load(TOP + row)
+        tl.store(LO_OUT + row, lo)
+        tl.store(HI_OUT + row, hi)
+
+    @triton.jit
+    def _search_done(
+        INV_T, TOP_K, TOP_P, NEED, LO, HI, PART, THR, V, S,
+        SP: tl.constexpr, NP: tl.constexpr, SHIFT: tl.constexpr,
+    ):  # fmt: skip
+        """Program (row): the threshold, x of the key found (-inf where nothing restricts)."""
+        row = tl.program_id(0)
+        lo, _hi = _advance(LO, HI, PART, NEED, row, S, SP, NP, True)  # lo == hi now
+        thr = _value(lo, SHIFT) * tl.load(INV_T + row)
+        free = (tl.load(TOP_K + row) >= V) & (tl.load(TOP_P + row) >= 1.0)
+        tl.store(THR + row, tl.where(free, float("-inf"), thr))
 
 
 def available(device: torch.device) -> bool:
@@ -248,27 +350,97 @@ def _step_seed(generator: torch.Generator | None, device: torch.device) -> torch
     return torch.randint(0, 2**31 - 1, (1,), generator=generator, device=device, dtype=torch.int64)
 
 
+SHIFTS = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
+"""Low bits of a logit's fp32 bits that are zero in its dtype: the search's keys drop them (a
+bf16 row has 2^16 keys, not 2^32; x = logits * inv_t keeps their order, inv_t > 0)."""
+
+
+def search_passes(pivots: int, key_bits: int) -> int:
+    """Passes of the threshold search that narrow any interval of 2^key_bits keys to one
+    key at `pivots` keys a pass (the largest of the NP + 1 pieces a pass leaves)."""
+    d, passes = 2**key_bits - 1, 0
+    while d:
+        step = (d + pivots) // (pivots + 1)
+        d, passes = max(step - 1, d - pivots * step), passes + 1
+    return passes
+
+
 def thresholds(
     logits: torch.Tensor,
     inv_t: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     pivots: int = PIVOTS,
+    two_stage: bool | None = None,
 ) -> torch.Tensor:
     """`sampling.filter_thresholds` of x = logits * inv_t without a sort ([n] fp32, -inf where
-    neither filter restricts): one program a row (`_thresholds`), `pivots` (a power of 2) keys
-    tested a pass (`bench_sampling.py --pivots` times the choices)."""
+    neither filter restricts), for every row at once: a pass of programs (row, SPLIT columns)
+    for the rows' max, mass and key range, then `search_passes` passes that each count (top-k)
+    or weigh (top-p) the tokens at or above `pivots` (a power of 2) keys of each row's interval
+    (`bench_sampling.py --pivots` times the choices). Rows with both filters search again for
+    top-p among the top-k: `two_stage` says whether any row has both (None: read from top_k
+    and top_p, a device sync)."""
     if pivots < 2 or pivots & (pivots - 1):
         raise ValueError(f"pivots must be a power of 2 >= 2, got {pivots}")
     n, vocab = logits.shape
-    thr = torch.empty(n, dtype=torch.float32, device=logits.device)
+    dev = logits.device
+    thr = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return thr
+    if logits.dtype not in SHIFTS:
+        logits = logits.float()
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    _thresholds[(n,)](
-        logits, logits.stride(0), inv_t, top_k.to(torch.int32), top_p.float(), thr, vocab,
-        BLOCK=BLOCK, NP=pivots, num_warps=8,
+    shift = SHIFTS[logits.dtype]
+    top_k, top_p = top_k.to(torch.int32), top_p.float()
+    if two_stage is None:
+        two_stage = bool(((top_k < vocab) & (top_p < 1.0)).any())
+    splits = triton.cdiv(vocab, SPLIT)
+    sp = max(2, triton.next_power_of_2(splits))
+    f32 = functools.partial(torch.empty, dtype=torch.float32, device=dev)
+    i32 = functools.partial(torch.empty, dtype=torch.int32, device=dev)
+    i64 = functools.partial(torch.empty, dtype=torch.int64, device=dev)
+    s_m, s_z, s_lo, s_hi = f32(n, splits), f32(n, splits), i32(n, splits), i32(n, splits)
+    m, need, tk, mode, top = f32(n), f32(n), i32(n), i32(n), i64(n)
+    lo, hi, part = i64(2, n), i64(2, n), f32(2, n, splits, pivots)
+    common = {"SP": sp, "NP": pivots}
+    _search_stats[(n, splits)](
+        logits, logits.stride(0), inv_t, s_m, s_z, s_lo, s_hi, vocab, splits,
+        SPLIT=SPLIT, SHIFT=shift, num_warps=8,
+    )  # fmt: skip
+    _search_init[(n,)](
+        s_m, s_z, s_lo, s_hi, top_k, top_p, m, need, tk, mode, top, lo[0], hi[0], vocab, splits,
+        SP=sp,
+    )  # fmt: skip
+    at, applied = 0, False
+    passes = search_passes(pivots, 32 - shift)
+
+    def search() -> None:
+        nonlocal at, applied
+        for _ in range(passes):
+            _search_pass[(n, splits)](
+                logits, logits.stride(0), inv_t, m, need, tk, mode, lo[at], hi[at], part[at],
+                lo[1 - at], hi[1 - at], part[1 - at], vocab, splits,
+                SPLIT=SPLIT, SHIFT=shift, APPLY=applied, num_warps=8, **common,
+            )  # fmt: skip
+            at, applied = 1 - at, True
+
+    search()
+    if two_stage:  # top-p among the top-k: its mass, then the search again from the k-th key
+        z_part = f32(n, splits)
+        _search_mass[(n, splits)](
+            logits, logits.stride(0), inv_t, top_p, m, need, mode, lo[at], hi[at], part[at],
+            z_part, vocab, splits, SPLIT=SPLIT, SHIFT=shift, num_warps=8, **common,
+        )  # fmt: skip
+        _search_switch[(n,)](
+            top_p, m, need, tk, mode, top, lo[at], hi[at], part[at], z_part,
+            lo[1 - at], hi[1 - at], splits, **common,
+        )  # fmt: skip
+        at, applied = 1 - at, False
+        search()
+    _search_done[(n,)](
+        inv_t, top_k, top_p, need, lo[at], hi[at], part[at], thr, vocab, splits,
+        SHIFT=shift, **common,
     )  # fmt: skip
     return thr
 
@@ -280,9 +452,11 @@ def filtered_pick(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     generator: torch.Generator | None,
+    two_stage: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sampling.filtered_pick` in three kernels: the rows' thresholds, then the Gumbel-max race
-    of `temperature_pick` among the tokens at or above them."""
+    """`sampling.filtered_pick` as kernels: the rows' thresholds (`thresholds`; `two_stage`:
+    whether any row has both top-k and top-p, None to read it on the device), then the
+    Gumbel-max race of `temperature_pick` among the tokens at or above them."""
     inv_t = temperature.reciprocal()
-    thr = thresholds(logits, inv_t, top_k, top_p)
+    thr = thresholds(logits, inv_t, top_k, top_p, two_stage=two_stage)
     return _run(logits, inv_t, greedy, _step_seed(generator, logits.device), thr)

@@ -302,10 +302,12 @@ def filtered_pick(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     generator: torch.Generator | None,
+    two_stage: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`temperature_pick` restricted by top-k/top-p (`top_k` [n] 1..V, V: none; `top_p` [n]):
     the exponential race among the tokens with x >= `filter_thresholds`; greedy rows take the
-    argmax (which every filter keeps). Log-probs unfiltered, as `temperature_pick`'s."""
+    argmax (which every filter keeps). Log-probs unfiltered, as `temperature_pick`'s.
+    `two_stage` (whether any row has both filters) is the kernels' hint; one sort serves all."""
     x = logits.float() / temperature[:, None]
     return _race(x, greedy, generator, filter_thresholds(x, top_k, top_p))
 
@@ -365,8 +367,9 @@ def sample(
     if not seeded:
         if not restrict:
             return picks.temperature(logits, temp, greedy, generator)
+        both = bool(((k < vocab) & (top_p < 1.0)).any())
         return picks.filtered(
-            logits, temp, greedy, to_device(k, dev), to_device(top_p, dev), generator
+            logits, temp, greedy, to_device(k, dev), to_device(top_p, dev), generator, both
         )
 
     logits = logits.float()
