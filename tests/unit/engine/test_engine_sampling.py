@@ -351,3 +351,34 @@ def test_the_threshold_kernel_refuses_a_pivot_count_that_is_not_a_power_of_two()
     for bad in (1, 6, 0):
         with pytest.raises(ValueError, match="power of 2"):
             pick_kernels.thresholds(x, torch.ones(1), k, p, pivots=bad)
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, both",
+    [
+        ([3, 300, 300], [1.0, 0.9, 0.5], False),  # top-k on one row, top-p on others
+        ([3, 300, 50], [1.0, 0.9, 0.5], True),  # a row with both
+        ([0, 300, 300], [1.0, 0.9, 1.0], False),  # top_k 0 (no limit)
+    ],
+)
+def test_sample_tells_the_filtered_draw_whether_a_row_has_both_filters(top_k, top_p, both):
+    """The kernels search for top-p among the top-k again only when told a row has both
+    (`two_stage`, decided on the host from the rows' parameters: no device sync)."""
+    from slime_async.actors.engine.embedded.sampling import Picks, filtered_pick
+
+    seen = []
+
+    def spy(*args):
+        seen.append(args[-1])
+        return filtered_pick(*args)
+
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0))
+    tok, _ = sample(
+        logits,
+        torch.ones(3),
+        torch.tensor(top_k),
+        torch.tensor(top_p),
+        torch.Generator().manual_seed(1),
+        picks=Picks(filtered=spy),
+    )
+    assert seen == [both] and tok.shape == (3,)

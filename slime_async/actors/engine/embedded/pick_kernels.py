@@ -379,7 +379,7 @@ def thresholds(
     or weigh (top-p) the tokens at or above `pivots` (a power of 2) keys of each row's interval
     (`bench_sampling.py --pivots` times the choices). Rows with both filters search again for
     top-p among the top-k: `two_stage` says whether any row has both (None: read from top_k
-    and top_p, a device sync)."""
+    and top_p, a device sync; False where a row has both would give that row top-k alone)."""
     if pivots < 2 or pivots & (pivots - 1):
         raise ValueError(f"pivots must be a power of 2 >= 2, got {pivots}")
     n, vocab = logits.shape
