@@ -16,7 +16,7 @@ step at once (no top-k/top-p, no seed):
   a row's keys tests NP pivots a pass (tokens at or above each pivot: their count for top-k,
   their mass exp(x - max) for top-p) and keeps the interval between the last pivot that holds
   k tokens / top_p of the mass and the first that does not: 6 passes find the exact boundary
-  among a bf16 row's keys at 8 pivots. Each pass is one kernel of programs (row, SPLIT
+  among a bf16 row's keys at 8 pivots. Each pass is one kernel of programs (row, CHUNK
   columns), every program first adding up the row's sums of the previous pass in the same
   order (so every program narrows the interval alike; no atomics, the same thresholds every
   run). The first kernel then races only the tokens with x >= that value.
@@ -44,7 +44,8 @@ except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
 CHUNK = 4096
-"""Columns of one row per program of the first kernel (37 programs a row at Qwen's 151,936)."""
+"""Columns of one row per program, of the draw's first kernel and of the threshold search's
+passes (38 programs a row at Qwen's 151,936)."""
 
 PIVOTS = 8
 """Keys the threshold search tests per pass over a row: the interval shrinks 9x a pass, so a
@@ -52,9 +53,6 @@ row of bf16 logits (2^16 keys) needs 6 passes, of fp32 logits 11 (`search_passes
 at 256 x 151,936 bf16, top_p 0.95, a search took 1.22 ms at 8 pivots, 1.25 at 16 (4 passes)
 and 3.27 at 32; top-k 50 with top-p (two searches) 1.60 ms at 8 and 1.87 at 16
 (`bench_sampling.py --pivots 8,16,32`): each pivot costs every program a reduction."""
-
-SPLIT = 4096
-"""Columns of one row per program of the threshold search's passes."""
 
 
 if triton is not None:
@@ -87,6 +85,15 @@ if triton is not None:
             tl.store(PI + out, c * CHUNK + tl.argmax(y, 0))
 
     @triton.jit
+    def _merge(pm, ps):
+        """A row's chunks combined: their max m, m where finite (else 0: every column banned),
+        and sum exp(x - that) from each chunk's max and sum exp(x - its max)."""
+        m = tl.max(pm, 0)
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.where(pm == float("-inf"), 0.0, tl.exp(pm - m_ref))
+        return m, m_ref, tl.sum(ps * w, 0)
+
+    @triton.jit
     def _pick_rows(
         LOGITS, stride_l, INV_T, GREEDY, PM, PS, PA, PB, PI, TOK, LP, C,
         CP: tl.constexpr, SAMPLE: tl.constexpr,
@@ -95,11 +102,8 @@ if triton is not None:
         c = tl.arange(0, CP)
         cm = c < C
         m = tl.load(PM + row * C + c, mask=cm, other=float("-inf"))
-        s = tl.load(PS + row * C + c, mask=cm, other=0.0)
-        top = tl.max(m, 0)
-        top_ref = tl.where(top == float("-inf"), 0.0, top)
-        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top_ref))
-        lse = top_ref + tl.log(tl.sum(s * w, 0))
+        _top, top_ref, z = _merge(m, tl.load(PS + row * C + c, mask=cm, other=0.0))
+        lse = top_ref + tl.log(z)
         tok = tl.load(PA + row * C + tl.argmax(m, 0))  # the first maximum's chunk, then column
         if SAMPLE:  # noqa: SIM102 (a compile-time branch around a run-time one)
             if tl.load(GREEDY + row) == 0:
@@ -164,10 +168,7 @@ if triton is not None:
         c = tl.arange(0, SP)
         cm = c < S
         pm = tl.load(SM + row * S + c, mask=cm, other=float("-inf"))
-        m = tl.max(pm, 0)
-        m_ref = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.where(pm == float("-inf"), 0.0, tl.exp(pm - m_ref))
-        z = tl.sum(tl.load(SZ + row * S + c, mask=cm, other=0.0) * w, 0)
+        m, _m_ref, z = _merge(pm, tl.load(SZ + row * S + c, mask=cm, other=0.0))
         lo = tl.min(tl.load(SLO + row * S + c, mask=cm, other=2**31 - 1), 0).to(tl.int64)
         hi = tl.max(tl.load(SHI + row * S + c, mask=cm, other=-(2**31)), 0).to(tl.int64)
         k = tl.load(TOP_K + row)
@@ -374,7 +375,7 @@ def thresholds(
     two_stage: bool | None = None,
 ) -> torch.Tensor:
     """`sampling.filter_thresholds` of x = logits * inv_t without a sort ([n] fp32, -inf where
-    neither filter restricts), for every row at once: a pass of programs (row, SPLIT columns)
+    neither filter restricts), for every row at once: a pass of programs (row, CHUNK columns)
     for the rows' max, mass and key range, then `search_passes` passes that each count (top-k)
     or weigh (top-p) the tokens at or above `pivots` (a power of 2) keys of each row's interval
     (`bench_sampling.py --pivots` times the choices). Rows with both filters search again for
@@ -395,7 +396,7 @@ def thresholds(
     top_k, top_p = top_k.to(torch.int32), top_p.float()
     if two_stage is None:
         two_stage = bool(((top_k < vocab) & (top_p < 1.0)).any())
-    splits = triton.cdiv(vocab, SPLIT)
+    splits = triton.cdiv(vocab, CHUNK)
     sp = max(2, triton.next_power_of_2(splits))
     f32 = functools.partial(torch.empty, dtype=torch.float32, device=dev)
     i32 = functools.partial(torch.empty, dtype=torch.int32, device=dev)
@@ -406,7 +407,7 @@ def thresholds(
     common = {"SP": sp, "NP": pivots}
     _search_stats[(n, splits)](
         logits, logits.stride(0), inv_t, s_m, s_z, s_lo, s_hi, vocab, splits,
-        SPLIT=SPLIT, SHIFT=shift, num_warps=8,
+        SPLIT=CHUNK, SHIFT=shift, num_warps=8,
     )  # fmt: skip
     _search_init[(n,)](
         s_m, s_z, s_lo, s_hi, top_k, top_p, m, need, tk, mode, top, lo[0], hi[0], vocab, splits,
@@ -421,7 +422,7 @@ def thresholds(
             _search_pass[(n, splits)](
                 logits, logits.stride(0), inv_t, m, need, tk, mode, lo[at], hi[at], part[at],
                 lo[1 - at], hi[1 - at], part[1 - at], vocab, splits,
-                SPLIT=SPLIT, SHIFT=shift, APPLY=applied, num_warps=8, **common,
+                SPLIT=CHUNK, SHIFT=shift, APPLY=applied, num_warps=8, **common,
             )  # fmt: skip
             at, applied = 1 - at, True
 
@@ -430,7 +431,7 @@ def thresholds(
         z_part = f32(n, splits)
         _search_mass[(n, splits)](
             logits, logits.stride(0), inv_t, top_p, m, need, mode, lo[at], hi[at], part[at],
-            z_part, vocab, splits, SPLIT=SPLIT, SHIFT=shift, num_warps=8, **common,
+            z_part, vocab, splits, SPLIT=CHUNK, SHIFT=shift, num_warps=8, **common,
         )  # fmt: skip
         _search_switch[(n,)](
             top_p, m, need, tk, mode, top, lo[at], hi[at], part[at], z_part,
