@@ -64,7 +64,7 @@ def test_a_seeded_generator_gives_the_same_draws_and_another_seed_others():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_thresholds_are_the_sorts_across_splits_ties_bans_and_temperatures(dtype):
-    vocab = 2 * pick_kernels.CHUNK + 37  # three splits, the last one short
+    vocab = 2 * pick_kernels.CHUNK + 37  # three chunks, the last one short
     g = torch.Generator().manual_seed(4)
     logits = (torch.randn(12, vocab, generator=g) * 3).to(dtype)  # bf16/fp16: ties
     logits[2, :300] = logits[2, 5]  # a tie group across the top-p boundary

@@ -45,14 +45,20 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 CHUNK = 4096
 """Columns of one row per program, of the draw's first kernel and of the threshold search's
-passes (38 programs a row at Qwen's 151,936)."""
+kernels (38 programs a row at Qwen's 151,936)."""
+
+SEARCH_SUB = 512
+"""Columns a search pass adds into its [pivots, SEARCH_SUB] tile at a time."""
+
+SEARCH_WARPS = 4
+"""Warps of a search kernel's program."""
 
 PIVOTS = 8
 """Keys the threshold search tests per pass over a row: the interval shrinks 9x a pass, so a
 row of bf16 logits (2^16 keys) needs 6 passes, of fp32 logits 11 (`search_passes`). On an H100
-at 256 x 151,936 bf16, top_p 0.95, a search took 1.22 ms at 8 pivots, 1.25 at 16 (4 passes)
-and 3.27 at 32; top-k 50 with top-p (two searches) 1.60 ms at 8 and 1.87 at 16
-(`bench_sampling.py --pivots 8,16,32`): each pivot costs every program a reduction."""
+at 151,936 bf16, top_p 0.95, a search took 0.77 ms at 256 rows and 1.35 at 512 with these
+settings; 4 pivots 0.74-0.86 / 1.25-1.54 over the column blocks and tile widths tried, 2
+pivots 0.78-0.86 / 1.34-1.49 (`bench_sampling.py --pivots 2,4,8` times them)."""
 
 
 if triton is not None:
@@ -210,12 +216,14 @@ if triton is not None:
     @triton.jit
     def _search_pass(
         LOGITS, stride_l, INV_T, M, NEED, TK, MODE, LO, HI, PART, LO_OUT, HI_OUT, PART_OUT, V, S,
-        SPLIT: tl.constexpr, SHIFT: tl.constexpr, SP: tl.constexpr, NP: tl.constexpr,
-        APPLY: tl.constexpr,
+        SPLIT: tl.constexpr, SUB: tl.constexpr, SHIFT: tl.constexpr, SP: tl.constexpr,
+        NP: tl.constexpr, APPLY: tl.constexpr,
     ):  # fmt: skip
         """Program (row, split): the row's interval after its last pass (kept by split 0 for
         the next), then this split's count (MODE 1) or mass exp(x - max) among keys >= TK
-        (MODE 2) of the tokens at or above each of NP pivots evenly inside it."""
+        (MODE 2) of the tokens at or above each of NP pivots evenly inside it: SUB columns at a
+        time added into an [NP, SUB] tile, reduced once at the end (a block reduction for each
+        pivot cost more than reading the columns: 1.2 ms against 0.77 at 256 x 151,936)."""
         row = tl.program_id(0)
         s = tl.program_id(1)
         lo, hi = _advance(LO, HI, PART, NEED, row, S, SP, NP, APPLY)
@@ -223,15 +231,22 @@ if triton is not None:
             tl.store(LO_OUT + row, lo)
             tl.store(HI_OUT + row, hi)
         if lo < hi:
-            valid, x, key = _columns(LOGITS, stride_l, INV_T, row, s, V, SPLIT, SHIFT)
-            if tl.load(MODE + row) == 1:
-                w = tl.where(valid, 1.0, 0.0)
-            else:
-                w = tl.where(valid & (key >= tl.load(TK + row)), tl.exp(x - tl.load(M + row)), 0.0)
+            count = tl.load(MODE + row) == 1
+            tk = tl.load(TK + row)
+            m = tl.load(M + row)
             step = (hi - lo + NP) // (NP + 1)  # >= 1; the last pivots may pass hi (they fail)
-            out = PART_OUT + (row * S + s) * NP
-            for j in tl.static_range(NP):
-                tl.store(out + j, tl.sum(tl.where(key >= lo + step * (j + 1), w, 0.0), 0))
+            piv = lo + step * (tl.arange(0, NP).to(tl.int64) + 1)
+            acc = tl.zeros([NP, SUB], dtype=tl.float32)
+            for c in tl.static_range(SPLIT // SUB):
+                valid, x, key = _columns(
+                    LOGITS, stride_l, INV_T, row, s * (SPLIT // SUB) + c, V, SUB, SHIFT
+                )
+                if count:
+                    w = tl.where(valid, 1.0, 0.0)
+                else:
+                    w = tl.where(valid & (key >= tk), tl.exp(x - m), 0.0)
+                acc += tl.where(key[None, :] >= piv[:, None], w[None, :], 0.0)
+            tl.store(PART_OUT + (row * S + s) * NP + tl.arange(0, NP), tl.sum(acc, 1))
 
     @triton.jit
     def _search_mass(
@@ -407,7 +422,7 @@ def thresholds(
     common = {"SP": sp, "NP": pivots}
     _search_stats[(n, splits)](
         logits, logits.stride(0), inv_t, s_m, s_z, s_lo, s_hi, vocab, splits,
-        SPLIT=CHUNK, SHIFT=shift, num_warps=8,
+        SPLIT=CHUNK, SHIFT=shift, num_warps=SEARCH_WARPS,
     )  # fmt: skip
     _search_init[(n,)](
         s_m, s_z, s_lo, s_hi, top_k, top_p, m, need, tk, mode, top, lo[0], hi[0], vocab, splits,
@@ -422,7 +437,8 @@ def thresholds(
             _search_pass[(n, splits)](
                 logits, logits.stride(0), inv_t, m, need, tk, mode, lo[at], hi[at], part[at],
                 lo[1 - at], hi[1 - at], part[1 - at], vocab, splits,
-                SPLIT=CHUNK, SHIFT=shift, APPLY=applied, num_warps=8, **common,
+                SPLIT=CHUNK, SUB=SEARCH_SUB, SHIFT=shift, APPLY=applied,
+                num_warps=SEARCH_WARPS, **common,
             )  # fmt: skip
             at, applied = 1 - at, True
 
@@ -431,7 +447,8 @@ def thresholds(
         z_part = f32(n, splits)
         _search_mass[(n, splits)](
             logits, logits.stride(0), inv_t, top_p, m, need, mode, lo[at], hi[at], part[at],
-            z_part, vocab, splits, SPLIT=CHUNK, SHIFT=shift, num_warps=8, **common,
+            z_part, vocab, splits, SPLIT=CHUNK, SHIFT=shift, num_warps=SEARCH_WARPS,
+            **common,
         )  # fmt: skip
         _search_switch[(n,)](
             top_p, m, need, tk, mode, top, lo[at], hi[at], part[at], z_part,
