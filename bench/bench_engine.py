@@ -50,6 +50,10 @@ prompt cache is flushed before each run.
     python bench/bench_engine.py --grpo --model qwen3-0.5b --device cuda --grpo-sharing on \
         --grpo-fanout both --grpo-top-p 1.0,0.95
 
+`--engine-options "key=value;..."` sets [engine.embedded] keys of every engine the generation
+table and the GRPO load start (an A/B of one setting in processes of their own, e.g.
+`decode_shared_prefix=off`: each sample's decode reads its prompt's blocks on its own).
+
 Kernels (`--kernels`, GPU): the paged Triton decode kernel against SDPA over gathered blocks at
 1 / 64 / 256 requests and 160 / 1,024 tokens each (the attention alone, one layer), the
 runner's whole decode step replayed from its CUDA graph (no HTTP, no scheduler) up to 4,096
@@ -221,9 +225,12 @@ def describe_roofline(shape: roofline.DecodeShape, hbm_tbps: float) -> str:
     )
 
 
-def with_roofline(row: dict, shape, batch: int, prompt_len: int, new: int, hbm: float) -> dict:
-    """`row` with the decode roofline of its shape and each measured tokens/s as a fraction."""
-    row.update(roofline.decode_roofline(shape, batch, prompt_len, new, hbm))
+def with_roofline(
+    row: dict, shape, batch: int, prompt_len: int, new: int, hbm: float, group: int = 1
+) -> dict:
+    """`row` with the decode roofline of its shape (`group` requests reading a prompt once)
+    and each measured tokens/s as a fraction."""
+    row.update(roofline.decode_roofline(shape, batch, prompt_len, new, hbm, group))
     measured = [k for k, v in row.items() if k.endswith("_tokens_per_s") and v is not None]
     for key in [k for k in measured if k != "roofline_tokens_per_s"]:
         row[key[: -len("_tokens_per_s")] + "_of_roofline"] = row[key] / row["roofline_tokens_per_s"]
@@ -274,7 +281,7 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
         max(batches),
         work / "engine.log",
         threads,
-        (f"engine.embedded.mem_fraction={args.mem_fraction}",),
+        (f"engine.embedded.mem_fraction={args.mem_fraction}", *engine_options(args)),
         max_context_len=max(1024, context),
     )
     rows = []
@@ -525,6 +532,12 @@ def describe_loop(t: dict) -> str:
     )
 
 
+def engine_options(args: argparse.Namespace) -> tuple[str, ...]:
+    """`--engine-options` as overrides of [engine.embedded] (the A/B of a setting)."""
+    items = [kv.strip() for kv in (args.engine_options or "").split(";") if kv.strip()]
+    return tuple(f"engine.embedded.{kv}" for kv in items)
+
+
 def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     model_dir = make_model(work / Path(args.model).name, args.model, dtype)
@@ -544,6 +557,7 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
             f"engine.embedded.prefix_sharing={str(sharing).lower()}",
             f"engine.embedded.mem_fraction={args.mem_fraction}",
             "engine.embedded.max_prefill_tokens=16384",
+            *engine_options(args),
         )
         child, url = start_engine(
             model_dir,
@@ -577,8 +591,16 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
                         - before["prefill_tokens"],
                         "memory": info.get("memory", {}),
                         "engine_loop": loop_timing(before, info),  # warm-up included
+                        "decode_shared_prefix": info.get("decode_shared_prefix"),
+                        "decode_shared_steps": info.get("decode_shared_steps", 0)
+                        - before.get("decode_shared_steps", 0),
                     }
-                    with_roofline(row, shape, slots, args.grpo_prompt_len, new, args.hbm_tbps)
+                    # the engine reads a shared prompt once a group where it says it does
+                    once = sharing and row["decode_shared_prefix"] == "on"
+                    group = args.grpo_n if once else 1
+                    with_roofline(
+                        row, shape, slots, args.grpo_prompt_len, new, args.hbm_tbps, group
+                    )
                     rows.append(row)
                     write_json(args.json, {"rows": rows, "hbm_tbps": args.hbm_tbps}, partial=True)
                     print(
@@ -588,7 +610,9 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
                         f"{row['roofline_tokens_per_s']:,.0f} tok/s "
                         f"({row['engine_of_roofline']:.3g} of it)\n    "
                         f"{describe_loop(row['engine_loop'])}; CUDA graphs up to batch "
-                        f"{max(info.get('cuda_graph_batch_sizes') or [0])}",
+                        f"{max(info.get('cuda_graph_batch_sizes') or [0])}; shared prompt "
+                        f"blocks read once: {row['decode_shared_prefix']} "
+                        f"({row['decode_shared_steps']} steps)",
                         flush=True,
                     )
                     spy_report(spy, spy_out)
@@ -606,6 +630,7 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
         "fanout",
         "top_p",
         "tokens/s",
+        "prompt's keys read",
         "roofline tok/s",
         "fraction",
         "prompt tokens prefilled",
@@ -618,7 +643,9 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
         cap = mem.get("mem_fraction", 0) * mem.get("total_bytes", 0) / 2**30
         print(
             f"| {'on' if r['prefix_sharing'] else 'off'} | {r['fanout']} | {r['top_p']} "
-            f"| {r['engine_tokens_per_s']:,.0f} | {r['roofline_tokens_per_s']:,.0f} "
+            f"| {r['engine_tokens_per_s']:,.0f} "
+            f"| {'once a group' if r['prompt_read_by'] > 1 else 'by each request'} "
+            f"| {r['roofline_tokens_per_s']:,.0f} "
             f"| {r['engine_of_roofline']:.3g} | {r['prompt_tokens_prefilled']:,} "
             f"| {peak:.1f} GiB | {cap:.1f} GiB |"
         )
@@ -1155,6 +1182,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--grpo-top-p", default="1.0", help="comma-separated top_p values, one run each"
+    )
+    ap.add_argument(
+        "--engine-options",
+        help="[engine.embedded] keys for the engines of --grpo and the generation table, "
+        "key=value separated by ';' (e.g. decode_shared_prefix=off)",
     )
     ap.add_argument(
         "--mem-fraction",

@@ -10,8 +10,13 @@ and generates B tokens. Over a decode of `new_tokens` tokens from `prompt_len`-t
 step k (0-based) attends over prompt_len + k + 1 positions per request (the prompt, the k tokens
 already generated, the new one); the limit is all tokens over the sum of the steps' times (the
 time-weighted average, not the mean of per-step rates). Prefill, sampling and HTTP are not in
-it: the figure bounds decode alone. Requests sharing a prompt (GRPO's n samples) still each read
-the prompt's KV blocks: the paged kernel reads blocks per request.
+it: the figure bounds decode alone. Requests sharing a prompt in groups of `group` (GRPO's n
+samples, with the engine's `decode_shared_prefix` on) read the prompt's KV once a group:
+
+    kv_bytes_per_token x (sum over groups of the prompt + sum over requests of their own tokens)
+
+With group 1 every request reads its whole context (the engine with `decode_shared_prefix` off,
+or requests of different prompts).
 
 Train step (bench_learner.py): model FLOPs per token of a forward + backward (3 x the forward's
 2 FLOPs a multiply-add):
@@ -60,18 +65,28 @@ class DecodeShape:
 
 
 def decode_roofline(
-    shape: DecodeShape, batch: int, prompt_len: int, new_tokens: int, hbm_tbps: float
+    shape: DecodeShape,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    hbm_tbps: float,
+    group: int = 1,
 ) -> dict:
     """The memory-bandwidth limit of decoding `new_tokens` tokens for each of `batch` requests
-    with `prompt_len`-token prompts: tokens/s, mean step time, mean context, bytes per step."""
+    with `prompt_len`-token prompts, `group` requests reading a prompt's keys once: tokens/s,
+    mean step time, mean context, bytes per step."""
     if batch < 1 or prompt_len < 1 or new_tokens < 1 or hbm_tbps <= 0:
         raise ValueError(
             f"decode_roofline: batch {batch}, prompt_len {prompt_len}, new_tokens {new_tokens}, "
             f"hbm_tbps {hbm_tbps}: all must be positive"
         )
+    if group < 1:
+        raise ValueError(f"decode_roofline: group {group} must be positive")
     # sum over steps k = 0..new-1 of (prompt_len + k + 1), per request
     context_sum = new_tokens * (prompt_len + 1) + new_tokens * (new_tokens - 1) // 2
-    total_bytes = new_tokens * shape.weight_bytes + shape.kv_bytes_per_token * batch * context_sum
+    # what the requests read: the prompt once a group, their own tokens each
+    read_sum = new_tokens * prompt_len / group + context_sum - new_tokens * prompt_len
+    total_bytes = new_tokens * shape.weight_bytes + shape.kv_bytes_per_token * batch * read_sum
     seconds = total_bytes / (hbm_tbps * 1e12)
     return {
         "roofline_tokens_per_s": batch * new_tokens / seconds,
@@ -79,6 +94,7 @@ def decode_roofline(
         "mean_context": context_sum / new_tokens,
         "bytes_per_step": total_bytes / new_tokens,
         "hbm_tbps": hbm_tbps,
+        "prompt_read_by": group,
     }
 
 

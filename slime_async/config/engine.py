@@ -55,6 +55,10 @@ class EmbeddedEngineConfig(Section):
     decode_attention: Literal["auto", "triton", "gathered"] = "auto"
     """Decode attention over the paged cache: `triton` (the project's paged kernel, CUDA),
     `gathered` (SDPA over each request's gathered blocks), `auto` (triton where it runs)."""
+    decode_shared_prefix: Literal["auto", "on", "off"] = "auto"
+    """Decode attention reads a prompt's KV blocks once for all the running requests that share
+    them (the n samples of a group, through prefix_sharing) instead of once per request: `on`
+    (needs the triton decode kernel and prefix_sharing), `off`, `auto` (on where it runs)."""
     compile: bool = True
     """GPU: fuse each layer's norms, rotary, SiLU and residual adds with torch.compile."""
     overlap_schedule: bool = True
@@ -77,6 +81,17 @@ class EmbeddedEngineConfig(Section):
             raise ValueError(
                 "engine.embedded.decode_attention = 'triton' needs engine.embedded.block_size "
                 f">= 16 (got {self.block_size})"
+            )
+        if self.decode_shared_prefix == "on" and not self.prefix_sharing:
+            raise ValueError(
+                "engine.embedded.decode_shared_prefix = 'on' reads the KV blocks requests share; "
+                "with engine.embedded.prefix_sharing off none are shared: turn one on or the "
+                "other off"
+            )
+        if self.decode_shared_prefix == "on" and self.decode_attention == "gathered":
+            raise ValueError(
+                "engine.embedded.decode_shared_prefix = 'on' needs the triton decode kernel "
+                "(engine.embedded.decode_attention 'auto' or 'triton', not 'gathered')"
             )
         if self.gpu_reserve_gib != "auto" and self.gpu_reserve_gib < 0:
             raise ValueError(

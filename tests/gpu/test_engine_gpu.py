@@ -2,11 +2,12 @@
 runner with CUDA graphs against HF greedy decoding, and many concurrent requests equal to one at a
 time. The CPU paths are in tests/unit/engine/test_engine_runner.py."""
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slime_async.actors.engine.embedded import attention, pick_kernels
+from slime_async.actors.engine.embedded import attention, pick_kernels, shared_prefix
 from slime_async.actors.engine.embedded.model_runner import ModelRunner
 from slime_async.actors.engine.embedded.sampling import (
     SamplingParams,
@@ -201,6 +202,76 @@ def test_gpu_many_concurrent_equal_one_at_a_time(tmp_path):
     finally:
         sched.stop()
     for a, b in zip(together, alone, strict=True):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(
+            torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-4, rtol=0
+        )
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.gpu
+@needs_cuda
+def test_shared_prompt_keys_read_once_on_gpu(dtype, splits, monkeypatch):
+    """GRPO's shape in small: 6 prompts of 2-20 blocks x 8 samples with their own suffixes, a
+    row alone; the prefix kernel merged with the rows' own keys equals attention over all."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    hkv, h, d, bs = 8, 16, 128, 16
+    kc = torch.randn(600, bs, hkv, d, generator=g, device="cuda").to(dtype)
+    vc = torch.randn(kc.shape, generator=g, device="cuda").to(dtype)
+    free = iter(range(100, 600))
+    tables, lens = [], []
+    for p, blocks in enumerate((2, 20, 5, 16, 9, 3)):
+        prompt = list(range(1 + p * 16, 1 + p * 16 + blocks))
+        for s in range(8):
+            own = 1 + (s * 7 + p) % 5
+            tables.append(prompt + [next(free) for _ in range(own)])
+            lens.append(blocks * bs + (own - 1) * bs + 1 + s)
+    tables.append([next(free) for _ in range(3)])
+    lens.append(40)
+    width = max(len(t) for t in tables)
+    bt_np = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+    found = shared_prefix.find_groups(bt_np, np.array(lens), bs)
+    assert len(found.tokens) == 6 and (found.start[:-1] > 0).all() and found.start[-1] == 0
+    shared = shared_prefix.SharedPrefix(*(torch.from_numpy(a).cuda() for a in found))
+    bt = torch.from_numpy(bt_np).cuda()
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lens), h, d, generator=g, device="cuda").to(dtype)
+    monkeypatch.setattr(attention, "decode_splits", lambda *a: splits)
+    got = shared_prefix.paged_decode(q, kc, vc, bt, lens_t, d**-0.5, shared).float()
+    ref = attention.decode_reference(q.float(), kc.float(), vc.float(), bt, lens_t, d**-0.5)
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_samples_of_shared_prompts_equal_with_and_without_reading_them_once(tmp_path):
+    """8 greedy samples of each of 6 prompts (2-4 blocks), CUDA graphs: the same tokens and
+    log-probs whether decode reads the shared prompt blocks once or per request; the shared
+    graphs ran."""
+    d = make_tiny_model(tmp_path / "m", family="qwen3", seed=4)
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        [2, *torch.randint(5, 60, (int(n),), generator=g).tolist()]
+        for n in torch.randint(33, 70, (6,), generator=g)
+    ]
+    prompts = [p for p in prompts for _ in range(8)]
+    params = [SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)] * len(prompts)
+    out = {}
+    for mode in ("on", "off"):
+        runner = ModelRunner(
+            d, "cuda", max_slots=64, max_context_len=128, num_blocks=400, decode_shared_prefix=mode
+        )
+        runner.capture_cuda_graphs()
+        sched = Scheduler(runner)
+        sched.start()
+        try:
+            out[mode] = run_all(sched, prompts, params)
+        finally:
+            sched.stop()
+        assert (runner.graphs.shared_steps > 0) == (mode == "on")
+    for a, b in zip(out["on"], out["off"], strict=True):
         assert a.output_ids == b.output_ids
         torch.testing.assert_close(
             torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-4, rtol=0

@@ -62,6 +62,7 @@ NOT_DEFAULT = {
     "max_prefill_tokens": 1024,
     "prefix_sharing": False,
     "decode_attention": "gathered",
+    "decode_shared_prefix": "off",
     "compile": False,
     "overlap_schedule": False,
     "health_delay_s": 0.5,

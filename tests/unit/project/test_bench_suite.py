@@ -52,6 +52,10 @@ def test_decode_roofline_of_a_shape_worked_by_hand():
     assert r["roofline_step_ms"] == pytest.approx(4576 / 1000 / 2 * 1e3)  # 1,000 B/s
     assert r["roofline_tokens_per_s"] == pytest.approx(4 / 4.576)
     assert r["mean_context"] == pytest.approx(4.5)
+    # the 2 requests read their 3-token prompt once: 3 x 2 steps fewer keys, 192 B a step less
+    once = roofline.decode_roofline(shape, 2, 3, 2, hbm_tbps=1e-9, group=2)
+    assert once["bytes_per_step"] == pytest.approx((4576 - 32 * 6) / 2)
+    assert once["mean_context"] == r["mean_context"] and once["prompt_read_by"] == 2
 
 
 def test_decode_roofline_of_the_06b_shape_matches_the_documented_estimate():
@@ -304,7 +308,10 @@ def test_bench_engine_grpo_on_cpu_prints_and_writes_the_roofline(tmp_path):
         "--grpo-fanout", "both", "--grpo-top-p", "1.0,0.95", "--json", str(out),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "| prompt sharing | fanout | top_p | tokens/s | roofline tok/s | fraction" in r.stdout
+    assert (
+        "| prompt sharing | fanout | top_p | tokens/s | prompt's keys read | roofline tok/s "
+        "| fraction" in r.stdout
+    )
     assert "HBM 4.8 TB/s" in r.stdout
     res = json.loads(out.read_text())
     assert not res["partial"] and res["hbm_tbps"] == 4.8
@@ -316,6 +323,8 @@ def test_bench_engine_grpo_on_cpu_prints_and_writes_the_roofline(tmp_path):
     for row in res["rows"]:
         assert row["tokens"] == 2 * 3 * 6  # ignore_eos: every sample ran to length
         assert_roofline_row(row, "engine")
+        # on a CPU the engine reads every request's keys itself (decode_shared_prefix off)
+        assert row["decode_shared_prefix"] == "off" and row["prompt_read_by"] == 1
         want = roofline.decode_roofline(shape, 6, 20, 6, 4.8)["roofline_tokens_per_s"]
         assert row["roofline_tokens_per_s"] == pytest.approx(want)
 

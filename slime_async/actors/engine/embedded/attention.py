@@ -212,6 +212,7 @@ if triton is not None:
         n,
         h,
         j,
+        first,
         length,
         valid,
         scale,
@@ -227,11 +228,13 @@ if triton is not None:
         TILE: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        """Keys j*TILE .. j*TILE+TILE-1 of one request (TILE / BS blocks, their ids read from
-        the block table at once): the online-softmax update of (m, l, acc)."""
+        """Keys j*TILE .. j*TILE+TILE-1 of request n (TILE / BS blocks, their ids read from its
+        block table at once), those in [first, length): the online-softmax update of (m, l,
+        acc)."""
         d = tl.arange(0, D)
         tok = j * TILE + tl.arange(0, TILE)
-        tmask = (tok < length) & valid
+        # (a where, not `& valid`: Triton's interpreter makes a bool tensor & a bool scalar int32)
+        tmask = tl.where(valid, (tok < length) & (tok >= first), False)
         blk = tl.load(BT + n * stride_btn + tok // BS, mask=tmask, other=0).to(tl.int64)
         offs = blk * stride_kb + (tok % BS) * stride_kt + h * stride_kh
         k = tl.load(K + offs[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
@@ -255,45 +258,28 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        Q,
-        K,
-        V,
-        Out,
-        PartM,
-        PartL,
-        PartAcc,
-        BT,
-        LENS,
-        scale,
-        stride_qn,
-        stride_qh,
-        stride_kb,
-        stride_kt,
-        stride_kh,
-        stride_on,
-        stride_oh,
-        stride_btn,
-        H: tl.constexpr,
-        G: tl.constexpr,
-        GP: tl.constexpr,
-        D: tl.constexpr,
-        BS: tl.constexpr,
-        TILE: tl.constexpr,
-        SPLITS: tl.constexpr,
-        IEEE: tl.constexpr,
-        DYNAMIC: tl.constexpr,
-        MAXT: tl.constexpr,
-    ):
+        Q, K, V, Out, PartM, PartL, PartAcc, BT, LENS, START, PreM, PreL, PreAcc, scale,
+        stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_on, stride_oh, stride_btn,
+        H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+        TILE: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, DYNAMIC: tl.constexpr,
+        MAXT: tl.constexpr, PREFIX: tl.constexpr,
+    ):  # fmt: skip
         """Program (request n, KV head h, split s): the GQA group's query heads against the
         tiles [s * per, (s + 1) * per) of the request's keys. One split: the output; several:
-        each split's (max, sum, weighted values) for `_combine_splits`."""
+        each split's (max, sum, weighted values) for `_combine_splits`. PREFIX: a request with
+        START > 0 reads only its keys from START on; the shared prompt's before them were done
+        by `shared_prefix`'s kernel, whose (max, sum, weighted values) one split merges here."""
         n = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
         length = tl.load(LENS + n)
+        first = 0
+        if PREFIX:
+            first = tl.load(START + n)
         tiles = tl.cdiv(length, TILE)
-        per = tl.cdiv(tiles, SPLITS)
-        t0 = sp * per
+        t_first = first // TILE
+        per = tl.cdiv(tiles - t_first, SPLITS)
+        t0 = t_first + sp * per
         t1 = tl.minimum(t0 + per, tiles)
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
@@ -310,16 +296,29 @@ if triton is not None:
         if DYNAMIC:  # each program walks only its own tiles
             for j in range(t0, t1):
                 m_i, l_i, acc = _decode_tile(
-                    q, K, V, BT, n, h, j, length, True, scale, m_i, l_i, acc,
+                    q, K, V, BT, n, h, j, first, length, True, scale, m_i, l_i, acc,
                     stride_kb, stride_kt, stride_kh, stride_btn, D, BS, TILE, IEEE,
                 )  # fmt: skip
         else:  # Triton's CPU interpreter: every tile of the table, the others masked
             for j in tl.static_range(0, MAXT):
                 m_i, l_i, acc = _decode_tile(
-                    q, K, V, BT, n, h, j, length, (j >= t0) & (j < t1), scale, m_i, l_i, acc,
-                    stride_kb, stride_kt, stride_kh, stride_btn, D, BS, TILE, IEEE,
+                    q, K, V, BT, n, h, j, first, length, (j >= t0) & (j < t1), scale, m_i, l_i,
+                    acc, stride_kb, stride_kt, stride_kh, stride_btn, D, BS, TILE, IEEE,
                 )  # fmt: skip
         if SPLITS == 1:
+            if PREFIX:  # noqa: SIM102 (a compile-time branch around a run-time one)
+                if first > 0:
+                    pre = n * H + heads
+                    pm = tl.load(PreM + pre, mask=gmask, other=float("-inf"))
+                    top = tl.maximum(m_i, pm)
+                    top = tl.where(top == float("-inf"), 0.0, top)
+                    a = tl.exp(m_i - top)
+                    b = tl.exp(pm - top)
+                    pl = tl.load(PreL + pre, mask=gmask, other=0.0)
+                    pacc = tl.load(PreAcc + pre[:, None] * D + d[None, :], mask=gmask[:, None],
+                                   other=0.0)  # fmt: skip
+                    l_i = l_i * a + pl * b
+                    acc = acc * a[:, None] + pacc * b[:, None]
             out = acc / l_i[:, None]
             tl.store(
                 Out + n * stride_on + heads[:, None] * stride_oh + d[None, :],
@@ -334,19 +333,12 @@ if triton is not None:
 
     @triton.jit
     def _combine_splits(
-        PartM,
-        PartL,
-        PartAcc,
-        Out,
-        stride_on,
-        stride_oh,
-        H: tl.constexpr,
-        D: tl.constexpr,
-        SPLITS: tl.constexpr,
-        SP: tl.constexpr,
-    ):
-        """Program (request n, query head): the splits' partial softmaxes rescaled to their
-        common max and summed."""
+        PartM, PartL, PartAcc, Out, START, PreM, PreL, PreAcc, stride_on, stride_oh,
+        H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+        PREFIX: tl.constexpr,
+    ):  # fmt: skip
+        """Program (request n, query head): the splits' partial softmaxes (and, PREFIX with
+        START > 0, the shared prompt's) rescaled to their common max and summed."""
         n = tl.program_id(0)
         hq = tl.program_id(1)
         s = tl.arange(0, SP)
@@ -357,9 +349,18 @@ if triton is not None:
         l = tl.load(PartL + row, mask=smask, other=0.0)  # noqa: E741
         acc = tl.load(PartAcc + row[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
         top = tl.max(m, 0)
+        if PREFIX:
+            use = tl.load(START + n) > 0
+            pm = tl.where(use, tl.load(PreM + n * H + hq), float("-inf"))
+            top = tl.maximum(top, pm)
         w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
-        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
-        tl.store(Out + n * stride_on + hq * stride_oh + d, out.to(Out.dtype.element_ty))
+        num = tl.sum(acc * w[:, None], 0)
+        den = tl.sum(l * w, 0)
+        if PREFIX:
+            wp = tl.where(pm > float("-inf"), tl.exp(pm - top), 0.0)
+            num += tl.where(use, tl.load(PreAcc + (n * H + hq) * D + d), 0.0) * wp
+            den += tl.where(use, tl.load(PreL + n * H + hq), 0.0) * wp
+        tl.store(Out + n * stride_on + hq * stride_oh + d, (num / den).to(Out.dtype.element_ty))
 
 
 def triton_available(device: torch.device) -> bool:
@@ -373,6 +374,23 @@ def triton_available(device: torch.device) -> bool:
 DECODE_TILE = 64
 """Keys a decode program reads per iteration (several blocks' ids at once: more bytes in flight
 than one 16-token block at a time)."""
+
+
+def decode_tile(block_size: int) -> int:
+    """DECODE_TILE rounded to whole blocks (at least one)."""
+    return max(block_size, DECODE_TILE // block_size * block_size)
+
+
+class Prefix(NamedTuple):
+    """Keys of each request attended to elsewhere (`shared_prefix`): its own keys begin at
+    start [n] (int32; 0: none before); the softmax over the keys before, as max m [n, H], sum
+    total [n, H] and weighted values acc [n, H, D] (fp32), is merged into its output."""
+
+    start: torch.Tensor
+    m: torch.Tensor
+    total: torch.Tensor
+    acc: torch.Tensor
+
 
 MAX_SPLITS = 16
 
@@ -400,9 +418,11 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    prefix: Prefix | None = None,
 ) -> torch.Tensor:
     """q: [n, H, D]; block_tables: [n, MB] int32; seq_lens: [n] int32 (keys 0..len-1, the
-    query's own key included). Returns [n, H, D]. Reads only each request's own blocks.
+    query's own key included). Returns [n, H, D]. Reads only each request's own blocks, from
+    `prefix.start` on when given (the softmax over the keys before merged in).
 
     `splits` (None: `decode_splits`): each request's keys are cut into that many ranges, each
     run by its own program, then combined (flash-decoding): a few requests then still fill the
@@ -410,7 +430,7 @@ def paged_decode(
     n, H, D = q.shape
     Hkv, bs = k_cache.shape[2], k_cache.shape[1]
     G = H // Hkv
-    tile = max(bs, DECODE_TILE // bs * bs)
+    tile = decode_tile(bs)
     splits = splits or decode_splits(n, Hkv, q.device)
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -421,6 +441,7 @@ def paged_decode(
     else:
         part_m = part_l = part_acc = out  # unused
     cuda = q.device.type == "cuda"
+    pre = prefix or Prefix(seq_lens, out, out, out)  # unused without
     _paged_decode_kernel[(n, Hkv, splits)](
         q,
         k_cache,
@@ -431,6 +452,10 @@ def paged_decode(
         part_acc,
         block_tables,
         seq_lens,
+        pre.start,
+        pre.m,
+        pre.total,
+        pre.acc,
         scale,
         q.stride(0),
         q.stride(1),
@@ -450,19 +475,14 @@ def paged_decode(
         IEEE=q.dtype == torch.float32,
         DYNAMIC=cuda,
         MAXT=0 if cuda else -(-block_tables.shape[1] * bs // tile),
+        PREFIX=prefix is not None,
         num_warps=4,
     )
     if splits > 1:
         _combine_splits[(n, H)](
-            part_m,
-            part_l,
-            part_acc,
-            out,
-            out.stride(0),
-            out.stride(1),
-            H=H,
-            D=D,
-            SPLITS=splits,
-            SP=max(2, triton.next_power_of_2(splits)),
-        )
+            part_m, part_l, part_acc, out, pre.start, pre.m, pre.total, pre.acc,
+            out.stride(0), out.stride(1),
+            H=H, D=D, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)),
+            PREFIX=prefix is not None,
+        )  # fmt: skip
     return out

@@ -8,6 +8,11 @@ logits are dropped). The attention kernel reads each row's length from the devic
 serves any lengths; the weights are updated in place, so graphs stay valid across updates.
 Memory: one shared pool for all graphs (captured largest first, so smaller ones reuse it) and
 one logits buffer `[max bucket, V]` (the model's dtype) that every graph's output layer writes.
+
+With `decode_shared_prefix` on, each bucket of two rows or more has a second graph whose
+attention reads the blocks its rows share once (`shared_prefix.py`); its groups are static
+buffers too (rows [bucket // 2, group_max], tokens, start), filled each step from the host's
+`find_groups`. A batch with no shared blocks replays the plain graph.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from slime_async.actors.engine.embedded.shared_prefix import Groups, SharedPrefix
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +42,30 @@ class DecodeGraphs:
         self.pos = torch.zeros((top,), dtype=torch.long, device=dev)
         self.bt = torch.zeros((top, mb), dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.shared_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        sharing = runner.decode_shared_prefix == "on"
+        gm = runner.group_max
+        self.g_rows = torch.full((max(1, top // 2), gm), -1, dtype=torch.int32, device=dev)
+        self.g_tokens = torch.zeros((max(1, top // 2),), dtype=torch.int32, device=dev)
+        self.g_start = torch.zeros((top,), dtype=torch.int32, device=dev)
+        self.shared_steps = 0
+        """Replays of a graph with shared blocks (the steps whose rows shared a prompt)."""
+
+        def shared(b: int) -> SharedPrefix | None:
+            if not sharing or b < 2:
+                return None
+            return SharedPrefix(self.g_rows[: b // 2], self.g_tokens[: b // 2], self.g_start[:b])
+
         with torch.inference_mode():
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):  # warm-up: compile, autotune, cuBLAS handles
                 for b in reversed(self.sizes):
                     runner.decode_step(self.ids[:b], self.pos[:b], self.bt[:b])
+                    if shared(b) is not None:
+                        runner.decode_step(
+                            self.ids[:b], self.pos[:b], self.bt[:b], shared=shared(b)
+                        )
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
             # One output buffer for every bucket, in the model's dtype (the sampler upcasts):
@@ -56,12 +81,26 @@ class DecodeGraphs:
                     )
                     del out
                 self.graphs[b] = (graph, self.logits[:b])
+                if shared(b) is not None:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = runner.decode_step(
+                            self.ids[:b], self.pos[:b], self.bt[:b], out=self.logits[:b],
+                            shared=shared(b),
+                        )  # fmt: skip
+                        del out
+                    self.shared_graphs[b] = graph
             torch.cuda.synchronize(dev)
 
     def run(
-        self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        groups: Groups | None = None,
     ) -> torch.Tensor | None:
-        """Replay the bucket for m = len(ids) rows; None if no bucket is large enough."""
+        """Replay the bucket for m = len(ids) rows; None if no bucket is large enough. `groups`:
+        the rows that share leading blocks (`ModelRunner.groups`), read once where given."""
         m = ids.shape[0]
         size = next((b for b in self.sizes if b >= m), None)
         if size is None:
@@ -76,5 +115,19 @@ class DecodeGraphs:
         self.bt[:size].copy_(bt.pin_memory(), non_blocking=True)
         self.ids[:m].copy_(ids)
         graph, logits = self.graphs[size]
+        if groups is not None and size in self.shared_graphs:
+            half = size // 2
+            rows = torch.full((half, self.g_rows.shape[1]), -1, dtype=torch.int32)
+            tokens = torch.zeros((half,), dtype=torch.int32)
+            start = torch.zeros((size,), dtype=torch.int32)
+            k = len(groups.tokens)
+            rows[:k] = torch.from_numpy(groups.rows)
+            tokens[:k] = torch.from_numpy(groups.tokens)
+            start[:m] = torch.from_numpy(groups.start)
+            self.g_rows[:half].copy_(rows.pin_memory(), non_blocking=True)
+            self.g_tokens[:half].copy_(tokens.pin_memory(), non_blocking=True)
+            self.g_start[:size].copy_(start.pin_memory(), non_blocking=True)
+            graph = self.shared_graphs[size]
+            self.shared_steps += 1
         graph.replay()
         return logits[:m]

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from slime_async.actors.engine.embedded import attention, pick_kernels
+from slime_async.actors.engine.embedded import attention, pick_kernels, shared_prefix
 from slime_async.actors.engine.embedded.kv_cache import (
     BlockPool,
     blocks_for_memory,
@@ -48,6 +48,7 @@ from slime_async.actors.engine.embedded.sampling import (
     seeded_argmax,
     thresholds_hold,
 )
+from slime_async.actors.engine.embedded.shared_prefix import Groups, SharedPrefix
 from slime_async.models.families import FAMILIES
 from slime_async.models.family import Family
 from slime_async.models.layer_math import LayerMath
@@ -73,6 +74,7 @@ class ModelRunner:
         fused: bool | None = None,
         compile: bool = True,
         decode_attention: str = "auto",
+        decode_shared_prefix: str = "auto",
     ):
         self.model_path = str(model_path)
         self.device = torch.device(device)
@@ -182,6 +184,9 @@ class ModelRunner:
             num_blocks * block_size,
         )
         self.decode_attention = self._pick_attention(decode_attention)
+        self.group_max = shared_prefix.group_size(self.num_heads, self.num_kv_heads)
+        self.decode_shared_prefix = self._pick_shared_prefix(decode_shared_prefix)
+        """'on': decode steps read the KV blocks their rows share once (`shared_prefix.py`)."""
         self.graphs = None  # cuda_graphs.DecodeGraphs once captured
 
     def _activation_bytes(self) -> int:
@@ -219,6 +224,60 @@ class ModelRunner:
                 log.error("paged decode kernel failed its check (%s): using gathered SDPA", err)
                 return "gathered"
         return "triton"
+
+    def _pick_shared_prefix(self, choice: str) -> str:
+        runs = self.decode_attention == "triton" and self.device.type == "cuda"
+        if choice == "on" and not runs:
+            raise ValueError(
+                "engine.embedded.decode_shared_prefix = 'on' needs the triton decode kernel on a "
+                f"CUDA device (here: {self.decode_attention} attention on {self.device})"
+            )
+        if choice == "off" or not runs:
+            return "off"
+        err = self._check_shared()
+        if err is not None:
+            if choice == "on":
+                raise RuntimeError(f"the shared-prefix decode kernel failed its check: {err}")
+            log.error(
+                "shared-prefix decode kernel failed its check (%s): each row reads its own", err
+            )
+            return "off"
+        return "on"
+
+    def _check_shared(self) -> str | None:
+        """The shared-prefix path against the reference: three rows sharing two blocks, one
+        alone, at this model's head shape."""
+        try:
+            g = torch.Generator(device=self.device).manual_seed(1)
+            bs, hkv, d = self.block_size, self.num_kv_heads, self.head_dim
+            kc = torch.randn(9, bs, hkv, d, generator=g, device=self.device).to(self.dtype)
+            vc = torch.randn(kc.shape, generator=g, device=self.device).to(self.dtype)
+            q = torch.randn(4, self.num_heads, d, generator=g, device=self.device).to(self.dtype)
+            tables = [[1, 2, 3, 0], [1, 2, 4, 5], [1, 2, 6, 0], [7, 8, 0, 0]]
+            lens = [2 * bs + 3, 3 * bs + 1, 3 * bs, bs + 2]
+            found = shared_prefix.find_groups(
+                np.array(tables, dtype=np.int32), np.array(lens), bs, self.group_max
+            )
+            shared = SharedPrefix(*(torch.from_numpy(a).to(self.device) for a in found))
+            bt = torch.tensor(tables, dtype=torch.int32, device=self.device)
+            lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
+            got = shared_prefix.paged_decode(q, kc, vc, bt, lens_t, d**-0.5, shared).float()
+            ref = attention.decode_reference(q.float(), kc.float(), vc.float(), bt, lens_t, d**-0.5)
+            err = ((got - ref).norm() / ref.norm()).item()
+            tol = 1e-4 if self.dtype == torch.float32 else 2e-2
+            return None if err < tol else f"relative error {err:.2e} > {tol}"
+        except Exception as e:  # no compiler, unsupported shape, ...
+            return f"{type(e).__name__}: {e}"
+
+    def groups(self, block_tables: torch.Tensor, positions: torch.Tensor) -> Groups | None:
+        """The rows of a decode batch that share leading blocks (`shared_prefix.find_groups`),
+        None where there are none or sharing is off. Host tensors in, host arrays out."""
+        if self.decode_shared_prefix != "on" or block_tables.shape[0] < 2:
+            return None
+        found = shared_prefix.find_groups(
+            block_tables.numpy(), positions.numpy() + 1, self.block_size, self.group_max
+        )
+        return found if len(found.tokens) else None
 
     def _check_kernel(self) -> str | None:
         """The Triton kernel against the gathered reference on random blocks of this shape."""
@@ -353,8 +412,9 @@ class ModelRunner:
 
         From a CUDA graph when one is captured for a bucket >= m (the returned tensor is the
         graph's output buffer: read it before the next step)."""
+        groups = self.groups(block_tables, positions)
         if self.graphs is not None:
-            out = self.graphs.run(ids, positions, block_tables)
+            out = self.graphs.run(ids, positions, block_tables, groups)
             if out is not None:
                 return out
         span = int(positions.max()) + 1 if positions.numel() else 1
@@ -362,7 +422,12 @@ class ModelRunner:
             return self._decode_cpu(ids, positions, block_tables, span)
         pos = positions.to(self.device, non_blocking=True)
         bt = block_tables.to(self.device, non_blocking=True)
-        return self.decode_step(ids, pos, bt, span)
+        shared = None
+        if groups is not None:
+            shared = SharedPrefix(
+                *(torch.from_numpy(a).to(self.device, non_blocking=True) for a in groups)
+            )
+        return self.decode_step(ids, pos, bt, span, shared=shared)
 
     def _decode_cpu(
         self, ids: torch.Tensor, pos: torch.Tensor, bt: torch.Tensor, span: int
@@ -389,9 +454,11 @@ class ModelRunner:
         bt: torch.Tensor,
         span: int | None = None,
         out: torch.Tensor | None = None,
+        shared: SharedPrefix | None = None,
     ) -> torch.Tensor:
         """The decode computation on device tensors (what a CUDA graph captures); `span` bounds
-        the keys the gathered path reads (None: the table's width); logits go to `out` if given."""
+        the keys the gathered path reads (None: the table's width); logits go to `out` if given;
+        `shared`: rows that share leading blocks read them once (the triton kernel)."""
         bs = self.block_size
         lens = (pos + 1).to(torch.int32)
         slots = bt.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
@@ -399,6 +466,8 @@ class ModelRunner:
 
         def attend(li: int, q: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k_cache[li], self.v_cache[li]
+            if kernel and shared is not None:
+                return shared_prefix.paged_decode(q, kc, vc, bt, lens, self._scale, shared)
             if kernel:
                 return attention.paged_decode(q, kc, vc, bt, lens, self._scale)
             return attention.decode_reference(q, kc, vc, bt, lens, self._scale, span)

@@ -178,6 +178,7 @@ class EmbeddedEngine:
             max_prefill_tokens=emb.max_prefill_tokens,
             compile=emb.compile,
             decode_attention=emb.decode_attention,
+            decode_shared_prefix=emb.decode_shared_prefix if emb.prefix_sharing else "off",
         )
         self.runner.keep_prefixes_on_update = emb.strict_sglang
         t0 = time.perf_counter()
@@ -673,6 +674,8 @@ class EmbeddedEngine:
                 "decode_steps": self.scheduler.steps,
                 **self.scheduler.stats(),
                 "decode_attention": self.runner.decode_attention,
+                "decode_shared_prefix": self.runner.decode_shared_prefix,
+                "decode_shared_steps": self.runner.graphs.shared_steps if self.runner.graphs else 0,
                 "sampling_kernels": self.runner.sampling_kernels(),
                 "cuda_graph_batch_sizes": self.runner.graphs.sizes if self.runner.graphs else [],
                 "memory": self.runner.memory_info(),
