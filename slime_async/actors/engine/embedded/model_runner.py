@@ -187,6 +187,11 @@ class ModelRunner:
         self.group_max = shared_prefix.group_size(self.num_heads, self.num_kv_heads)
         self.decode_shared_prefix = self._pick_shared_prefix(decode_shared_prefix)
         """'on': decode steps read the KV blocks their rows share once (`shared_prefix.py`)."""
+        log.info(
+            "decode attention: %s; a shared prompt's keys read once a group: %s",
+            self.decode_attention,
+            self.decode_shared_prefix,
+        )
         self.graphs = None  # cuda_graphs.DecodeGraphs once captured
 
     def _activation_bytes(self) -> int:
