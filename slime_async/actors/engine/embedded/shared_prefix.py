@@ -4,7 +4,10 @@ Why: the n samples of a GRPO group share their prompt's KV blocks (prefix sharin
 block ids in every sample's table), but a decode step of one program per request reads each
 request's keys on its own, the prompt's n times over. At the GRPO bench's shape (64 prompts of
 256 tokens x 8 samples, 512 running) the prompt is half of the keys a step reads on average,
-and the keys are nearly all of the step's bytes (some 30 GB against 1.2 GB of weights).
+and the keys are nearly all of the step's bytes (some 30 GB against 1.2 GB of weights). On an
+H100 reading it once took 9% off that step's device time (the rows of a group run side by side,
+so the L2 cache already served many of the repeated reads) and 41% with 1,024-token prompts
+(docs/benchmarks/2026-12-07-h100-grpo.md).
 
 - `find_groups` (host, numpy, every step): rows whose block tables begin with the same blocks,
   in groups of at most `group_max` rows, and how many tokens of full blocks they share (never
@@ -53,8 +56,8 @@ class Groups(NamedTuple):
 
 
 class SharedPrefix(NamedTuple):
-    """A step's groups on the device, as `attention.paged_decode` takes them. `rows` may have
-    more groups than found (a CUDA graph's static buffer): a group with tokens 0 is empty."""
+    """A step's groups on the device, as `paged_decode` takes them. `rows` may have more
+    groups than found (a CUDA graph's static buffer): a group with tokens 0 is empty."""
 
     rows: torch.Tensor
     tokens: torch.Tensor
