@@ -238,7 +238,8 @@ def test_shared_prompt_keys_read_once_on_gpu(dtype, splits, monkeypatch):
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(len(lens), h, d, generator=g, device="cuda").to(dtype)
     monkeypatch.setattr(attention, "decode_splits", lambda *a: splits)
-    got = shared_prefix.paged_decode(q, kc, vc, bt, lens_t, d**-0.5, shared).float()
+    prefix = shared_prefix.prefix_partials(q, kc, vc, bt, shared, d**-0.5)
+    got = attention.paged_decode(q, kc, vc, bt, lens_t, d**-0.5, prefix=prefix).float()
     ref = attention.decode_reference(q.float(), kc.float(), vc.float(), bt, lens_t, d**-0.5)
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err

@@ -107,7 +107,8 @@ def test_shared_keys_read_once_give_the_reference_attention(splits, monkeypatch)
     bt, lens = torch.from_numpy(bt_np), torch.from_numpy(lens_np)
     q = torch.randn(len(tables), h, d, generator=g)
     monkeypatch.setattr(attention, "decode_splits", lambda *a: splits)
-    got = shared_prefix.paged_decode(q, kc, vc, bt, lens, d**-0.5, shared)
+    prefix = shared_prefix.prefix_partials(q, kc, vc, bt, shared, d**-0.5)
+    got = attention.paged_decode(q, kc, vc, bt, lens, d**-0.5, prefix=prefix)
     ref = attention.decode_reference(q, kc, vc, bt, lens, d**-0.5)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     # the plain kernel on the same rows, for the merge's sake: the same
@@ -127,6 +128,7 @@ def test_the_start_up_check_passes_the_kernels_and_names_a_failure(monkeypatch):
         device=torch.device("cpu"), block_size=BS, num_kv_heads=2, head_dim=32, num_heads=4,
         dtype=torch.float32, group_max=8,
     )  # fmt: skip
+    shape._check_decode = lambda *a, **k: ModelRunner._check_decode(shape, *a, **k)
     assert ModelRunner._check_shared(shape) is None
-    monkeypatch.setattr(shared_prefix, "paged_decode", lambda *a: torch.zeros(4, 4, 32))  # wrong
+    monkeypatch.setattr(attention, "paged_decode", lambda *a, **k: torch.zeros(4, 4, 32))  # wrong
     assert ModelRunner._check_shared(shape).startswith("relative error")

@@ -249,31 +249,6 @@ class ModelRunner:
             return "off"
         return "on"
 
-    def _check_shared(self) -> str | None:
-        """The shared-prefix path against the reference: three rows sharing two blocks, one
-        alone, at this model's head shape."""
-        try:
-            g = torch.Generator(device=self.device).manual_seed(1)
-            bs, hkv, d = self.block_size, self.num_kv_heads, self.head_dim
-            kc = torch.randn(9, bs, hkv, d, generator=g, device=self.device).to(self.dtype)
-            vc = torch.randn(kc.shape, generator=g, device=self.device).to(self.dtype)
-            q = torch.randn(4, self.num_heads, d, generator=g, device=self.device).to(self.dtype)
-            tables = [[1, 2, 3, 0], [1, 2, 4, 5], [1, 2, 6, 0], [7, 8, 0, 0]]
-            lens = [2 * bs + 3, 3 * bs + 1, 3 * bs, bs + 2]
-            found = shared_prefix.find_groups(
-                np.array(tables, dtype=np.int32), np.array(lens), bs, self.group_max
-            )
-            shared = SharedPrefix(*(torch.from_numpy(a).to(self.device) for a in found))
-            bt = torch.tensor(tables, dtype=torch.int32, device=self.device)
-            lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
-            got = shared_prefix.paged_decode(q, kc, vc, bt, lens_t, d**-0.5, shared).float()
-            ref = attention.decode_reference(q.float(), kc.float(), vc.float(), bt, lens_t, d**-0.5)
-            err = ((got - ref).norm() / ref.norm()).item()
-            tol = 1e-4 if self.dtype == torch.float32 else 2e-2
-            return None if err < tol else f"relative error {err:.2e} > {tol}"
-        except Exception as e:  # no compiler, unsupported shape, ...
-            return f"{type(e).__name__}: {e}"
-
     def groups(self, block_tables: torch.Tensor, positions: torch.Tensor) -> Groups | None:
         """The rows of a decode batch that share leading blocks (`shared_prefix.find_groups`),
         None where there are none or sharing is off. Host tensors in, host arrays out."""
@@ -285,24 +260,39 @@ class ModelRunner:
         return found if len(found.tokens) else None
 
     def _check_kernel(self) -> str | None:
-        """The Triton kernel against the gathered reference on random blocks of this shape."""
+        """The Triton kernel against the reference: rows over scattered blocks, a block twice,
+        a one-token row."""
+        bs = self.block_size
+        tables = [[3, 1, 4, 1], [5, 8, 2, 6], [7, 0, 0, 0]]
+        return self._check_decode(tables, [3 * bs + 1, 4 * bs, 1])
+
+    def _check_shared(self) -> str | None:
+        """The shared-prefix path: three rows sharing two blocks, one row alone."""
+        bs = self.block_size
+        tables = [[1, 2, 3, 0], [1, 2, 4, 5], [1, 2, 6, 0], [7, 8, 0, 0]]
+        return self._check_decode(tables, [2 * bs + 3, 3 * bs + 1, 3 * bs, bs + 2], shared=True)
+
+    def _check_decode(self, tables: list[list[int]], lens: list[int], shared: bool = False):
+        """The decode kernel (with the shared-prefix kernel when `shared`) on random blocks of
+        this model's head shape against the gathered reference: None, or what went wrong."""
         try:
             g = torch.Generator(device=self.device).manual_seed(0)
-            nb, bs = 9, self.block_size
-            kc = torch.randn(
-                nb, bs, self.num_kv_heads, self.head_dim, generator=g, device=self.device
-            ).to(self.dtype)
-            vc = torch.randn(kc.shape, generator=g, device=self.device).to(self.dtype)
-            q = torch.randn(3, self.num_heads, self.head_dim, generator=g, device=self.device)
+            dev, bs, d = self.device, self.block_size, self.head_dim
+            kc = torch.randn(9, bs, self.num_kv_heads, d, generator=g, device=dev).to(self.dtype)
+            vc = torch.randn(kc.shape, generator=g, device=dev).to(self.dtype)
+            q = torch.randn(len(tables), self.num_heads, d, generator=g, device=dev)
             q = q.to(self.dtype)
-            bt = torch.tensor(
-                [[3, 1, 4, 1], [5, 8, 2, 6], [7, 0, 0, 0]], dtype=torch.int32, device=self.device
-            )
-            lens = torch.tensor([bs * 3 + 1, bs * 4, 1], dtype=torch.int32, device=self.device)
-            got = attention.paged_decode(q, kc, vc, bt, lens, self.head_dim**-0.5).float()
-            ref = attention.decode_reference(
-                q.float(), kc.float(), vc.float(), bt, lens, self.head_dim**-0.5
-            )
+            bt = torch.tensor(tables, dtype=torch.int32, device=dev)
+            lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+            prefix = None
+            if shared:
+                found = shared_prefix.find_groups(
+                    np.array(tables, dtype=np.int32), np.array(lens), bs, self.group_max
+                )
+                groups = SharedPrefix(*(torch.from_numpy(a).to(dev) for a in found))
+                prefix = shared_prefix.prefix_partials(q, kc, vc, bt, groups, d**-0.5)
+            got = attention.paged_decode(q, kc, vc, bt, lens_t, d**-0.5, prefix=prefix).float()
+            ref = attention.decode_reference(q.float(), kc.float(), vc.float(), bt, lens_t, d**-0.5)
             err = ((got - ref).norm() / ref.norm()).item()
             tol = 1e-4 if self.dtype == torch.float32 else 2e-2
             return None if err < tol else f"relative error {err:.2e} > {tol}"
@@ -471,10 +461,11 @@ class ModelRunner:
 
         def attend(li: int, q: torch.Tensor) -> torch.Tensor:
             kc, vc = self.k_cache[li], self.v_cache[li]
-            if kernel and shared is not None:
-                return shared_prefix.paged_decode(q, kc, vc, bt, lens, self._scale, shared)
             if kernel:
-                return attention.paged_decode(q, kc, vc, bt, lens, self._scale)
+                prefix = None
+                if shared is not None:
+                    prefix = shared_prefix.prefix_partials(q, kc, vc, bt, shared, self._scale)
+                return attention.paged_decode(q, kc, vc, bt, lens, self._scale, prefix=prefix)
             return attention.decode_reference(q, kc, vc, bt, lens, self._scale, span)
 
         return self._logits(self._forward(ids, pos, slots, attend), out)

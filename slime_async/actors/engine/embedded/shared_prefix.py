@@ -17,8 +17,8 @@ so the L2 cache already served many of the repeated reads) and 41% with 1,024-to
   row's (max, sum, weighted values) of the prefix. The decode kernel then reads each row's
   keys from the end of its group's prefix on, and merges the two softmaxes.
 
-The result is the same attention, summed in another order (as the splits of flash-decoding).
-`paged_decode` runs both; a CUDA graph of the decode step captures the group buffers as static
+The result is the same attention, summed in another order (as the splits of flash-decoding):
+`attention.paged_decode(..., prefix=prefix_partials(...))`; a CUDA graph of the decode step captures the group buffers as static
 inputs (`cuda_graphs.DecodeGraphs`).
 """
 
@@ -56,7 +56,7 @@ class Groups(NamedTuple):
 
 
 class SharedPrefix(NamedTuple):
-    """A step's groups on the device, as `paged_decode` takes them. `rows` may have more
+    """A step's groups on the device, as `prefix_partials` takes them. `rows` may have more
     groups than found (a CUDA graph's static buffer): a group with tokens 0 is empty."""
 
     rows: torch.Tensor
@@ -174,18 +174,17 @@ if triton is not None:
             tl.store(PreAcc + out[:, None] * D + d[None, :], acc, mask=live[:, None])
 
 
-def paged_decode(
+def prefix_partials(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
     shared: SharedPrefix,
-) -> torch.Tensor:
-    """`attention.paged_decode` with each group's shared keys read once: `_prefix_kernel`'s
-    softmax of every grouped row over its group's keys, then the decode kernel over each row's
-    keys from `shared.start` on, merging the two."""
+    scale: float,
+) -> attention.Prefix:
+    """`_prefix_kernel`'s softmax of every grouped row over its group's shared keys, as
+    `attention.paged_decode(..., prefix=...)` merges it into each row's own keys (rows outside
+    a group: start 0, their partials unwritten and unread)."""
     n, H, D = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     G = H // hkv
@@ -204,7 +203,4 @@ def paged_decode(
         IEEE=q.dtype == torch.float32, DYNAMIC=cuda,
         MAXT=0 if cuda else -(-block_tables.shape[1] * bs // tile), num_warps=4,
     )  # fmt: skip
-    return attention.paged_decode(
-        q, k_cache, v_cache, block_tables, seq_lens, scale,
-        prefix=attention.Prefix(shared.start, pre_m, pre_l, pre_acc),
-    )  # fmt: skip
+    return attention.Prefix(shared.start, pre_m, pre_l, pre_acc)
