@@ -2,16 +2,16 @@
 
 Generation (default): tokens/s of the embedded engine (a child process, over HTTP, B concurrent
 /generate requests, greedy, ignore_eos: every request runs to `--new-tokens`) against HF
-transformers `generate()` on the same batch of B prompts in this process (while the engine,
-holding `--mem-fraction` of a GPU, is up), printed as a ratio. `--context L` makes the prompts L
-tokens long (decode at long context; the engine's max_context_len follows). The warm-up's
-prefill leaves the prompts' full KV blocks cached (prefix sharing), so the timed run's prefill is
+transformers `generate()` on the same batch of B prompts in this process (run first, alone on
+the device, and released before the engine starts with `--mem-fraction` of it), printed as a
+ratio. `--context L` makes the prompts L tokens long (decode at long context; the engine's
+max_context_len follows). The warm-up's prefill leaves the prompts' full KV blocks cached (prefix sharing), so the timed run's prefill is
 mostly cache hits: `prompt_tokens_prefilled` in the JSON counts what was prefilled.
 
     python bench/bench_engine.py                                  # tiny model on CPU, B = 1, 16, 64
     python bench/bench_engine.py --model qwen3-0.5b --device cuda --batches 1,16,64,128
     python bench/bench_engine.py --model qwen3-0.5b --device cuda --batches 64 --context 4096 \
-        --new-tokens 64 --mem-fraction 0.4                        # HF's cache needs the rest
+        --new-tokens 64                                           # decode at a 4k context
     python bench/bench_engine.py --quickstart                     # the quickstart's shapes on CPU
 
 Roofline (generation and GRPO rows): the memory-bandwidth limit of the decode at HBM bandwidth
@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -267,12 +268,29 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
     threads = 0 if device.startswith("cuda") else args.cpu_threads
     if threads:
         torch.set_num_threads(threads)
+    # HF first, alone on the device, then released: the engine then gets its --mem-fraction of
+    # a GPU with nothing else resident (at long contexts both caches would not fit at once).
     hf = (
         AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
         .to(device)
         .eval()
     )
     vocab = hf.config.vocab_size
+    hf_rates: dict[int, float | None] = {}
+    for b in batches:
+        try:
+            with torch.inference_mode():
+                hf_rates[b] = hf_tokens_per_s(
+                    hf, prompts_for(b, args.prompt_len, vocab), args.new_tokens, device
+                )
+        except torch.cuda.OutOfMemoryError as e:
+            hf_rates[b] = None
+            print(f"batch {b}: HF generate ran out of memory: {str(e).splitlines()[0][:200]}")
+        print(f"batch {b:4d}: HF generate {fmt(hf_rates[b], '9.1f')} tok/s", flush=True)
+    del hf
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     context = args.prompt_len + args.new_tokens
     child, url = start_engine(
         model_dir,
@@ -295,21 +313,12 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
             after = server_info(url)
             prefilled = after["prefill_tokens"] - before["prefill_tokens"]
             timing = loop_timing(timed_before, after)
-            try:
-                with torch.inference_mode():
-                    ref = hf_tokens_per_s(hf, prompts, args.new_tokens, device)
-            except torch.cuda.OutOfMemoryError as e:
-                # the engine holds --mem-fraction of the GPU meanwhile: lower it for long contexts
-                ref = None
-                print(
-                    f"batch {b}: HF generate ran out of memory (--mem-fraction "
-                    f"{args.mem_fraction} is the engine's): {str(e).splitlines()[0][:200]}"
-                )
-                torch.cuda.empty_cache()
+            ref = hf_rates[b]
             row = {"batch": b, "engine_tokens_per_s": eng, "hf_tokens_per_s": ref}
             row = with_roofline(row, shape, b, args.prompt_len, args.new_tokens, args.hbm_tbps)
             row["ratio_engine_over_hf"] = eng / ref if ref else None
             row["prompt_tokens_prefilled"] = prefilled  # the warm-up and the timed run
+            row["prefill_attention"] = after.get("prefill_attention")
             row["engine_loop"] = timing  # the timed run only
             row["decode_steps_of_roofline"] = decode_steps_of_roofline(
                 timing, shape, args.prompt_len, args.new_tokens, args.hbm_tbps
@@ -1192,8 +1201,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mem-fraction",
         type=float,
         default=0.8,
-        help="engine.embedded.mem_fraction of the engine (on a GPU the HF baseline of the "
-        "generation table gets what the engine leaves)",
+        help="engine.embedded.mem_fraction of the engine (the generation table's HF baseline "
+        "runs before the engine starts; the GRPO load's engines run one at a time)",
     )
     ap.add_argument(
         "--kernels", action="store_true", help="decode attention and step timings (GPU)"

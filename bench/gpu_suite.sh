@@ -67,7 +67,7 @@ nvidia-smi -L
 ROOFLINE_RUNS=(
   "engine_table|120|bench/bench_engine.py --model qwen3-0.5b --device cuda --dtype bfloat16 --batches 1,256 --prompt-len 32 --new-tokens 128"
   "engine_grpo|120|bench/bench_engine.py --grpo --model qwen3-0.5b --device cuda --dtype bfloat16 --grpo-prompts 64 --grpo-n 8 --grpo-prompt-len 256 --new-tokens 512 --grpo-sharing on --grpo-fanout both --grpo-top-p 1.0,0.95"
-  "engine_context4096|110|bench/bench_engine.py --model qwen3-0.5b --device cuda --dtype bfloat16 --batches 64 --context 4096 --new-tokens 64 --mem-fraction 0.4"
+  "engine_context4096|110|bench/bench_engine.py --model qwen3-0.5b --device cuda --dtype bfloat16 --batches 64 --context 4096 --new-tokens 64"
   "learner_4b|170|bench/bench_learner.py --hidden 2560 --layers 36 --heads 32 --kv-heads 8 --head-dim 128 --ffn 9728 --warmup 2 --steps 3 --baseline hf"
   "learner_0.5b|100|bench/bench_learner.py --warmup 2 --steps 4 --baseline hf"
 )

@@ -52,6 +52,12 @@ class EmbeddedEngineConfig(Section):
     """Prefill a shared prompt once: the n samples of a request, and later requests whose prompt
     starts with cached full blocks, share its KV blocks (flushed on every weight update; in strict
     mode, as SGLang, only by updates asked to flush and by /flush_cache)."""
+    prefill_attention: Literal["auto", "varlen", "gathered"] = "auto"
+    """Prefill attention over each prompt's cached and new keys: `varlen` (torch's
+    variable-length flash kernel over the prompts' gathered keys, one kernel for the batch;
+    CUDA, bf16/fp16), `gathered` (SDPA over each prompt's gathered blocks, padded to the
+    longest, with a mask: its math path), `auto` (varlen where it runs and passes its check at
+    start, logged where not)."""
     decode_attention: Literal["auto", "triton", "gathered"] = "auto"
     """Decode attention over the paged cache: `triton` (the project's paged kernel, CUDA),
     `gathered` (SDPA over each request's gathered blocks), `auto` (triton where it runs)."""

@@ -277,3 +277,30 @@ def test_gpu_samples_of_shared_prompts_equal_with_and_without_reading_them_once(
         torch.testing.assert_close(
             torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-4, rtol=0
         )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_varlen_prefill_equals_the_gathered_path_on_gpu(tmp_path):
+    """bf16 (the engine's GPU dtype): prefills run through torch's varlen flash kernel by
+    default, and its last-token logits equal SDPA over gathered blocks for whole prompts of 1-70
+    tokens and for the same prompts behind a cached prefix (the new tokens only: queries
+    shorter than keys), several sequences in one call."""
+    d = make_tiny_model(tmp_path / "m", family="qwen3", seed=4)
+    runner = ModelRunner(d, "cuda", dtype=torch.bfloat16, max_slots=8, max_context_len=128)
+    assert runner.prefill_attention == "varlen"
+    bs = runner.block_size
+    g = torch.Generator().manual_seed(3)
+    prompts = [[2, *torch.randint(5, 60, (n,), generator=g).tolist()] for n in (0, 15, 40, 69)]
+    tables = [runner.pool.allocate(-(-len(p) // bs)) for p in prompts]
+    whole = [(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+    # behind a cached prefix: the whole prompts' K/V stay in their blocks; a prefill from each
+    # prompt's last whole block on recomputes the rest
+    cut = [max(0, (len(p) - 1) // bs) * bs for p in prompts]
+    tail = [(p[c:], c, t) for p, c, t in zip(prompts, cut, tables, strict=True)]
+    logits = {}
+    for kind in ("varlen", "gathered"):
+        runner.prefill_attention = kind
+        logits[kind] = [runner.prefill(whole).float(), runner.prefill(tail).float()]
+    for a, b in zip(logits["varlen"], logits["gathered"], strict=True):
+        assert ((a - b).norm() / b.norm()).item() < 2e-2

@@ -61,6 +61,7 @@ NOT_DEFAULT = {
     "kv_cache_tokens": 4096,
     "max_prefill_tokens": 1024,
     "prefix_sharing": False,
+    "prefill_attention": "gathered",
     "decode_attention": "gathered",
     "decode_shared_prefix": "off",
     "compile": False,

@@ -202,6 +202,43 @@ def test_packed_prefill_padding_rows_leave_token_zero_alone(qwen3):
             torch.testing.assert_close(row, ref, atol=1e-5, rtol=0)
 
 
+def test_varlen_operands_give_the_gathered_attention(qwen3):
+    """The prefill plan's operands of the varlen kernel (each sequence's keys end to end at
+    `kv_packed`, cumulative query and key counts) under the kernel's semantics, written out per
+    sequence here (causality aligned to the sequence's last key: new token j of m over L keys
+    sees keys 0 .. L - m + j), equal the gathered path's attention: a cached prefix, a whole
+    prompt, a single token. The kernel itself is CUDA-only (tests/gpu/test_engine_gpu.py)."""
+    import torch.nn.functional as F
+
+    d, _ = qwen3
+    runner = ModelRunner(d, max_slots=4, max_context_len=64, block_size=4)
+    assert runner.prefill_attention == "gathered"  # the CPU
+    with pytest.raises(ValueError, match="prefill_attention = 'varlen' needs a CUDA device"):
+        ModelRunner(d, max_slots=4, max_context_len=64, prefill_attention="varlen")
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = runner.num_heads, runner.num_kv_heads, runner.head_dim
+    kc, vc = (torch.randn(12, 4, kv_heads, dim, generator=g) for _ in "kv")
+    lens, starts, tables = [5, 9, 1], [6, 0, 4], [[3, 1, 7], [5, 8, 2], [9, 4, 0]]
+    plan = runner._prefill_plan(lens, starts, tables)
+    q = torch.randn(sum(lens), heads, dim, generator=g)
+    want = runner._prefill_attend(plan, "gathered")(q, kc, vc)
+    k_all = kc.view(-1, kv_heads, dim)[plan["kv_packed"]]
+    v_all = vc.view(-1, kv_heads, dim)[plan["kv_packed"]]
+    cu_q, cu_k = plan["cu_q"].tolist(), plan["cu_k"].tolist()
+    assert cu_k == [0, 11, 20, 25] and cu_q == [0, 5, 14, 15]
+    got = []
+    for i in range(len(lens)):
+        qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
+        ki, vi = (x[cu_k[i] : cu_k[i + 1]].transpose(0, 1) for x in (k_all, v_all))
+        m, n_keys = qi.shape[1], ki.shape[1]
+        sees = torch.arange(n_keys)[None, :] <= torch.arange(m)[:, None] + (n_keys - m)
+        o = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=sees, enable_gqa=True, scale=runner._scale
+        )
+        got.append(o.transpose(0, 1))
+    torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=1e-5)
+
+
 def test_gathered_attention_gathers_its_output_back_by_token():
     """The GPU prefill's attention (gathered_attention, run here on CPU) and the CPU path's
     (gather_plan + attend_gathered) agree, padding rows included, with a per-sequence SDPA."""

@@ -404,7 +404,10 @@ def test_a_timeouts_sigterm_stops_the_bench_and_its_engine(tmp_path):
     """gpu_suite.sh stops an overlong run with SIGTERM: the bench unwinds (exit 143), stopping
     the engine child it started on the way, instead of dying where it stands."""
     proc = subprocess.Popen(
-        [sys.executable, "bench/bench_engine.py", "--batches", "1", "--new-tokens", "50000"],
+        [
+            *(sys.executable, "bench/bench_engine.py", "--grpo"),
+            *("--grpo-prompts", "1", "--grpo-n", "2", "--new-tokens", "50000"),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env=ENV,

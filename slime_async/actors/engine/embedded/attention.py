@@ -119,6 +119,54 @@ class GatherPlan(NamedTuple):
     keys: int
 
 
+@functools.cache
+def _varlen():
+    """(torch's causal variable-length flash kernel, its keyword arguments for a scale and for
+    grouped heads) or None where this torch has none (`models.attention.varlen_kernel`)."""
+    import inspect
+
+    from slime_async.models.attention import varlen_kernel
+
+    kernel = varlen_kernel()
+    if kernel is None:
+        return None
+    params = inspect.signature(kernel.func).parameters
+    return kernel, "scale" in params, "enable_gqa" in params
+
+
+def varlen_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_packed: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal prefill attention through torch's variable-length flash kernel (CUDA): q [T, H, D]
+    packed, each sequence's new tokens in turn (`cu_q` [n + 1], int32); each sequence's keys,
+    its cached prefix then its new tokens, gathered from the cache at `kv_packed` [sum of key
+    counts] (`cu_k` [n + 1]) into contiguous [Tk, Hkv, D]. The kernel aligns causality to each
+    sequence's last key: new token j of m sees its sequence's keys up to L - m + j, its own
+    position. One kernel for every sequence, where `gathered_attention` pads them to a rectangle
+    and SDPA takes its math path (a mask with grouped heads). Returns [T, H, D]."""
+    kernel, has_scale, has_gqa = _varlen()
+    k = k_cache.view(-1, *k_cache.shape[2:])[kv_packed]
+    v = v_cache.view(-1, *v_cache.shape[2:])[kv_packed]
+    kw: dict = {"scale": scale} if has_scale else {}
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        if has_gqa:
+            kw["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if not has_scale and scale != q.shape[-1] ** -0.5:
+        q = q * (scale * q.shape[-1] ** 0.5)
+    return kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+
+
 def gather_plan(
     kv_slots: torch.Tensor,
     q_pos: torch.Tensor,

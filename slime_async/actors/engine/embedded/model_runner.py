@@ -53,6 +53,9 @@ from slime_async.models.families import FAMILIES
 from slime_async.models.family import Family
 from slime_async.models.layer_math import LayerMath
 
+_GATHERED_OPERANDS = ("kv_slots", "q_pos", "kv_len", "q_rows", "tok_rows")
+"""The prefill plan's operands of the gathered path, in `attention.gather_plan`'s order."""
+
 log = logging.getLogger(__name__)
 
 
@@ -75,6 +78,7 @@ class ModelRunner:
         compile: bool = True,
         decode_attention: str = "auto",
         decode_shared_prefix: str = "auto",
+        prefill_attention: str = "auto",
     ):
         self.model_path = str(model_path)
         self.device = torch.device(device)
@@ -187,8 +191,13 @@ class ModelRunner:
         self.group_max = shared_prefix.group_size(self.num_heads, self.num_kv_heads)
         self.decode_shared_prefix = self._pick_shared_prefix(decode_shared_prefix)
         """'on': decode steps read the KV blocks their rows share once (`shared_prefix.py`)."""
+        self.prefill_attention = self._pick_prefill(prefill_attention)
+        """'varlen': prefills through torch's variable-length flash kernel; 'gathered': SDPA
+        over each sequence's gathered blocks (the CPU, or where the kernel failed its check)."""
         log.info(
-            "decode attention: %s; a shared prompt's keys read once a group: %s",
+            "prefill attention: %s; decode attention: %s; a shared prompt's keys read once a "
+            "group: %s",
+            self.prefill_attention,
             self.decode_attention,
             self.decode_shared_prefix,
         )
@@ -248,6 +257,56 @@ class ModelRunner:
             )
             return "off"
         return "on"
+
+    def _pick_prefill(self, choice: str) -> str:
+        """'varlen' ("auto" or "varlen") on a CUDA device in a 16-bit dtype where torch's varlen
+        kernel exists and matches the gathered reference at this model's head shape (a cached
+        prefix, a prompt of several blocks, a single token); else 'gathered', the reason logged
+        ("varlen" refused where it cannot run)."""
+        if choice == "gathered":
+            return "gathered"
+        why = (
+            f"a CUDA device (here {self.device})"
+            if self.device.type != "cuda"
+            else f"a 16-bit dtype (here {self.dtype})"
+            if self.dtype not in (torch.bfloat16, torch.float16)
+            else None
+        )
+        if why is not None:
+            if choice == "varlen":
+                raise ValueError(f"engine.embedded.prefill_attention = 'varlen' needs {why}")
+            return "gathered"
+        err = self._check_prefill()
+        if err is not None:
+            if choice == "varlen":
+                raise RuntimeError(f"the varlen prefill attention failed its check: {err}")
+            log.error("varlen prefill attention failed its check (%s): using gathered SDPA", err)
+            return "gathered"
+        return "varlen"
+
+    def _check_prefill(self) -> str | None:
+        """The varlen prefill against the gathered path on random blocks: None, or what went
+        wrong."""
+        try:
+            if attention._varlen() is None:
+                return "torch.nn.attention.varlen.varlen_attn is missing or has no causal option"
+            g = torch.Generator(device=self.device).manual_seed(0)
+            dev, bs, d = self.device, self.block_size, self.head_dim
+            kc = torch.randn(9, bs, self.num_kv_heads, d, generator=g, device=dev).to(self.dtype)
+            vc = torch.randn(kc.shape, generator=g, device=dev).to(self.dtype)
+            # (new tokens, start): a cached prefix, a whole prompt over blocks, one token
+            lens, starts = [5, 2 * bs + 1, 1], [bs + 3, 0, bs]
+            tables = [[3, 1, 0], [5, 8, 2], [7, 4, 0]]
+            plan = self._prefill_plan(lens, starts, tables)
+            q = torch.randn(sum(lens), self.num_heads, d, generator=g, device=dev)
+            q = q.to(self.dtype)
+            got = self._prefill_attend(plan, "varlen")(q, kc, vc).float()
+            ref = self._prefill_attend(plan, "gathered")(q.float(), kc.float(), vc.float())
+            err = ((got - ref).norm() / ref.norm()).item()
+            tol = 1e-4 if self.dtype == torch.float32 else 2e-2
+            return None if err < tol else f"relative error {err:.2e} > {tol}"
+        except Exception as e:  # no kernel for this dtype or head width, ...
+            return f"{type(e).__name__}: {e}"
 
     def groups(self, block_tables: torch.Tensor, positions: torch.Tensor) -> Groups | None:
         """The rows of a decode batch that share leading blocks (`shared_prefix.find_groups`),
@@ -341,17 +400,43 @@ class ModelRunner:
     def prefill(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """seqs: (new tokens, position of the first, block table) per sequence; the blocks cover
         the cached prefix [0, start) and the new tokens. Returns last-token logits [n, V]."""
-        dev, bs = self.device, self.block_size
-        n = len(seqs)
+        dev = self.device
         lens_new = [len(toks) for toks, _, _ in seqs]
-        starts = [s for _, s, _ in seqs]
+        ids = torch.tensor([t for toks, _, _ in seqs for t in toks], dtype=torch.long)
+        plan = self._prefill_plan(lens_new, [s for _, s, _ in seqs], [b for _, _, b in seqs])
+        last = plan.pop("last")
+        pos, slots = plan.pop("pos"), plan.pop("slots")
+        if dev.type == "cpu":  # operands shared by every layer built once (attention.py)
+            gathered = attention.gather_plan(*(plan[k] for k in _GATHERED_OPERANDS))
+
+            def attend(li: int, q: torch.Tensor) -> torch.Tensor:
+                return attention.attend_gathered(
+                    q, self.k_cache[li], self.v_cache[li], gathered, self._scale
+                )
+
+            h = self._forward(ids, pos, slots, attend)
+            return self._logits(h[last])
+        attend_with = self._prefill_attend(plan, self.prefill_attention)
+
+        def attend(li: int, q: torch.Tensor) -> torch.Tensor:
+            return attend_with(q, self.k_cache[li], self.v_cache[li])
+
+        h = self._forward(ids.to(dev), pos.to(dev), slots.to(dev), attend)
+        return self._logits(h[last.to(dev)])
+
+    def _prefill_plan(
+        self, lens_new: list[int], starts: list[int], tables: list[list[int]]
+    ) -> dict[str, torch.Tensor | int]:
+        """A prefill's host-side operands: each new token's position and cache slot, the
+        padded [n, m_max] queries over [n, l_max] keys of the gathered path, the packed keys and
+        cumulative lengths of the varlen path, and each sequence's last token."""
+        bs, n = self.block_size, len(lens_new)
         total = [s + m for s, m in zip(starts, lens_new, strict=True)]
         m_max, l_max = max(lens_new), max(total)
-        ids = torch.tensor([t for toks, _, _ in seqs for t in toks], dtype=torch.long)
         pos = torch.cat([torch.arange(s, s + m) for s, m in zip(starts, lens_new, strict=True)])
         width = math.ceil(l_max / bs)
         table = torch.zeros((n, width), dtype=torch.long)
-        for i, (_, _, blocks) in enumerate(seqs):
+        for i, blocks in enumerate(tables):
             nb = math.ceil(total[i] / bs)
             table[i, :nb] = torch.tensor(blocks[:nb], dtype=torch.long)
         row_of_tok = torch.repeat_interleave(torch.arange(n), torch.tensor(lens_new))
@@ -360,43 +445,41 @@ class ModelRunner:
         offs = torch.tensor([0, *lens_new[:-1]]).cumsum(0)
         j = torch.arange(m_max)
         valid_q = j[None, :] < torch.tensor(lens_new)[:, None]
-        q_rows = torch.where(valid_q, offs[:, None] + j[None, :], 0)
-        q_pos = torch.where(valid_q, torch.tensor(starts)[:, None] + j[None, :], 0)
         kp = torch.arange(l_max)
         kv_slots = table[:, kp // bs] * bs + kp % bs
-        kv_len = torch.tensor(total)
-        # Each packed token's row in the padded [n * m_max] queries (the output is gathered back).
-        tok_rows = row_of_tok * m_max + (torch.arange(len(ids)) - offs[row_of_tok])
-        if dev.type == "cpu":  # operands shared by every layer built once (attention.py)
-            plan = attention.gather_plan(kv_slots, q_pos, kv_len, q_rows, tok_rows)
+        return {
+            "pos": pos,
+            "slots": slots,
+            "last": offs + torch.tensor(lens_new) - 1,
+            "q_rows": torch.where(valid_q, offs[:, None] + j[None, :], 0),
+            "q_pos": torch.where(valid_q, torch.tensor(starts)[:, None] + j[None, :], 0),
+            "kv_slots": kv_slots,
+            "kv_len": torch.tensor(total),
+            # each packed token's row in the padded [n * m_max] queries (output gathered back)
+            "tok_rows": row_of_tok * m_max + (torch.arange(len(pos)) - offs[row_of_tok]),
+            # varlen: every sequence's keys end to end, and both cumulative lengths
+            "kv_packed": kv_slots[kp[None, :] < torch.tensor(total)[:, None]],
+            "cu_q": torch.tensor([0, *lens_new], dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            "cu_k": torch.tensor([0, *total], dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            "m_max": m_max,
+            "l_max": l_max,
+        }
 
-            def attend(li: int, q: torch.Tensor) -> torch.Tensor:
-                return attention.attend_gathered(
-                    q, self.k_cache[li], self.v_cache[li], plan, self._scale
-                )
-
-            h = self._forward(ids, pos, slots, attend)
-            return self._logits(h[offs + torch.tensor(lens_new) - 1])
-        ids, pos, slots = ids.to(dev), pos.to(dev), slots.to(dev)
-        q_rows, q_pos, tok_rows = q_rows.to(dev), q_pos.to(dev), tok_rows.to(dev)
-        kv_slots, kv_len = kv_slots.to(dev), kv_len.to(dev)
-
-        def attend(li: int, q: torch.Tensor) -> torch.Tensor:
-            return attention.gathered_attention(
-                q,
-                self.k_cache[li],
-                self.v_cache[li],
-                q_rows,
-                q_pos,
-                kv_slots,
-                kv_len,
+    def _prefill_attend(self, plan: dict, kind: str):
+        """`attend(q, k_cache, v_cache) -> [T, H, D]` of a prefill on the device, through torch's
+        varlen flash kernel ("varlen") or SDPA over gathered, padded blocks ("gathered")."""
+        dev = self.device
+        used = ("kv_packed", "cu_q", "cu_k") if kind == "varlen" else _GATHERED_OPERANDS
+        on = {k: plan[k].to(dev) for k in used} | {k: plan[k] for k in ("m_max", "l_max")}
+        if kind == "varlen":
+            return lambda q, kc, vc: attention.varlen_prefill(
+                q, kc, vc, on["kv_packed"], on["cu_q"], on["cu_k"], on["m_max"], on["l_max"],
                 self._scale,
-                tok_rows,
-            )
-
-        h = self._forward(ids, pos, slots, attend)
-        last = (offs + torch.tensor(lens_new) - 1).to(dev)
-        return self._logits(h[last])
+            )  # fmt: skip
+        return lambda q, kc, vc: attention.gathered_attention(
+            q, kc, vc, on["q_rows"], on["q_pos"], on["kv_slots"], on["kv_len"], self._scale,
+            on["tok_rows"],
+        )  # fmt: skip
 
     @torch.inference_mode()
     def decode(

@@ -177,6 +177,7 @@ class EmbeddedEngine:
             gpu_reserve_bytes=gpu_reserve_bytes(emb, self.device),
             max_prefill_tokens=emb.max_prefill_tokens,
             compile=emb.compile,
+            prefill_attention=emb.prefill_attention,
             decode_attention=emb.decode_attention,
             decode_shared_prefix=emb.decode_shared_prefix if emb.prefix_sharing else "off",
         )
@@ -673,6 +674,7 @@ class EmbeddedEngine:
                 **self.weights.info(),
                 "decode_steps": self.scheduler.steps,
                 **self.scheduler.stats(),
+                "prefill_attention": self.runner.prefill_attention,
                 "decode_attention": self.runner.decode_attention,
                 "decode_shared_prefix": self.runner.decode_shared_prefix,
                 "decode_shared_steps": self.runner.graphs.shared_steps if self.runner.graphs else 0,
