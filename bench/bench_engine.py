@@ -423,7 +423,15 @@ def server_info(url: str) -> dict:
         return json.loads(r.read())
 
 
-LOOP_KEYS = ("loop_s", "host_wait_s", "decode_steps_timed", "decode_rows_timed", "decode_device_s")
+LOOP_KEYS = (
+    "loop_s",
+    "host_wait_s",
+    "decode_steps_timed",
+    "decode_rows_timed",
+    "decode_device_s",
+    "prefill_batches",
+    "prefill_s",
+)
 
 
 def loop_timing(before: dict, after: dict) -> dict:
@@ -434,6 +442,8 @@ def loop_timing(before: dict, after: dict) -> dict:
     return {
         "loop_s": d["loop_s"],
         "host_wait_s": d["host_wait_s"],
+        "prefills": d["prefill_batches"],
+        "prefill_s": d["prefill_s"],
         "decode_steps": steps,
         "mean_decode_batch": d["decode_rows_timed"] / steps if steps else None,
         "decode_device_ms_per_step": 1e3 * d["decode_device_s"] / steps if steps else None,
@@ -532,12 +542,16 @@ def decode_steps_of_roofline(
 
 def describe_loop(t: dict) -> str:
     if not t["decode_steps"]:
-        return f"engine loop {t['loop_s']:.3f} s (no decode step timed on a device)"
+        return (
+            f"engine loop {t['loop_s']:.3f} s (no decode step timed on a device); "
+            f"{t['prefills']} prefills took {t['prefill_s']:.3f} s"
+        )
     return (
         f"engine loop {t['loop_s']:.3f} s: {t['decode_steps']} decode steps (mean batch "
         f"{t['mean_decode_batch']:.1f}), {t['loop_ms_per_decode_step']:.2f} ms of loop and "
         f"{t['decode_device_ms_per_step']:.2f} ms of device time a step (device "
-        f"{t['device_share_of_loop']:.0%} of the loop), host waited {t['host_wait_s']:.3f} s"
+        f"{t['device_share_of_loop']:.0%} of the loop), host waited {t['host_wait_s']:.3f} s; "
+        f"{t['prefills']} prefills took {t['prefill_s']:.3f} s"
     )
 
 

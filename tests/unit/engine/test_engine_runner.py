@@ -1,6 +1,7 @@
 """The paged-KV model runner and the scheduler reproduce HF transformers' greedy decoding on the CPU
 (the CUDA paths: tests/gpu/test_engine_gpu.py)."""
 
+import logging
 import os
 import threading
 
@@ -133,6 +134,7 @@ def test_shared_prompts_are_prefilled_once_and_flushed_with_new_weights(qwen3, t
         params = [SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)] * 3
         twins = run_all(sched, [prompt] * 3, params)
         assert sched.prefill_tokens == len(prompt)  # one prefill for the three
+        assert sched.stats()["prefill_batches"] == 1 and sched.stats()["prefill_s"] > 0
         assert [r.cached_tokens for r in twins] == [0, len(prompt), len(prompt)]
         (later,) = run_all(sched, [[*prompt, 40, 41]], params[:1])
         assert later.cached_tokens == 8 and sched.prefill_tokens == len(prompt) + 5
@@ -237,6 +239,17 @@ def test_varlen_operands_give_the_gathered_attention(qwen3):
         )
         got.append(o.transpose(0, 1))
     torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_start_up_check_is_refused_when_forced_and_logged_otherwise(caplog):
+    from slime_async.actors.engine.embedded.model_runner import _passed
+
+    assert _passed(None, True, "the kernel", "the other path")
+    with pytest.raises(RuntimeError, match="the kernel failed its check: relative error 1"):
+        _passed("relative error 1", True, "the kernel", "the other path")
+    with caplog.at_level(logging.ERROR):
+        assert not _passed("relative error 1", False, "the kernel", "the other path")
+    assert "the kernel failed its check (relative error 1): the other path instead" in caplog.text
 
 
 def test_gathered_attention_gathers_its_output_back_by_token():

@@ -53,10 +53,22 @@ from slime_async.models.families import FAMILIES
 from slime_async.models.family import Family
 from slime_async.models.layer_math import LayerMath
 
+log = logging.getLogger(__name__)
+
 _GATHERED_OPERANDS = ("kv_slots", "q_pos", "kv_len", "q_rows", "tok_rows")
 """The prefill plan's operands of the gathered path, in `attention.gather_plan`'s order."""
 
-log = logging.getLogger(__name__)
+
+def _passed(err: str | None, forced: bool, what: str, instead: str) -> bool:
+    """A start-up check's outcome (`err`: None or what went wrong): True where it passed; where
+    it failed, refused (RuntimeError) when the setting forced the path, else logged as an error
+    naming what runs `instead`, and False."""
+    if err is None:
+        return True
+    if forced:
+        raise RuntimeError(f"{what} failed its check: {err}")
+    log.error("%s failed its check (%s): %s instead", what, err, instead)
+    return False
 
 
 class ModelRunner:
@@ -230,13 +242,10 @@ class ModelRunner:
                     "power-of-two head_dim and engine.embedded.block_size >= 16"
                 )
             return "gathered"
-        if self.device.type == "cuda":
-            err = self._check_kernel()
-            if err is not None:
-                if choice == "triton":
-                    raise RuntimeError(f"the paged decode kernel failed its check: {err}")
-                log.error("paged decode kernel failed its check (%s): using gathered SDPA", err)
-                return "gathered"
+        if self.device.type == "cuda" and not _passed(
+            self._check_kernel(), choice == "triton", "the paged decode kernel", "gathered SDPA"
+        ):
+            return "gathered"
         return "triton"
 
     def _pick_shared_prefix(self, choice: str) -> str:
@@ -248,13 +257,12 @@ class ModelRunner:
             )
         if choice == "off" or not runs:
             return "off"
-        err = self._check_shared()
-        if err is not None:
-            if choice == "on":
-                raise RuntimeError(f"the shared-prefix decode kernel failed its check: {err}")
-            log.error(
-                "shared-prefix decode kernel failed its check (%s): each row reads its own", err
-            )
+        if not _passed(
+            self._check_shared(),
+            choice == "on",
+            "the shared-prefix decode kernel",
+            "each row reading its own blocks",
+        ):
             return "off"
         return "on"
 
@@ -276,11 +284,12 @@ class ModelRunner:
             if choice == "varlen":
                 raise ValueError(f"engine.embedded.prefill_attention = 'varlen' needs {why}")
             return "gathered"
-        err = self._check_prefill()
-        if err is not None:
-            if choice == "varlen":
-                raise RuntimeError(f"the varlen prefill attention failed its check: {err}")
-            log.error("varlen prefill attention failed its check (%s): using gathered SDPA", err)
+        if not _passed(
+            self._check_prefill(),
+            choice == "varlen",
+            "the varlen prefill attention",
+            "gathered SDPA",
+        ):
             return "gathered"
         return "varlen"
 

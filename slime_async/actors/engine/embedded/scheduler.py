@@ -149,10 +149,13 @@ class StepTiming:
     decode steps, `wait_s` the host's time blocked on a step still running, `loop_s` the wall
     time of the loop's working iterations. Device time near `loop_s` means the GPU bounds the
     loop; device time well below it, with `wait_s` near 0, means host work (scheduling,
-    bookkeeping, HTTP in the same process) does."""
+    bookkeeping, HTTP in the same process) does. `prefill_s`: the host's wall time in prefills
+    (their launch and the wait for their first tokens), during which no decode step runs: requests
+    arriving over many steps each bring one."""
 
     loop_s: float = 0.0
     wait_s: float = 0.0
+    prefill_s: float = 0.0
     decode_steps: int = 0
     """Decode steps timed on the device (GPU only)."""
     decode_rows: int = 0
@@ -170,6 +173,7 @@ class StepTiming:
         return {
             "loop_s": round(self.loop_s, 4),
             "host_wait_s": round(self.wait_s, 4),
+            "prefill_s": round(self.prefill_s, 4),
             "decode_steps_timed": self.decode_steps,
             "decode_rows_timed": self.decode_rows,
             "decode_device_s": round(self.decode_device_s, 4),
@@ -219,6 +223,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self.steps = 0
         self.prefill_tokens = 0
+        self.prefill_batches = 0
         """Prompt tokens run through prefill (shared prompts are prefilled once)."""
         self.cached_tokens = 0
         """Prompt tokens taken from shared blocks (prefix index or a same-batch twin)."""
@@ -264,6 +269,7 @@ class Scheduler:
         pool = self.runner.pool
         return {
             "prefill_tokens": self.prefill_tokens,
+            "prefill_batches": self.prefill_batches,
             "cached_tokens": self.cached_tokens,
             "retractions": self.retractions,
             "wasted_decode_rows": self.wasted_rows,
@@ -480,6 +486,8 @@ class Scheduler:
         r.issued = len(r.output_ids)
 
     def _prefill(self, admitted: list[Request]) -> None:
+        started = time.perf_counter()
+        self.prefill_batches += 1
         leads = [r for r in admitted if r._lead is None]  # type: ignore[attr-defined]
         seqs = []
         for r in leads:
@@ -505,6 +513,7 @@ class Scheduler:
             r.issued = len(r.output_ids)
         self._pending = self._sample(admitted, logits)
         self._drain()
+        self.timing.prefill_s += time.perf_counter() - started
 
     # ---- decode ------------------------------------------------------------------------------
 
