@@ -5,8 +5,9 @@ Generation (default): tokens/s of the embedded engine (a child process, over HTT
 transformers `generate()` on the same batch of B prompts in this process (run first, alone on
 the device, and released before the engine starts with `--mem-fraction` of it), printed as a
 ratio. `--context L` makes the prompts L tokens long (decode at long context; the engine's
-max_context_len follows). The warm-up's prefill leaves the prompts' full KV blocks cached (prefix sharing), so the timed run's prefill is
-mostly cache hits: `prompt_tokens_prefilled` in the JSON counts what was prefilled.
+max_context_len follows). The warm-up's prefill leaves the prompts' full KV blocks cached
+(prefix sharing), so the timed run's prefill is mostly cache hits: `prompt_tokens_prefilled` in
+the JSON counts what was prefilled.
 
     python bench/bench_engine.py                                  # tiny model on CPU, B = 1, 16, 64
     python bench/bench_engine.py --model qwen3-0.5b --device cuda --batches 1,16,64,128

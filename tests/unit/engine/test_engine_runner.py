@@ -221,9 +221,11 @@ def test_varlen_operands_give_the_gathered_attention(qwen3):
     heads, kv_heads, dim = runner.num_heads, runner.num_kv_heads, runner.head_dim
     kc, vc = (torch.randn(12, 4, kv_heads, dim, generator=g) for _ in "kv")
     lens, starts, tables = [5, 9, 1], [6, 0, 4], [[3, 1, 7], [5, 8, 2], [9, 4, 0]]
-    plan = runner._prefill_plan(lens, starts, tables)
+    plan = runner._prefill_plan(lens, starts, tables, "varlen")
     q = torch.randn(sum(lens), heads, dim, generator=g)
-    want = runner._prefill_attend(plan, "gathered")(q, kc, vc)
+    gathered = runner._prefill_plan(lens, starts, tables, "gathered")
+    want = runner._prefill_attend(gathered, "gathered")(q, kc, vc)
+    assert "kv_packed" not in gathered and "q_rows" not in plan  # each path's operands only
     k_all = kc.view(-1, kv_heads, dim)[plan["kv_packed"]]
     v_all = vc.view(-1, kv_heads, dim)[plan["kv_packed"]]
     cu_q, cu_k = plan["cu_q"].tolist(), plan["cu_k"].tolist()

@@ -306,11 +306,12 @@ class ModelRunner:
             # (new tokens, start): a cached prefix, a whole prompt over blocks, one token
             lens, starts = [5, 2 * bs + 1, 1], [bs + 3, 0, bs]
             tables = [[3, 1, 0], [5, 8, 2], [7, 4, 0]]
-            plan = self._prefill_plan(lens, starts, tables)
+            plans = {k: self._prefill_plan(lens, starts, tables, k) for k in ("varlen", "gathered")}
             q = torch.randn(sum(lens), self.num_heads, d, generator=g, device=dev)
             q = q.to(self.dtype)
-            got = self._prefill_attend(plan, "varlen")(q, kc, vc).float()
-            ref = self._prefill_attend(plan, "gathered")(q.float(), kc.float(), vc.float())
+            got = self._prefill_attend(plans["varlen"], "varlen")(q, kc, vc).float()
+            ref = self._prefill_attend(plans["gathered"], "gathered")
+            ref = ref(q.float(), kc.float(), vc.float())
             err = ((got - ref).norm() / ref.norm()).item()
             tol = 1e-4 if self.dtype == torch.float32 else 2e-2
             return None if err < tol else f"relative error {err:.2e} > {tol}"
@@ -412,7 +413,9 @@ class ModelRunner:
         dev = self.device
         lens_new = [len(toks) for toks, _, _ in seqs]
         ids = torch.tensor([t for toks, _, _ in seqs for t in toks], dtype=torch.long)
-        plan = self._prefill_plan(lens_new, [s for _, s, _ in seqs], [b for _, _, b in seqs])
+        kind = "gathered" if dev.type == "cpu" else self.prefill_attention
+        starts, tables = [s for _, s, _ in seqs], [b for _, _, b in seqs]
+        plan = self._prefill_plan(lens_new, starts, tables, kind)
         last = plan.pop("last")
         pos, slots = plan.pop("pos"), plan.pop("slots")
         if dev.type == "cpu":  # operands shared by every layer built once (attention.py)
@@ -425,7 +428,7 @@ class ModelRunner:
 
             h = self._forward(ids, pos, slots, attend)
             return self._logits(h[last])
-        attend_with = self._prefill_attend(plan, self.prefill_attention)
+        attend_with = self._prefill_attend(plan, kind)
 
         def attend(li: int, q: torch.Tensor) -> torch.Tensor:
             return attend_with(q, self.k_cache[li], self.v_cache[li])
@@ -434,11 +437,12 @@ class ModelRunner:
         return self._logits(h[last.to(dev)])
 
     def _prefill_plan(
-        self, lens_new: list[int], starts: list[int], tables: list[list[int]]
+        self, lens_new: list[int], starts: list[int], tables: list[list[int]], kind: str
     ) -> dict[str, torch.Tensor | int]:
-        """A prefill's host-side operands: each new token's position and cache slot, the
-        padded [n, m_max] queries over [n, l_max] keys of the gathered path, the packed keys and
-        cumulative lengths of the varlen path, and each sequence's last token."""
+        """A prefill's host-side operands: each new token's position and cache slot, each
+        sequence's last token, and the attention's operands of `kind`: "gathered" the padded
+        [n, m_max] queries over [n, l_max] keys, "varlen" the keys end to end and both
+        cumulative lengths."""
         bs, n = self.block_size, len(lens_new)
         total = [s + m for s, m in zip(starts, lens_new, strict=True)]
         m_max, l_max = max(lens_new), max(total)
@@ -450,29 +454,32 @@ class ModelRunner:
             table[i, :nb] = torch.tensor(blocks[:nb], dtype=torch.long)
         row_of_tok = torch.repeat_interleave(torch.arange(n), torch.tensor(lens_new))
         slots = table[row_of_tok, pos // bs] * bs + pos % bs
-        # Attention operands: each sequence's queries (padded to m_max) over its keys (l_max).
         offs = torch.tensor([0, *lens_new[:-1]]).cumsum(0)
-        j = torch.arange(m_max)
-        valid_q = j[None, :] < torch.tensor(lens_new)[:, None]
         kp = torch.arange(l_max)
-        kv_slots = table[:, kp // bs] * bs + kp % bs
-        return {
+        kv_slots = table[:, kp // bs] * bs + kp % bs  # [n, l_max]: each sequence's keys
+        plan: dict[str, torch.Tensor | int] = {
             "pos": pos,
             "slots": slots,
             "last": offs + torch.tensor(lens_new) - 1,
-            "q_rows": torch.where(valid_q, offs[:, None] + j[None, :], 0),
-            "q_pos": torch.where(valid_q, torch.tensor(starts)[:, None] + j[None, :], 0),
-            "kv_slots": kv_slots,
-            "kv_len": torch.tensor(total),
-            # each packed token's row in the padded [n * m_max] queries (output gathered back)
-            "tok_rows": row_of_tok * m_max + (torch.arange(len(pos)) - offs[row_of_tok]),
-            # varlen: every sequence's keys end to end, and both cumulative lengths
-            "kv_packed": kv_slots[kp[None, :] < torch.tensor(total)[:, None]],
-            "cu_q": torch.tensor([0, *lens_new], dtype=torch.int32).cumsum(0, dtype=torch.int32),
-            "cu_k": torch.tensor([0, *total], dtype=torch.int32).cumsum(0, dtype=torch.int32),
             "m_max": m_max,
             "l_max": l_max,
         }
+        if kind == "varlen":
+            plan["kv_packed"] = kv_slots[kp[None, :] < torch.tensor(total)[:, None]]
+            plan["cu_q"] = torch.tensor([0, *lens_new], dtype=torch.int32).cumsum(
+                0, dtype=torch.int32
+            )
+            plan["cu_k"] = torch.tensor([0, *total], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            return plan
+        j = torch.arange(m_max)
+        valid_q = j[None, :] < torch.tensor(lens_new)[:, None]
+        plan["q_rows"] = torch.where(valid_q, offs[:, None] + j[None, :], 0)
+        plan["q_pos"] = torch.where(valid_q, torch.tensor(starts)[:, None] + j[None, :], 0)
+        plan["kv_slots"] = kv_slots
+        plan["kv_len"] = torch.tensor(total)
+        # each packed token's row in the padded [n * m_max] queries (the output gathered back)
+        plan["tok_rows"] = row_of_tok * m_max + (torch.arange(len(pos)) - offs[row_of_tok])
+        return plan
 
     def _prefill_attend(self, plan: dict, kind: str):
         """`attend(q, k_cache, v_cache) -> [T, H, D]` of a prefill on the device, through torch's
