@@ -26,7 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from slime_async.launch.run_dir import RunDir
 from slime_async.metrics import read_metrics
+from slime_async.utils.procs import group_alive
 from tests.support.run_config import tiny_run_config
 from tests.support.runs import (
     engine_url,
@@ -39,6 +41,7 @@ from tests.support.runs import (
     stop_group,
     wait_for,
 )
+from tests.support.standins import await_watchdog, supervisor_watchdog
 
 STEPS = 10
 SAVE_INTERVAL = 3
@@ -196,15 +199,23 @@ def _check_run(run_dir: Path) -> dict:
 
 
 def test_supervisor_kill_and_resume_keeps_versions_and_the_bound(tiny):
+    """The supervisor alone is SIGKILLed mid-run: no role survives it (its roles die with it,
+    what they started goes with the watchdog), `run --resume` refuses nothing and finishes."""
     root, model, data = tiny
     cfg, run_dir = _config(root, model, data, "kill-supervisor")
     first = start_run(cfg)
     try:
         wait_for(lambda: _past_checkpoint(run_dir), 300, f"step {KILL_AFTER}", first)
+        roles = RunDir(run_dir).read_children()
+        assert {"buffer", "engine0", "generator0", "learner"} <= set(roles)
+        pids = [pid for pid, _ in roles.values()]
+        watchdog = supervisor_watchdog(first.pid)
         first.kill()  # the supervisor itself: its roles die with it (PR_SET_PDEATHSIG)
         first.communicate(timeout=60)
+        await_watchdog(watchdog, lambda: not any(map(group_alive, pids)), "the roles' groups")
     finally:
         stop_group(first)
+    assert "watchdog: the supervisor died" in (run_dir / "logs" / "supervisor.log").read_text()
     again = start_run("--resume", run_dir)
     try:
         finish(again)
@@ -213,9 +224,15 @@ def test_supervisor_kill_and_resume_keeps_versions_and_the_bound(tiny):
     log = (run_dir / "logs" / "learner.log").read_text()
     assert "resumed at step" in log
     _check_run(run_dir)
+    final = json.loads((run_dir / "buffer_final.json").read_text())
+    assert final["producers_live"] == 0  # written as the buffer stopped, after the generators
+    assert "Traceback" not in (run_dir / "logs" / "buffer.log").read_text()
 
 
 def test_learner_kill_keeps_versions_and_the_bound(tiny):
+    """The learner alone is SIGKILLed: the supervisor restarts it (no `--resume`), it resumes
+    from its checkpoint under a weight group of a fresh name (the dead one's destroyed first)
+    and the run finishes."""
     root, model, data = tiny
     cfg, run_dir = _config(root, model, data, "kill-learner")
     proc = start_run(cfg)
@@ -226,6 +243,14 @@ def test_learner_kill_keeps_versions_and_the_bound(tiny):
     finally:
         stop_group(proc)
     assert "restarting learner" in (run_dir / "logs" / "supervisor.log").read_text(), out[-3000:]
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert "resumed at step" in log
+    names = {
+        line.split("weight-update group ")[1].split()[0]
+        for line in log.splitlines()
+        if "weight-update group slime_async" in line
+    }
+    assert len(names) >= 2, names
     _check_run(run_dir)
 
 

@@ -1,44 +1,22 @@
 """One owner per run directory: a second supervisor is refused while the first lives; when the
 supervisor is SIGKILLed its roles die with it (parent-death signal) and so does what they started
 (the watchdog); a new owner stops whatever a dead one left. Stand-in roles from
-tests/support/standins.py."""
+tests/support/standins.py; the same SIGKILL of a real run's supervisor, then `run --resume`:
+tests/integration/test_restart_versions.py."""
 
-import itertools
 import json
 import os
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import pytest
 
 from slime_async.launch.run_dir import RunDir, RunDirBusy
 from slime_async.launch.supervisor import Supervisor, cleanup_leftovers
 from slime_async.utils.procs import Child, group_alive, wait_until
-from tests.support.standins import alive, role, start_driver
+from tests.support.standins import alive, await_watchdog, role, start_driver, supervisor_watchdog
 from tests.support.standins import env as env
-
-
-def _watchdog(supervisor_pid: int) -> psutil.Process:
-    """The supervisor's watchdog: its child that runs `slime_async.utils.procs`."""
-    found = [
-        c
-        for c in psutil.Process(supervisor_pid).children()
-        if "slime_async.utils.procs" in c.cmdline()
-    ]
-    assert len(found) == 1, found
-    return found[0]
-
-
-def _await_watchdog(watchdog: psutil.Process, gone: Callable[[], bool], what: str) -> None:
-    """Readiness, not timing: the watchdog exits once it has stopped what the dead supervisor
-    left (SIGTERM, then SIGKILL); after that only the kernel's delivery of SIGKILL remains."""
-    # Its own waits are bounded (grace, then 5 s); 300 s only bounds a hang. Not psutil's wait():
-    # once its parent is dead it may stay a zombie nobody reaps (pid 1 of a container).
-    wait_until(lambda: not alive(watchdog.pid), 300, "the watchdog to finish")
-    wait_until(gone, 30, what)
 
 
 def _start_driver(env, tmp_path):
@@ -61,12 +39,12 @@ def test_sigkill_of_the_supervisor_leaves_no_orphan_and_one_owner_at_a_time(env,
             RunDir(run_dir.path).lock()
         with pytest.raises(RunDirBusy):
             Supervisor(RunDir(run_dir.path), [[role(env, "x")]]).run()
-        watchdog = _watchdog(driver.pid)
+        watchdog = supervisor_watchdog(driver.pid)
         os.kill(driver.pid, signal.SIGKILL)  # the supervisor alone: no chance to stop anything
         driver.proc.wait(10)
         # The roles die with it; the grandchild that ignores SIGTERM goes too (watchdog).
         orphans = [*pids.values(), grandchild]
-        _await_watchdog(watchdog, lambda: not any(map(alive, orphans)), "orphans to be gone")
+        await_watchdog(watchdog, lambda: not any(map(alive, orphans)), "orphans to be gone")
         for name, pid in pids.items():
             assert not group_alive(pid), f"{name}'s group survived"
         assert "watchdog: the supervisor died" in run_dir.log("supervisor").read_text()
@@ -105,95 +83,6 @@ def test_a_new_owner_stops_what_a_dead_one_left(env, tmp_path):
         owner.unlock()
     finally:
         leftover.stop(1)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_sigkill_of_a_real_run_then_resume_finishes_with_nothing_lost_or_trained_twice(tmp_path):
-    """`slime-async run` (buffer with WAL, embedded engine, generator, megatron-core learner on a
-    tiny model) loses its supervisor to SIGKILL mid-run: no role survives it, `run --resume`
-    refuses nothing, finishes every step, and the buffer's accounting balances."""
-    import subprocess
-    import time
-
-    from examples.arithmetic.task import make_dataset
-    from slime_async.metrics import read_metrics
-    from slime_async.models.toy import make_tiny_model
-    from tests.support.repo import REPO
-    from tests.support.run_config import e2e_run_config
-
-    model = make_tiny_model(tmp_path / "model", "qwen3", seed=0)
-    data = make_dataset(tmp_path / "train.jsonl", 200, seed=0)
-    cfg = e2e_run_config(tmp_path, model, data, "async")
-    run_dir = RunDir(tmp_path / "killed")
-    total = 8
-    overrides = [
-        f"learner.num_steps={total}",
-        "learner.save_interval=2",
-        f"run.run_dir={run_dir.path}",
-    ]
-    first = subprocess.Popen(
-        [sys.executable, "-m", "slime_async", "run", str(cfg), *overrides],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    metrics = run_dir.metrics_dir / "learner.jsonl"
-    try:
-        deadline = time.monotonic() + 300
-        while not (
-            (run_dir.checkpoints_dir / "step_2").is_dir()
-            and metrics.exists()
-            and len(metrics.read_text().splitlines()) >= 3
-        ):
-            assert first.poll() is None and time.monotonic() < deadline, "first run ended early"
-            time.sleep(0.1)  # polling the run's files: the readiness signal here
-        roles = run_dir.read_children()
-        assert {"buffer", "engine0", "generator0", "learner"} <= set(roles)
-        pids = [pid for pid, _ in roles.values()]
-        watchdog = _watchdog(first.pid)
-        first.kill()  # SIGKILL of the supervisor alone
-        first.wait(10)
-        # The roles die with it at once; what they started goes with the watchdog.
-        _await_watchdog(watchdog, lambda: not any(map(group_alive, pids)), "the roles' groups")
-        assert "watchdog: the supervisor died" in run_dir.log("supervisor").read_text()
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-    done_before = len(read_metrics(metrics))
-    assert done_before < total
-
-    again = subprocess.run(
-        [sys.executable, "-m", "slime_async", "run", "--resume", str(run_dir.path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    learner = read_metrics(
-        metrics
-    )  # a step trained again after the checkpoint keeps its last record
-    assert [r["step"] for r in learner] == list(range(1, total + 1))
-    # The resumed learner continues under a fresh version, one past every version the run used:
-    # versions only go forward (they may skip ahead), never repeat.
-    versions = [r["version"] for r in learner]
-    assert all(a < b for a, b in itertools.pairwise(versions)) and versions[-1] >= total, versions
-    final = json.loads((run_dir.path / "buffer_final.json").read_text())
-    # Written by the buffer as it stopped, after the generators: nothing in flight.
-    assert final["producers_live"] == 0
-    assert final["batches_delivered_uncommitted"] == 0
-    c = final["counts"]
-    # Each trajectory committed at most once: trained steps after the last checkpoint were
-    # delivered again (redelivered), never committed twice.
-    assert c["committed_trajectories"] == c["committed_groups"] * 4
-    assert c["committed_groups"] <= total * 2
-    dropped = sum(final["dropped_trajectories"].values())
-    assert (
-        c["trajectories_in"] == c["committed_trajectories"] + dropped + final["trajectories_held"]
-    )
-    assert "Traceback" not in run_dir.log("buffer").read_text()
 
 
 DYING_OWNER = """

@@ -3,12 +3,15 @@ grandchildren) that wait on a file or a port, never on a sleep.
 
 `env` (a fixture) writes the stand-in script and makes a run directory; `role(env, name, ...)` is
 the RoleSpec of one stand-in; `start_driver` runs a supervisor over two of them as its own process.
+`supervisor_watchdog` and `await_watchdog` find and wait out a killed supervisor's watchdog (here
+and for real runs).
 """
 
 from __future__ import annotations
 
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -16,7 +19,7 @@ import pytest
 
 from slime_async.launch.run_dir import RunDir
 from slime_async.launch.supervisor import RoleSpec, ready_file_exists
-from slime_async.utils.procs import Child, tcp_ready
+from slime_async.utils.procs import Child, tcp_ready, wait_until
 
 STANDIN = textwrap.dedent(
     """
@@ -144,3 +147,23 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def supervisor_watchdog(supervisor_pid: int) -> psutil.Process:
+    """The supervisor's watchdog: its child that runs `slime_async.utils.procs`."""
+    found = [
+        c
+        for c in psutil.Process(supervisor_pid).children()
+        if "slime_async.utils.procs" in c.cmdline()
+    ]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def await_watchdog(watchdog: psutil.Process, gone: Callable[[], bool], what: str) -> None:
+    """Readiness, not timing: the watchdog exits once it has stopped what the dead supervisor
+    left (SIGTERM, then SIGKILL); after that only the kernel's delivery of SIGKILL remains."""
+    # Its own waits are bounded (grace, then 5 s); 300 s only bounds a hang. Not psutil's wait():
+    # once its parent is dead it may stay a zombie nobody reaps (pid 1 of a container).
+    wait_until(lambda: not alive(watchdog.pid), 300, "the watchdog to finish")
+    wait_until(gone, 30, what)
