@@ -432,6 +432,7 @@ LOOP_KEYS = (
     "decode_device_s",
     "prefill_batches",
     "prefill_s",
+    "prefill_device_s",
 )
 
 
@@ -445,6 +446,7 @@ def loop_timing(before: dict, after: dict) -> dict:
         "host_wait_s": d["host_wait_s"],
         "prefills": d["prefill_batches"],
         "prefill_s": d["prefill_s"],
+        "prefill_device_s": d["prefill_device_s"],
         "decode_steps": steps,
         "mean_decode_batch": d["decode_rows_timed"] / steps if steps else None,
         "decode_device_ms_per_step": 1e3 * d["decode_device_s"] / steps if steps else None,
@@ -545,14 +547,15 @@ def describe_loop(t: dict) -> str:
     if not t["decode_steps"]:
         return (
             f"engine loop {t['loop_s']:.3f} s (no decode step timed on a device); "
-            f"{t['prefills']} prefills took {t['prefill_s']:.3f} s"
+            f"{t['prefills']} prefills: {t['prefill_s']:.3f} s of host time"
         )
     return (
         f"engine loop {t['loop_s']:.3f} s: {t['decode_steps']} decode steps (mean batch "
         f"{t['mean_decode_batch']:.1f}), {t['loop_ms_per_decode_step']:.2f} ms of loop and "
         f"{t['decode_device_ms_per_step']:.2f} ms of device time a step (device "
         f"{t['device_share_of_loop']:.0%} of the loop), host waited {t['host_wait_s']:.3f} s; "
-        f"{t['prefills']} prefills took {t['prefill_s']:.3f} s"
+        f"{t['prefills']} prefills: {t['prefill_s']:.3f} s of host time (admission, launch), "
+        f"{t['prefill_device_s']:.3f} s on the device"
     )
 
 

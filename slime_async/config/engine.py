@@ -68,7 +68,9 @@ class EmbeddedEngineConfig(Section):
     compile: bool = True
     """GPU: fuse each layer's norms, rotary, SiLU and residual adds with torch.compile."""
     overlap_schedule: bool = True
-    """Launch decode step t+1 before the host reads step t's tokens (host work overlaps the GPU)."""
+    """Launch decode step t+1 before the host reads step t's tokens (host work overlaps the GPU),
+    and prefill arriving requests behind the step in flight; off: the host reads every step and
+    prefill before launching the next."""
     health_delay_s: float | None = Field(None, ge=0)
     """Least time GET /health and /health_generate take before answering (SGLang's answer no
     sooner than the first 1 s sleep of their wait loop); None: 1 s in strict mode, 0 otherwise."""

@@ -2,6 +2,8 @@
 runner with CUDA graphs against HF greedy decoding, and many concurrent requests equal to one at a
 time. The CPU paths are in tests/unit/engine/test_engine_runner.py."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,7 @@ from slime_async.actors.engine.embedded.sampling import (
     seeded_argmax,
     thresholds_hold,
 )
-from slime_async.actors.engine.embedded.scheduler import Scheduler
+from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
 from slime_async.models.toy import make_tiny_model
 from tests.support.engine_util import PROMPTS, hf_greedy, random_paged, run_all
 
@@ -202,6 +204,57 @@ def test_gpu_many_concurrent_equal_one_at_a_time(tmp_path):
     finally:
         sched.stop()
     for a, b in zip(together, alone, strict=True):
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(
+            torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-4, rtol=0
+        )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_requests_arriving_mid_decode_equal_one_at_a_time(tmp_path):
+    """Requests that arrive while others decode (each submitted by its predecessor's second
+    token, in waves of 4) are prefilled behind the decode step in flight and join the next
+    step from the device: their greedy outputs equal the same requests run one at a time."""
+    d = make_tiny_model(tmp_path / "m", family="qwen3", seed=4)
+    runner = ModelRunner(d, device="cuda", max_slots=32, max_context_len=128)
+    runner.capture_cuda_graphs()
+    sched = Scheduler(runner)
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        [2, *torch.randint(5, 60, (int(n),), generator=g).tolist()]
+        for n in torch.randint(1, 40, (32,), generator=g)
+    ]
+    lengths = [int(n) for n in torch.randint(4, 40, (32,), generator=g)]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    done = threading.Semaphore(0)
+    reqs = [
+        Request(f"r{i}", p, s, lambda r: done.release())
+        for i, (p, s) in enumerate(zip(prompts, params, strict=True))
+    ]
+
+    def submit_at_second_token(wave: list[Request]):
+        def on_token(r: Request) -> None:
+            if len(r.output_ids) == 2:
+                for w in wave:
+                    sched.submit(w)
+
+        return on_token
+
+    for i in range(0, len(reqs) - 4, 4):  # the wave after i's starts at i's second token
+        reqs[i].on_token = submit_at_second_token(reqs[i + 4 : i + 8])
+    sched.start()
+    try:
+        for r in reqs[:4]:
+            sched.submit(r)
+        for _ in reqs:
+            assert done.acquire(timeout=60), "a request did not finish"
+        arrived = sched.stats()["prefill_batches"]
+        alone = [run_all(sched, [p], [s])[0] for p, s in zip(prompts, params, strict=True)]
+    finally:
+        sched.stop()
+    assert arrived >= 8  # one prefill a wave at least
+    for a, b in zip(reqs, alone, strict=True):
         assert a.output_ids == b.output_ids
         torch.testing.assert_close(
             torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs), atol=1e-4, rtol=0

@@ -100,6 +100,50 @@ def test_requests_leaving_at_different_steps_free_blocks_and_equal_hf(qwen3, ove
     assert runner.pool.in_use() == 0  # every block came back
 
 
+def test_requests_arriving_mid_decode_are_prefilled_behind_the_step_in_flight(qwen3):
+    """A request submitted while another decodes does not stop the pipeline: its prefill is
+    launched with the decode step still unread, the next decode step takes its first token from
+    the prefill's output and the running request's from that step (both still unread), and
+    every output equals HF greedy."""
+    d, hf = qwen3
+    runner = ModelRunner(d, max_slots=4, max_context_len=64, block_size=4)
+    sched = Scheduler(runner, prefix_sharing=False)
+    in_flight = []  # the kinds of the unread steps at each decode launch
+    decode = runner.decode
+
+    def spy(ids, positions, block_tables):
+        in_flight.append(tuple(step.kind for step in sched._inflight))
+        return decode(ids, positions, block_tables)
+
+    runner.decode = spy
+    started = threading.Event()
+    done = threading.Semaphore(0)
+    prompts, lengths = [PROMPTS[0], PROMPTS[1], PROMPTS[2]], [16, 6, 5]
+    reqs = [
+        Request(
+            f"r{i}",
+            p,
+            SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+            lambda r: done.release(),
+        )
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    reqs[0].on_token = lambda r: len(r.output_ids) == 3 and started.set()
+    sched.start()
+    try:
+        sched.submit(reqs[0])
+        assert started.wait(timeout=60), "the first request produced no third token"
+        sched.submit(reqs[1])
+        sched.submit(reqs[2])
+        for _ in reqs:
+            assert done.acquire(timeout=60), "a request did not finish"
+    finally:
+        sched.stop()
+    _assert_hf(hf, reqs, prompts, lengths)
+    assert ("decode", "prefill") in in_flight  # the late requests joined the running batch
+    assert sched.stats()["prefill_batches"] >= 2 and runner.pool.in_use() == 0
+
+
 def test_a_full_cache_retracts_and_recomputes(qwen3):
     """A cache too small for every running request: the newest is retracted (counted), re-queued,
     recomputed, and every output still equals HF greedy."""

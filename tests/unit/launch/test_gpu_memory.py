@@ -163,11 +163,17 @@ def test_the_engine_on_the_learner_gpu_gets_the_reserve(tmp_path, monkeypatch):
 class FakeGpu:
     """The CUDA queries `blocks_for_memory` makes, answered as a GPU of `total` bytes would."""
 
-    def __init__(self, monkeypatch, total: int, free: int, ours: int):
+    def __init__(self, monkeypatch, total: int, free: int, ours: int, cached: int = 0):
+        """`cached`: memory this process freed that torch's allocator still holds (reserved,
+        not free to the driver) until `empty_cache`."""
+        self.cached = cached
         props = type("Props", (), {"total_memory": total})()
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free, total))
-        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: ours)
+        monkeypatch.setattr(
+            torch.cuda, "mem_get_info", lambda d: (free + cached - self.cached, total)
+        )
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: ours + self.cached)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: setattr(self, "cached", 0))
 
 
 def test_the_engine_sizes_its_cache_around_the_reserve(monkeypatch):
@@ -183,6 +189,18 @@ def test_the_engine_sizes_its_cache_around_the_reserve(monkeypatch):
     with pytest.raises(ValueError, match=r"kept free for the learner 76\.0 GiB") as e:
         kv_cache.blocks_for_memory(dev, 0.8, block, gib, others_bytes=76 * gib, min_blocks=1000)
     assert "needs 1000 blocks" in str(e.value) and "engine weights 2.0 GiB" in str(e.value)
+
+
+def test_memory_torch_still_caches_from_an_earlier_model_counts_as_free(monkeypatch):
+    """An earlier engine or model in the same process, freed, left 62 GiB in torch's cache: the
+    new engine's cache is sized as if that memory were free (it is handed back first), not
+    refused for want of room."""
+    gib = 2**30
+    gpu = FakeGpu(monkeypatch, total=80 * gib, free=16 * gib, ours=2 * gib, cached=62 * gib)
+    block = 16 * 100_000
+    n, info = kv_cache.blocks_for_memory(torch.device("cuda:0"), 0.8, block, gib)
+    assert gpu.cached == 0 and info["weights_bytes"] == 2 * gib
+    assert n == (int(0.8 * 80 * gib) - 2 * gib - gib) // block
 
 
 def test_a_negative_reserve_is_refused():

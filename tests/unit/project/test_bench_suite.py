@@ -80,14 +80,17 @@ def test_the_engine_loops_timing_and_its_decode_steps_against_their_roofline():
     puts the decode steps' device time against the roofline of a step of their mean batch."""
     before = {"loop_s": 1.0, "host_wait_s": 0.5, "decode_steps_timed": 10,
               "decode_rows_timed": 100, "decode_device_s": 0.2, "prefill_batches": 4,
-              "prefill_s": 0.1}  # fmt: skip
+              "prefill_s": 0.1, "prefill_device_s": 0.02}  # fmt: skip
     after = {"loop_s": 3.0, "host_wait_s": 0.75, "decode_steps_timed": 110,
              "decode_rows_timed": 3300, "decode_device_s": 1.8, "prefill_batches": 7,
-             "prefill_s": 0.35}  # fmt: skip
+             "prefill_s": 0.35, "prefill_device_s": 0.07}  # fmt: skip
     t = bench_engine.loop_timing(before, after)
     assert t["decode_steps"] == 100 and t["mean_decode_batch"] == 32
     assert t["prefills"] == 3 and t["prefill_s"] == pytest.approx(0.25)
-    assert "3 prefills took 0.250 s" in bench_engine.describe_loop(t)
+    assert t["prefill_device_s"] == pytest.approx(0.05)
+    assert "3 prefills: 0.250 s of host time (admission, launch), 0.050 s on the device" in (
+        bench_engine.describe_loop(t)
+    )
     assert t["decode_device_ms_per_step"] == pytest.approx(16.0)
     assert t["device_share_of_loop"] == pytest.approx(0.8)
     assert "100 decode steps (mean batch 32.0)" in bench_engine.describe_loop(t)

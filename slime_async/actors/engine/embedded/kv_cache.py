@@ -24,6 +24,7 @@ Memory: allocated once at start; `kv_bytes_per_token` * `block_size` * `num_bloc
 from __future__ import annotations
 
 import collections
+import gc
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -164,7 +165,10 @@ def blocks_for_memory(
     activations `reserve_bytes`, the cache) stays within `mem_fraction` of the GPU's memory, and
     within what is free now less `others_bytes`, kept for another process on the same GPU (the
     learner: `engine.embedded.gpu_reserve_gib`). Fewer than `min_blocks` (one request of the
-    longest context) is refused with the numbers."""
+    longest context) is refused with the numbers. Memory this process freed but torch still
+    caches (an earlier model's, an earlier engine's) is handed back first: it counts as free."""
+    gc.collect()  # a dead engine or model held only by reference cycles
+    torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     free, _ = torch.cuda.mem_get_info(device)
     ours = torch.cuda.memory_reserved(device)

@@ -52,6 +52,7 @@ from slime_async.actors.engine.embedded.shared_prefix import Groups, SharedPrefi
 from slime_async.models.families import FAMILIES
 from slime_async.models.family import Family
 from slime_async.models.layer_math import LayerMath
+from slime_async.utils.device import to_device
 
 log = logging.getLogger(__name__)
 
@@ -433,8 +434,9 @@ class ModelRunner:
         def attend(li: int, q: torch.Tensor) -> torch.Tensor:
             return attend_with(q, self.k_cache[li], self.v_cache[li])
 
-        h = self._forward(ids.to(dev), pos.to(dev), slots.to(dev), attend)
-        return self._logits(h[last.to(dev)])
+        # Pinned, asynchronous copies: the host does not wait for the decode step in flight.
+        h = self._forward(*(to_device(x, dev) for x in (ids, pos, slots)), attend)
+        return self._logits(h[to_device(last, dev)])
 
     def _prefill_plan(
         self, lens_new: list[int], starts: list[int], tables: list[list[int]], kind: str
@@ -486,7 +488,7 @@ class ModelRunner:
         varlen flash kernel ("varlen") or SDPA over gathered, padded blocks ("gathered")."""
         dev = self.device
         used = ("kv_packed", "cu_q", "cu_k") if kind == "varlen" else _GATHERED_OPERANDS
-        on = {k: plan[k].to(dev) for k in used} | {k: plan[k] for k in ("m_max", "l_max")}
+        on = {k: to_device(plan[k], dev) for k in used} | {k: plan[k] for k in ("m_max", "l_max")}
         if kind == "varlen":
             return lambda q, kc, vc: attention.varlen_prefill(
                 q, kc, vc, on["kv_packed"], on["cu_q"], on["cu_k"], on["m_max"], on["l_max"],

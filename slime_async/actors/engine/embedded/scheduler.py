@@ -20,9 +20,12 @@ Overlap: the decode step t+1 is launched (its inputs come from step t's sampled 
 the GPU) before the host reads step t's tokens, so the host's bookkeeping of step t (appending,
 stop checks, streaming) runs while the GPU computes step t+1. A request that finished at step t
 (a stop token) wasted its row of step t+1; its token is dropped. Requests known to finish at t
-(length) are left out of t+1. Before anything else touches the requests (commands, admission,
-a retraction) the step in flight is read first, so commands see every token, and each step runs
-under one weight version: the version recorded with its tokens.
+(length) are left out of t+1. Requests arriving meanwhile do not stop that pipeline: they are
+admitted (with the slots and blocks free now) and prefilled behind step t on the device, and step
+t+1 takes their first tokens from the prefill's output on the device as it takes the others' from
+step t; the host reads both while t+1 runs. Before anything else touches the running requests
+(commands, a retraction) every step in flight is read first, so commands see every token, and
+each step runs under one weight version: the version recorded with its tokens.
 
 Strict mode (`engine.embedded.strict_sglang`) imitates SGLang 0.5.23's failures: `flush()` fails while any
 request runs (an in_place pause keeps them) or, unpaused, waits. `fail_fatally()` stops the loop
@@ -128,7 +131,8 @@ class _Step:
     tops: dict[int, tuple[torch.Tensor, torch.Tensor]]  # row -> host (logprobs, ids), top N
     done: Any  # torch.cuda.Event, or None on a CPU
     version: str
-    started: Any = None  # torch.cuda.Event recorded before the step's kernels (decode steps)
+    started: Any = None  # torch.cuda.Event recorded before the step's kernels (GPU)
+    kind: Literal["decode", "prefill"] = "decode"
 
 
 def _to_host(x: torch.Tensor) -> torch.Tensor:
@@ -144,18 +148,19 @@ def _to_host(x: torch.Tensor) -> torch.Tensor:
 class StepTiming:
     """Cumulative timing of the scheduler loop (in `stats()`, so /get_server_info shows it).
 
-    On a GPU each decode step is bracketed by two CUDA events (start before its kernels, end
-    after the sampled tokens' copy to the host): `decode_device_s` is the device's time for the
-    decode steps, `wait_s` the host's time blocked on a step still running, `loop_s` the wall
-    time of the loop's working iterations. Device time near `loop_s` means the GPU bounds the
-    loop; device time well below it, with `wait_s` near 0, means host work (scheduling,
-    bookkeeping, HTTP in the same process) does. `prefill_s`: the host's wall time in prefills
-    (their launch and the wait for their first tokens), during which no decode step runs: requests
-    arriving over many steps each bring one."""
+    On a GPU each step is bracketed by two CUDA events (start before its kernels, end after the
+    sampled tokens' copy to the host): `decode_device_s` is the device's time for the decode
+    steps, `prefill_device_s` for the prefills, `wait_s` the host's time blocked on a step still
+    running, `loop_s` the wall time of the loop's working iterations. Device time near `loop_s`
+    means the GPU bounds the loop; device time well below it, with `wait_s` near 0, means host
+    work (scheduling, bookkeeping, HTTP in the same process) does. `prefill_s`: the host's wall
+    time admitting and launching prefills (requests arriving over many steps each bring one; the
+    decode step in flight runs meanwhile)."""
 
     loop_s: float = 0.0
     wait_s: float = 0.0
     prefill_s: float = 0.0
+    prefill_device_s: float = 0.0
     decode_steps: int = 0
     """Decode steps timed on the device (GPU only)."""
     decode_rows: int = 0
@@ -174,6 +179,7 @@ class StepTiming:
             "loop_s": round(self.loop_s, 4),
             "host_wait_s": round(self.wait_s, 4),
             "prefill_s": round(self.prefill_s, 4),
+            "prefill_device_s": round(self.prefill_device_s, 4),
             "decode_steps_timed": self.decode_steps,
             "decode_rows_timed": self.decode_rows,
             "decode_device_s": round(self.decode_device_s, 4),
@@ -207,7 +213,8 @@ class Scheduler:
         self._gen = torch.Generator(device=runner.device).manual_seed(seed)
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
-        self._pending: _Step | None = None
+        self._inflight: list[_Step] = []
+        """Steps launched on the device whose tokens the host has not read, in launch order."""
         self._free_slots = list(range(runner.max_slots - 1, -1, -1))
         slots, width = runner.max_slots, runner.max_blocks_per_seq
         self._bt = torch.zeros((slots, width), dtype=torch.int32)  # block tables by slot
@@ -350,7 +357,7 @@ class Scheduler:
                 while (
                     not self._stop
                     and not self._commands
-                    and self._pending is None
+                    and not self._inflight
                     and (self._paused or (not self._waiting and not self._running))
                 ):
                     self._cv.wait()
@@ -375,7 +382,7 @@ class Scheduler:
             self._guarded(self._step)
             self.timing.loop_s += time.perf_counter() - started
         why = self.fatal or "engine shutting down"
-        self._pending = None
+        self._inflight = []
         for r in [*self._running, *self._waiting]:
             r.error = why if self.fatal else None
             self._finish(r, {"type": "abort", "message": why})
@@ -388,7 +395,7 @@ class Scheduler:
                 fn()
         except Exception as e:  # a failed step fails its requests (5xx), not the server
             log.exception("engine step failed")
-            self._pending = None
+            self._inflight = []
             for r in self._running:
                 r.error = f"engine error: {type(e).__name__}: {e}"
                 r.finish_reason = {"type": "abort", "message": r.error}
@@ -396,14 +403,18 @@ class Scheduler:
 
     def _step(self) -> None:
         if self._waiting and self._free_slots:
-            self._drain()
-            admitted = self._admit()
+            started = time.perf_counter()
+            admitted = self._admit()  # while the step in flight runs
             if admitted:
-                self._prefill(admitted)
+                self._prefill(admitted)  # queued behind it on the device
+                if not self.overlap:
+                    self._drain()
+            self.timing.prefill_s += time.perf_counter() - started
         if self._running:
             nxt = self._launch()
-            self._drain()  # step t's bookkeeping while the device runs step t + 1
-            self._pending = nxt
+            self._drain()  # step t's (and a prefill's) bookkeeping while the device runs t + 1
+            if nxt is not None:
+                self._inflight.append(nxt)
             if not self.overlap:
                 self._drain()
         else:
@@ -486,8 +497,10 @@ class Scheduler:
         r.issued = len(r.output_ids)
 
     def _prefill(self, admitted: list[Request]) -> None:
-        started = time.perf_counter()
+        """Launch one packed prefill of the admitted requests and the draw of their first tokens
+        (a step in flight: read by the next `_drain`)."""
         self.prefill_batches += 1
+        started = self.timing.mark(self.runner.device)
         leads = [r for r in admitted if r._lead is None]  # type: ignore[attr-defined]
         seqs = []
         for r in leads:
@@ -511,9 +524,9 @@ class Scheduler:
         logits = logits[to_device(torch.tensor(index), logits.device)]
         for r in admitted:
             r.issued = len(r.output_ids)
-        self._pending = self._sample(admitted, logits)
-        self._drain()
-        self.timing.prefill_s += time.perf_counter() - started
+        step = self._sample(admitted, logits)
+        step.started, step.kind = started, "prefill"
+        self._inflight.append(step)
 
     # ---- decode ------------------------------------------------------------------------------
 
@@ -532,17 +545,7 @@ class Scheduler:
             r.blocks.append(b)
         if not rows:
             return None
-        pending = self._pending
-        ids = None
-        if pending is not None:
-            prev = pending.rows
-            if len(prev) == len(rows) and all(map(operator.is_, prev, rows)):
-                ids = pending.tokens  # the common case: the same batch as the step in flight
-            else:
-                row_of = {id(r): i for i, r in enumerate(prev)}
-                idx = [row_of.get(id(r), -1) for r in rows]
-                if -1 not in idx:
-                    ids = pending.tokens[to_device(torch.tensor(idx), pending.tokens.device)]
+        ids = self._fed_tokens(rows)
         if ids is None:
             self._drain()
             rows, positions, slots, _ = self._decode_batch()
@@ -556,6 +559,28 @@ class Scheduler:
         step = self._sample(rows, logits, slots_t)
         step.started = started
         return step
+
+    def _fed_tokens(self, rows: list[Request]) -> torch.Tensor | None:
+        """The tokens `rows` feed to the next decode step, on the device: each row's last draw,
+        from the steps in flight (the latest holding the row); None when some row's last token
+        is only on the host (nothing in flight for it)."""
+        if not self._inflight:
+            return None
+        last = self._inflight[-1]
+        same = len(self._inflight) == 1 and len(last.rows) == len(rows)
+        if same and all(map(operator.is_, last.rows, rows)):
+            return last.tokens  # the common case: the same batch as the step in flight
+        row_of: dict[int, int] = {}
+        base = 0
+        for step in self._inflight:
+            row_of.update((id(r), base + i) for i, r in enumerate(step.rows))
+            base += len(step.rows)
+        idx = [row_of.get(id(r), -1) for r in rows]
+        if -1 in idx:
+            return None
+        tokens = [step.tokens for step in self._inflight]
+        drawn = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        return drawn[to_device(torch.tensor(idx), drawn.device)]
 
     def _decode_batch(self):
         """One pass over running: the rows to decode, their positions and slots, and the rows
@@ -639,18 +664,25 @@ class Scheduler:
         return _Step(rows, tokens, tok_host, lp_host, tops, done, self.version)
 
     def _drain(self) -> None:
-        """Read the step in flight (if any) into its requests: tokens, log-probs, versions, stops."""
-        step, self._pending = self._pending, None
-        if step is None:
-            return
+        """Read the steps in flight (if any), in launch order, into their requests: tokens,
+        log-probs, versions, stops."""
+        steps, self._inflight = self._inflight, []
+        for step in steps:
+            self._read(step)
+
+    def _read(self, step: _Step) -> None:
         if step.done is not None:
             waited = time.perf_counter()
             step.done.synchronize()
             self.timing.wait_s += time.perf_counter() - waited
         if step.started is not None:
-            self.timing.decode_steps += 1
-            self.timing.decode_rows += len(step.rows)
-            self.timing.decode_device_s += step.started.elapsed_time(step.done) / 1e3
+            elapsed = step.started.elapsed_time(step.done) / 1e3
+            if step.kind == "prefill":
+                self.timing.prefill_device_s += elapsed
+            else:
+                self.timing.decode_steps += 1
+                self.timing.decode_rows += len(step.rows)
+                self.timing.decode_device_s += elapsed
         for i, (r, tok, lp) in enumerate(
             zip(step.rows, step.tokens_host.tolist(), step.logprobs_host.tolist(), strict=True)
         ):
