@@ -2,6 +2,7 @@
 engines share a learner's GPU, the reserve `slime-async run` hands them, and the engine's sizing
 of its KV cache around it (the CUDA queries replaced by the numbers of a GPU)."""
 
+import gc
 import json
 
 import pytest
@@ -161,19 +162,33 @@ def test_the_engine_on_the_learner_gpu_gets_the_reserve(tmp_path, monkeypatch):
 
 
 class FakeGpu:
-    """The CUDA queries `blocks_for_memory` makes, answered as a GPU of `total` bytes would."""
+    """The CUDA queries `blocks_for_memory` makes, answered as a GPU of `total` bytes would:
+    `ours` allocated by live tensors of this process, `cached` freed but still held by torch's
+    allocator (reserved, not free to the driver) until `empty_cache`."""
 
     def __init__(self, monkeypatch, total: int, free: int, ours: int, cached: int = 0):
-        """`cached`: memory this process freed that torch's allocator still holds (reserved,
-        not free to the driver) until `empty_cache`."""
-        self.cached = cached
+        self.free, self.ours, self.cached = free, ours, cached
         props = type("Props", (), {"total_memory": total})()
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
-        monkeypatch.setattr(
-            torch.cuda, "mem_get_info", lambda d: (free + cached - self.cached, total)
-        )
-        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: ours + self.cached)
-        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: setattr(self, "cached", 0))
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (self.free, total))
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: self.ours + self.cached)
+        monkeypatch.setattr(torch.cuda, "empty_cache", self.empty_cache)
+
+    def empty_cache(self) -> None:
+        self.free, self.cached = self.free + self.cached, 0
+
+
+class DeadEngine:
+    """An engine nobody references but itself (a reference cycle): its tensors go back to
+    torch's cache only when the cycle is collected."""
+
+    def __init__(self, gpu: FakeGpu, size: int):
+        self.gpu, self.size, self.me = gpu, size, self
+        gpu.ours += size
+
+    def __del__(self):
+        self.gpu.ours -= self.size
+        self.gpu.cached += self.size
 
 
 def test_the_engine_sizes_its_cache_around_the_reserve(monkeypatch):
@@ -191,16 +206,24 @@ def test_the_engine_sizes_its_cache_around_the_reserve(monkeypatch):
     assert "needs 1000 blocks" in str(e.value) and "engine weights 2.0 GiB" in str(e.value)
 
 
-def test_memory_torch_still_caches_from_an_earlier_model_counts_as_free(monkeypatch):
-    """An earlier engine or model in the same process, freed, left 62 GiB in torch's cache: the
-    new engine's cache is sized as if that memory were free (it is handed back first), not
-    refused for want of room."""
+def test_memory_an_earlier_engine_left_counts_as_free(monkeypatch):
+    """An earlier engine of the same process, unreachable but not yet collected (a reference
+    cycle), holds 60 GiB, and torch caches 2 GiB an earlier model freed: the new engine's cache is
+    sized as if both were free (collected and handed back first), not refused for want of room
+    (seen on a GPU: "no room for the KV cache ... engine weights 62.4 GiB")."""
     gib = 2**30
-    gpu = FakeGpu(monkeypatch, total=80 * gib, free=16 * gib, ours=2 * gib, cached=62 * gib)
-    block = 16 * 100_000
-    n, info = kv_cache.blocks_for_memory(torch.device("cuda:0"), 0.8, block, gib)
+    gpu = FakeGpu(monkeypatch, total=80 * gib, free=16 * gib, ours=2 * gib, cached=2 * gib)
+    enabled = gc.isenabled()
+    gc.disable()  # only the engine's own collection may free the dead engine
+    try:
+        DeadEngine(gpu, 60 * gib)
+        assert gpu.ours == 62 * gib
+        n, info = kv_cache.blocks_for_memory(torch.device("cuda:0"), 0.8, 16 * 100_000, gib)
+    finally:
+        if enabled:
+            gc.enable()
     assert gpu.cached == 0 and info["weights_bytes"] == 2 * gib
-    assert n == (int(0.8 * 80 * gib) - 2 * gib - gib) // block
+    assert n == (int(0.8 * 80 * gib) - 2 * gib - gib) // (16 * 100_000)
 
 
 def test_a_negative_reserve_is_refused():
