@@ -121,7 +121,7 @@ def _build_class():
             usable = query.is_cuda and query.dtype != torch.float32 and kernel is not None
             if usable and varlen_works(query.device.index or 0) is None:
                 scale = {}
-                if "scale" in inspect.signature(kernel.func).parameters:
+                if varlen_accepts("scale"):
                     scale = {"scale": self.scale}
                 elif not math.isclose(self.scale, query.shape[-1] ** -0.5):
                     raise ValueError("this torch's varlen_attn takes no scale; packing needs it")
@@ -159,6 +159,14 @@ def varlen_kernel():
 
 
 @functools.cache
+def varlen_accepts(keyword: str) -> bool:
+    """Whether this torch's varlen kernel takes `keyword` (`scale`, `enable_gqa`: both arrived
+    in later releases); False where there is no kernel."""
+    kernel = varlen_kernel()
+    return kernel is not None and keyword in inspect.signature(kernel.func).parameters
+
+
+@functools.cache
 def varlen_works(device_index: int = 0) -> str | None:
     """None when the varlen kernel gives SDPA's per-document causal attention on this GPU (bf16,
     grouped heads expanded, two documents); else why not. Checked once per process: the kernel's
@@ -174,7 +182,7 @@ def varlen_works(device_index: int = 0) -> str | None:
             torch.randn(t, h, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in "qkv"
         )
         cu = torch.tensor([0, 17, t], dtype=torch.int32, device=dev)
-        kw = {"scale": d**-0.5} if "scale" in inspect.signature(kernel.func).parameters else {}
+        kw = {"scale": d**-0.5} if varlen_accepts("scale") else {}
         out = kernel(q, k, v, cu, cu, 31, 31, **kw).float()
         mask = block_causal_mask(cu, t)
         ref = F.scaled_dot_product_attention(

@@ -13,4 +13,7 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)
+    # Staged in a fresh pinned block (not `x.pin_memory()`, which first asks the driver
+    # whether `x` is pinned: a host tensor here never is).
+    staged = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return staged.copy_(x).to(device, non_blocking=True)

@@ -119,21 +119,6 @@ class GatherPlan(NamedTuple):
     keys: int
 
 
-@functools.cache
-def _varlen():
-    """(torch's causal variable-length flash kernel, its keyword arguments for a scale and for
-    grouped heads) or None where this torch has none (`models.attention.varlen_kernel`)."""
-    import inspect
-
-    from slime_async.models.attention import varlen_kernel
-
-    kernel = varlen_kernel()
-    if kernel is None:
-        return None
-    params = inspect.signature(kernel.func).parameters
-    return kernel, "scale" in params, "enable_gqa" in params
-
-
 def varlen_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -152,19 +137,21 @@ def varlen_prefill(
     sequence's last key: new token j of m sees its sequence's keys up to L - m + j, its own
     position. One kernel for every sequence, where `gathered_attention` pads them to a rectangle
     and SDPA takes its math path (a mask with grouped heads). Returns [T, H, D]."""
-    kernel, has_scale, has_gqa = _varlen()
+    from slime_async.models.attention import varlen_accepts, varlen_kernel
+
+    has_scale = varlen_accepts("scale")
     k = k_cache.view(-1, *k_cache.shape[2:])[kv_packed]
     v = v_cache.view(-1, *v_cache.shape[2:])[kv_packed]
     kw: dict = {"scale": scale} if has_scale else {}
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
-        if has_gqa:
+        if varlen_accepts("enable_gqa"):
             kw["enable_gqa"] = True
         else:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if not has_scale and scale != q.shape[-1] ** -0.5:
         q = q * (scale * q.shape[-1] ** 0.5)
-    return kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+    return varlen_kernel()(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
 
 
 def gather_plan(

@@ -298,7 +298,9 @@ class ModelRunner:
         """The varlen prefill against the gathered path on random blocks: None, or what went
         wrong."""
         try:
-            if attention._varlen() is None:
+            from slime_async.models.attention import varlen_kernel
+
+            if varlen_kernel() is None:
                 return "torch.nn.attention.varlen.varlen_attn is missing or has no causal option"
             g = torch.Generator(device=self.device).manual_seed(0)
             dev, bs, d = self.device, self.block_size, self.head_dim
