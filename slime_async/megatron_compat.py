@@ -10,8 +10,9 @@ megatron-core 0.16.1 (Python 3.11) and needed the same way on 0.19.x (Python 3.1
 3. The RNG tracker: `model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)`, dropout 0.
    `seed_model_parallel()` does this on any device.
 4. `torch.cuda.synchronize()` must be a no-op for `dist_checkpointing.save`.
-5. `psutil` must be installed or `dist_checkpointing.save` hangs (a declared dependency of ours),
-   and the calling script needs a `__main__` guard because the writer spawns.
+5. `psutil` must be installed or `dist_checkpointing.save` hangs (a declared dependency of ours).
+   The writer's results queue would be a spawned Manager (and the calling script would need a
+   `__main__` guard): `actors/learner/checkpoint.py` gives it a thread queue instead.
 6. megatron-core >= 0.17 imports triton unconditionally from a MoE module: a stub module stands
    in where triton is absent (no triton kernel runs on the CPU path).
 7. The MoE all-to-all token dispatcher (expert parallelism) creates a `torch.cuda.Stream` and
@@ -25,6 +26,13 @@ megatron-core 0.16.1 (Python 3.11) and needed the same way on 0.19.x (Python 3.1
 8. megatron-core 0.16.1's MoE router names `te_general_gemm` without defining it when
    Transformer Engine is absent (a NameError on the first forward, CPU or GPU; 0.19 defines it
    as None): `patch_moe()` defines it, on any device.
+9. Importing megatron-core's GPT stack took 5.4-6.5 s of CPU a process on a 2-core CPU machine,
+   most of it in two things the CPU path never uses: its `jit_fuser` is `torch.compile`, applied at import to its
+   fused activations (off on the CPU), which loads torch's compiler; and its inference context
+   imports wandb when installed (we log from the supervisor, never through megatron). `apply()`
+   imports the GPT stack with `torch.compile` standing as the identity and wandb hidden, then
+   puts both back (1.8-2.0 s of CPU there): the fusions stay plain functions (the same math,
+   run eagerly) and wandb imports normally afterwards.
 
 Megatron's DDP and DistributedOptimizer allocate on "cuda" and check `torch.cuda.FloatTensor`
 type strings, so on CPU the learner uses torch's AdamW with a data-parallel gradient all-reduce.
@@ -145,6 +153,27 @@ def _import_megatron_with_triton_stub() -> None:
             sys.modules.pop(name, None)
 
 
+def _not_compiled(model=None, **kwargs):
+    """`torch.compile`'s signature, compiling nothing: `f(fn)` and `f(**kw)(fn)` return `fn`."""
+    return model if model is not None else (lambda fn: fn)
+
+
+@contextlib.contextmanager
+def _lean_megatron_import():
+    """(9) `torch.compile` as the identity and wandb hidden, for the length of an import."""
+    compile_ = torch.compile
+    hide_wandb = "wandb" not in sys.modules
+    torch.compile = _not_compiled
+    if hide_wandb:
+        sys.modules["wandb"] = None  # `import wandb` raises ImportError: megatron's try/except
+    try:
+        yield
+    finally:
+        torch.compile = compile_
+        if hide_wandb and "wandb" in sys.modules and sys.modules["wandb"] is None:
+            del sys.modules["wandb"]
+
+
 def apply() -> bool:
     """Patch torch so megatron-core runs on the CPU; returns True if patches are active."""
     global _applied
@@ -155,8 +184,11 @@ def apply() -> bool:
     cpu = torch.device("cpu")
     torch.cuda.current_device = lambda: cpu  # (1)
     torch.cuda.synchronize = lambda device=None: None  # (4)
-    if _megatron_needs_triton_stub():
-        _import_megatron_with_triton_stub()  # (6)
+    with _lean_megatron_import():  # (9)
+        if _megatron_needs_triton_stub():
+            _import_megatron_with_triton_stub()  # (6)
+        else:
+            import megatron.core.models.gpt  # noqa: F401
     _applied = True
     return True
 

@@ -1,9 +1,10 @@
-"""Real `slime-async run`s (buffer, STRICT embedded engines, generator, Megatron-core learner;
-tiny model) that lose an engine to SIGKILL and finish WITHOUT `--resume`: the supervisor restarts
-it (restarts are on by default), the weight group is rebuilt under a fresh name, nothing the
-buffer acknowledged is lost and no group is committed twice (the learner's SIGKILL, restarted
-the same way: tests/integration/test_restart_versions.py). And several engines with an API key
-behind the real sglang-router: the run starts and trains.
+"""A real `slime-async run` (buffer, two STRICT embedded engines with an API key behind the real
+sglang-router, generator, Megatron-core learner; tiny model) that loses an engine to SIGKILL and
+finishes WITHOUT `--resume`: the run starts and trains behind the router with the key, the
+supervisor restarts the killed engine (restarts are on by default), it rejoins the weights, the
+last push reaches both engines, nothing the buffer acknowledged is lost and no group is
+committed twice (the learner's SIGKILL, restarted the same way:
+tests/integration/test_restart_versions.py).
 """
 
 import os
@@ -53,10 +54,14 @@ def _kill(run_dir: Path, role: str) -> int:
     return pid
 
 
-def test_engine_sigkill_run_finishes_and_engine_rejoins(tiny):
+@pytest.mark.timeout(600)  # the run alone may take 420 s on a loaded 2-core machine (`_finish`)
+def test_engine_sigkill_behind_the_router_with_a_key_finishes_and_the_engine_rejoins(tiny):
+    """Found 6: with an API key the real router never registered the engines (its /health probe
+    got 401); /health is exempt from the key, as in SGLang, so the run starts and trains. One of
+    the two engines is then SIGKILLed after step 2: restarted, it rejoins the weight group."""
     root, model, data = tiny
     steps = 8
-    cfg = _config(root, model, data, "kill-engine", steps)
+    cfg = _config(root, model, data, "kill-engine", steps, num_engines=2, api_key="sekrit")
     run_dir = root / "kill-engine"
     proc = _start(cfg)
     try:
@@ -67,28 +72,14 @@ def test_engine_sigkill_run_finishes_and_engine_rejoins(tiny):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     sup = (run_dir / "logs" / "supervisor.log").read_text()
+    assert "router is ready" in sup and "lists 2 healthy" in sup
     assert "restarting engine0" in sup, out[-3000:]
     (rec,) = read_metrics(run_dir / "metrics" / "supervisor.jsonl")  # counted, with its signal
     assert rec["supervisor/restarts/engine0"] == 1 and rec["supervisor/exit_code/engine0"] == -9
+    assert rec["supervisor/restarts"] == 1  # only the killed one
     assert "restarted: engine0 1x" in out
     learner = read_metrics(run_dir / "metrics" / "learner.jsonl")
+    assert learner[-1]["version"] >= steps - 1  # rewards vary: (almost) no batch is skipped
     assert learner[-1]["push/resyncs"] >= 1  # the restarted engine was brought back
-    assert learner[-1]["push/engines"] == 1.0
-    _assert_nothing_lost_nothing_twice(run_dir, steps)
-
-
-@pytest.mark.timeout(600)  # the run alone may take 420 s on a loaded 2-core machine (`_finish`)
-def test_engines_with_api_key_behind_the_real_router_train(tiny):
-    """Found 6: with an API key the real router never registered the engines (its /health probe
-    got 401); /health is exempt from the key, as in SGLang, so the run starts and trains."""
-    root, model, data = tiny
-    steps = 3
-    cfg = _config(root, model, data, "router-key", steps, num_engines=2, api_key="sekrit")
-    run_dir = root / "router-key"
-    _finish(_start(cfg))
-    sup = (run_dir / "logs" / "supervisor.log").read_text()
-    assert "router is ready" in sup and "lists 2 healthy" in sup
-    learner = read_metrics(run_dir / "metrics" / "learner.jsonl")
-    assert [r["version"] for r in learner] == list(range(1, steps + 1))
-    assert learner[-1]["push/engines"] == 2.0
+    assert learner[-1]["push/engines"] == 2.0  # the last push reached both
     _assert_nothing_lost_nothing_twice(run_dir, steps)

@@ -199,8 +199,10 @@ def _check_run(run_dir: Path) -> dict:
 
 
 def test_supervisor_kill_and_resume_keeps_versions_and_the_bound(tiny):
-    """The supervisor alone is SIGKILLed mid-run: no role survives it (its roles die with it,
-    what they started goes with the watchdog), `run --resume` refuses nothing and finishes."""
+    """The supervisor alone is SIGKILLed mid-run: no role survives it, nor anything in the
+    roles' process groups (the roles die with it; the watchdog stops what remains, and says so
+    in supervisor.log only when something did: tests/integration/test_supervisor_owner.py,
+    where a stand-in's child ignores SIGTERM), `run --resume` refuses nothing and finishes."""
     root, model, data = tiny
     cfg, run_dir = _config(root, model, data, "kill-supervisor")
     first = start_run(cfg)
@@ -215,7 +217,6 @@ def test_supervisor_kill_and_resume_keeps_versions_and_the_bound(tiny):
         await_watchdog(watchdog, lambda: not any(map(group_alive, pids)), "the roles' groups")
     finally:
         stop_group(first)
-    assert "watchdog: the supervisor died" in (run_dir / "logs" / "supervisor.log").read_text()
     again = start_run("--resume", run_dir)
     try:
         finish(again)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -43,8 +44,13 @@ def test_stop_and_resume_gives_the_uninterrupted_loss_sequence(
 
     first = learner_factory(cfg)
     got = [first.train_step(b)["loss"] for b in batches[:2]]
+    before = set(psutil.Process().children(recursive=True))
     first.save_checkpoint(tmp_path / "ckpt", extra={"buffer_cursor": {"committed": 41}})
     first.close()
+    # The save ran in this process and left no process behind (megatron's writer would start a
+    # spawned multiprocessing Manager for its results: a fresh interpreter importing torch).
+    started = set(psutil.Process().children(recursive=True)) - before
+    assert not started, [" ".join(p.cmdline()) for p in started]
 
     resumed = learner_factory(cfg.model_copy(update={"load": str(tmp_path / "ckpt")}))
     assert resumed.loaded_extra == {"buffer_cursor": {"committed": 41}}

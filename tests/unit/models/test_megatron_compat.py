@@ -1,5 +1,9 @@
 """megatron-core on a CPU-only torch through slime_async.megatron_compat."""
 
+import os
+import subprocess
+import sys
+
 import torch
 
 from slime_async import megatron_compat
@@ -59,3 +63,30 @@ def test_tiny_gpt_model_trains_one_step_on_cpu(single_rank_megatron):
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[1] < losses[0]
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_megatron_is_imported_without_torchs_compiler_or_wandb_and_both_come_back():
+    """The import's two costs the CPU path never uses (docstring's item 9), in a fresh process:
+    neither torch's compiler nor wandb is loaded by it; afterwards `torch.compile` is torch's own
+    again and wandb imports."""
+    code = (
+        "import sys, torch\n"
+        "compile_ = torch.compile\n"
+        "from slime_async import megatron_compat\n"
+        "assert megatron_compat.apply()\n"
+        "import megatron.core.jit, megatron.core.models.gpt\n"
+        "assert 'torch._inductor.compile_fx' not in sys.modules\n"
+        "assert 'wandb' not in sys.modules, sys.modules.get('wandb')\n"
+        "assert torch.compile is compile_\n"
+        "assert megatron.core.jit.jit_fuser(len) is len\n"
+        "import wandb\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
