@@ -12,7 +12,7 @@ megatron-core 0.16.1 (Python 3.11) and needed the same way on 0.19.x (Python 3.1
 4. `torch.cuda.synchronize()` must be a no-op for `dist_checkpointing.save`.
 5. `psutil` must be installed or `dist_checkpointing.save` hangs (a declared dependency of ours).
    The writer's results queue would be a spawned Manager (and the calling script would need a
-   `__main__` guard): `actors/learner/checkpoint.py` gives it a thread queue instead.
+   `__main__` guard): `write_results_in_process()` gives it a thread queue instead (any device).
 6. megatron-core >= 0.17 imports triton unconditionally from a MoE module: a stub module stands
    in where triton is absent (no triton kernel runs on the CPU path).
 7. The MoE all-to-all token dispatcher (expert parallelism) creates a `torch.cuda.Stream` and
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import queue
 import sys
 import types
 from importlib.metadata import version
@@ -219,6 +220,22 @@ def patch_moe() -> None:
 
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu  # (7)
     token_dispatcher._slime_async_cpu = True
+
+
+def write_results_in_process() -> None:
+    """(5) Hand the torch_dist writer a thread queue for its write results, before a save.
+
+    megatron-core's writer returns each save's results through a module-level queue that it
+    creates on first use as a `multiprocessing` Manager queue started with "spawn": a fresh
+    interpreter that imports torch (about 4 s of CPU once per learner process, measured on a
+    2-core CPU machine). Our saves are synchronous (`dist_checkpointing.save` runs the writer in
+    this process, which also reads the results back), so the put and the get are in one process
+    and a thread queue is all it needs. Read on megatron-core 0.16.1 and 0.19.2
+    (`filesystem_async._results_queue`); another layout is left alone."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def device() -> torch.device:

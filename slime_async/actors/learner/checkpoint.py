@@ -14,7 +14,6 @@ nor an `hf/` without its weights.
 from __future__ import annotations
 
 import json
-import queue
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slime_async import megatron_compat
 from slime_async.models.convert import copy_tokenizer_files
 
 # megatron.core is imported inside functions: only after megatron_compat.apply() (see there).
@@ -108,22 +108,6 @@ def _state_dict(
     return sd
 
 
-def _write_results_in_process() -> None:
-    """Hand the torch_dist writer a thread queue for its write results, before its first save.
-
-    megatron-core's writer returns each save's results through a module-level queue that it
-    creates on first use as a `multiprocessing` Manager queue started with "spawn": a fresh
-    interpreter that imports torch (about 4 s of CPU once per learner process, measured on a
-    2-core CPU machine). Our saves are synchronous (`dist_checkpointing.save`
-    runs the writer in this process, which also reads the results back), so the put and the
-    get are in one process and a thread queue is all it needs. Read on megatron-core 0.16.1
-    and 0.19.2 (`filesystem_async._results_queue`); another layout is left alone."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", False) is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def save(
     path: str | Path,
     model,
@@ -147,7 +131,7 @@ def save(
         tmp.mkdir(parents=True)
     dist.barrier()
     common = {**common, "world_size": dist.get_world_size()}
-    _write_results_in_process()
+    megatron_compat.write_results_in_process()
     dist_checkpointing.save(_state_dict(model, optimizer, common, with_rng=True), str(tmp))
     dist.barrier()
     if dist.get_rank() == 0 and tokenizer_dir is not None:
