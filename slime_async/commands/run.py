@@ -128,6 +128,7 @@ def main(args: argparse.Namespace) -> int:
                 liveness=cfg.engine.liveness,
                 api_key=cfg.engine.api_key,
                 tracker=tracker,
+                preload=_preload(cfg),
             )
             code = supervisor.run()
     finally:
@@ -214,3 +215,20 @@ def summarize_run(records: list[dict], window: int = 10) -> str:
         f"end {last * scale:.1f} (steps {values[-w][0]}-{values[-1][0]}): "
         f"{(last - first) * scale:+.1f}{unit}"
     )
+
+
+def _preload(cfg) -> list[str] | None:
+    """The fork server's imports, or None (every role a fresh interpreter) with the reason."""
+    from slime_async.launch import preload
+
+    if not cfg.run.fork_server:
+        return None
+    gpu = preload.gpu_visible()
+    if gpu is not None:
+        print(
+            f"[slime-async] roles start as fresh interpreters: a GPU is visible ({gpu}), "
+            "and no role that may use CUDA is forked from a process that imported torch",
+            flush=True,
+        )
+        return None
+    return preload.modules()

@@ -92,6 +92,12 @@ class RunConfig(Section):
     """How often the supervisor checks its children and the learner's metrics."""
     progress: Literal["auto", "rich", "plain", "off"] = "auto"
     """Terminal display: rich bar on a TTY and plain lines otherwise (auto), or forced."""
+    fork_server: bool = True
+    """Local launcher: start the roles by forking one process that has imported torch,
+    transformers and megatron-core once (a tiny CPU run then takes about half the CPU), on a
+    machine where no GPU is visible; elsewhere, for a command other than `python -m
+    slime_async ...` (torchrun, the router) and for a role whose environment differs in a
+    variable read at import, a fresh interpreter. The supervisor's log says how each started."""
     launcher: Literal["local", "ray"] = "local"
     """local: every role a child process of this machine; ray: every role a Ray actor on an
     existing Ray cluster, placed by `[run.ray]` (needs `pip install 'slime_async[ray]'`)."""

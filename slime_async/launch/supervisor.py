@@ -7,6 +7,12 @@ Process model. Each role is a `procs.Child` in its own session (process group), 
 `<run_dir>/logs/<role>.log`. Binds nothing itself; it connects only to what the readiness probes
 of the roles check (HTTP GETs, TCP connects, a buffer stats call, ready files).
 
+Fork server (`preload`, `run.fork_server`; `slime_async/utils/forkserver.py`): on a machine with
+no visible GPU, a process started first imports torch, transformers and megatron-core once, and
+every `python -m` role is forked from it into its own session, as it would have started; the
+event line of each start says "fork", or "exec" and why not. It is recorded among the children
+and dies with the supervisor like them; its roles die with it.
+
 Start-up, stage by stage: every role of a stage is started, then the supervisor waits on each
 one's readiness probe (never a sleep) before the next stage starts. A role that exits or misses
 `ready_timeout_s` during start-up stops the run.
@@ -59,6 +65,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TextIO
 
+import psutil
+
 from slime_async.config.engine import LivenessConfig
 from slime_async.launch.liveness import RoleLiveness
 from slime_async.launch.progress import ProgressDisplay
@@ -66,6 +74,7 @@ from slime_async.launch.run_dir import READY_ENV, RunDir
 from slime_async.metrics import MetricsLogger, MetricsTail
 from slime_async.metrics import names as m
 from slime_async.metrics.trackers import JobTracker
+from slime_async.utils.forkserver import ForkServer
 from slime_async.utils.procs import (
     WATCHDOG_CLEAN_STOP,
     Child,
@@ -74,6 +83,8 @@ from slime_async.utils.procs import (
     wait_until,
 )
 
+FORK_SERVER = "fork-server"
+"""The fork server's name in the run's logs and in its record of children."""
 WATCHDOG_GRACE_S = 3.0
 """How long the watchdog gives leftovers between SIGTERM and SIGKILL."""
 
@@ -143,6 +154,7 @@ class Supervisor:
         liveness: LivenessConfig | None = None,
         api_key: str | None = None,
         tracker: JobTracker | None = None,
+        preload: Sequence[str] | None = None,
     ):
         self.run_dir = run_dir
         self.stages = [list(s) for s in stages]
@@ -174,6 +186,12 @@ class Supervisor:
         self._liveness_args = (liveness, api_key)
         self.liveness: RoleLiveness | None = None
         """Probes the engine roles while they run (built by `run`)."""
+        self.preload = list(preload) if preload is not None and spawn is None else None
+        """What the fork server imports (None: every role starts as a fresh interpreter)."""
+        self.fork_server: ForkServer | None = None
+        """Forks the roles from a process that imported `preload` once (started by `run`)."""
+        self._fork_server_child: _Started | None = None
+        self._fork_server_noted = False
 
     # ----- the whole run ---------------------------------------------------------------------
 
@@ -187,6 +205,7 @@ class Supervisor:
         self._start_watchdog()
         handlers = self._install_signal_handlers()
         try:
+            self._start_fork_server()
             self._start_liveness()
             self.start()
             return self.supervise()
@@ -199,6 +218,7 @@ class Supervisor:
             if self.liveness is not None:
                 self.liveness.close()
             self.stop_all()
+            self._stop_fork_server()
             self._stop_watchdog()
             self.run_dir.unlock()
             for sig, old in handlers.items():
@@ -274,12 +294,19 @@ class Supervisor:
             child = self.spawn(spec, argv, env, self.run_dir.log(spec.name))
         else:
             child = Child(
-                spec.name, argv, log_path=self.run_dir.log(spec.name), env=env, die_with_parent=True
+                spec.name,
+                argv,
+                log_path=self.run_dir.log(spec.name),
+                env=env,
+                die_with_parent=True,
+                fork_server=self.fork_server,
             )
+            self._note_fork_server(child)
         self.children[spec.name] = child
         self._record_children()
         self._log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} argv {spec.name}: {argv}\n")
-        self.event(f"started {spec.name} (pid {child.pid}, log {self.run_dir.log(spec.name)})")
+        how = "" if self.fork_server is None else f", {child.started_by}"
+        self.event(f"started {spec.name} (pid {child.pid}{how}, log {self.run_dir.log(spec.name)})")
         return child
 
     def _wait_ready(self, spec: RoleSpec) -> None:
@@ -414,7 +441,55 @@ class Supervisor:
     def _record_children(self) -> None:
         if self.spawn is not None:
             return  # not this machine's processes: nothing a local successor could stop
-        self.run_dir.write_children({n: (c.pid, c.started_at) for n, c in self.children.items()})
+        children = {n: (c.pid, c.started_at) for n, c in self.children.items()}
+        if self._fork_server_child is not None:
+            server = self._fork_server_child
+            children[FORK_SERVER] = (server.pid, server.started_at)
+        self.run_dir.write_children(children)
+
+    # ----- the fork server ---------------------------------------------------------------------
+
+    def _start_fork_server(self) -> None:
+        """Start the fork server, if this run uses one; it imports while the roles' turn comes."""
+        if self.preload is None:
+            return
+        self.fork_server = ForkServer(
+            self.preload,
+            log_path=self.run_dir.log(FORK_SERVER),
+            ready_timeout_s=self.ready_timeout_s,
+            packages=("slime_async",),  # not the router's program, nor a user's own
+        ).start()
+        self._fork_server_child = _Started(self.fork_server.pid)
+        self._record_children()
+        self.event(
+            f"started the fork server (pid {self.fork_server.pid}, log "
+            f"{self.run_dir.log(FORK_SERVER)}): the roles are forked from it once it has "
+            "imported torch, transformers and megatron-core"
+        )
+
+    def _note_fork_server(self, child: Child) -> None:
+        """Log the server's imports once, and why it could not start a role (each time)."""
+        server = self.fork_server
+        if server is None:
+            return
+        if server.ready is not None and not self._fork_server_noted:
+            self._fork_server_noted = True
+            failed = "; ".join(f"{k}: {v}" for k, v in server.ready["failed"].items())
+            self.event(
+                f"fork server ready: {len(server.ready['imported'])} imports in "
+                f"{server.ready['cpu_s']:.1f} s of CPU" + (f"; left out {failed}" if failed else "")
+            )
+        if child.started_by != "fork":
+            self.event(f"{child.name} was not forked: started {child.started_by}")
+
+    def _stop_fork_server(self) -> None:
+        if self.fork_server is None:
+            return
+        code = self.fork_server.close()
+        self._fork_server_child = None
+        self._record_children()
+        if code not in (0, None):
+            self.event(f"the fork server exited with code {code}")
 
     def _start_watchdog(self) -> None:
         """A process that outlives us only to stop our children's groups if we die first."""
@@ -463,6 +538,20 @@ class Supervisor:
         if self._signal is not None:
             raise Interrupted(self._signal)
         return False
+
+
+@dataclass
+class _Started:
+    """A process by its pid and the kernel's start time (what the children record holds)."""
+
+    pid: int
+    started_at: float = 0.0
+
+    def __post_init__(self):
+        try:
+            self.started_at = psutil.Process(self.pid).create_time()
+        except psutil.Error:
+            self.started_at = time.time()
 
 
 class RoleFailed(Exception):

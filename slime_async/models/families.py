@@ -18,3 +18,19 @@ def family_of(model_type: str | None) -> Family:
     if model_type not in FAMILIES:
         raise UnsupportedModel(f"model_type {model_type!r} is not one of {tuple(FAMILIES)}")
     return FAMILIES[model_type]
+
+
+def import_hf_modeling() -> list[str]:
+    """Import transformers' modeling module of each family (what the embedded engine's model
+    classes come from); returns those that failed to import. For a process that forks engines
+    (launch/preload.py): a child then finds them imported."""
+    import importlib
+
+    failed = []
+    for model_type in FAMILIES:
+        name = f"transformers.models.{model_type}.modeling_{model_type}"
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            failed.append(name)
+    return failed

@@ -11,7 +11,6 @@ successor that finds them left behind.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import json
 import os
@@ -25,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import psutil
+
+from slime_async.utils.forkserver import ForkedProcess, ForkServer, ForkServerError, die_with
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _PICKED: set[int] = set()  # handed out by this process: never twice
@@ -81,22 +82,6 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with(parent: int) -> Callable[[], None]:
-    """A preexec function: SIGKILL this process when `parent` dies (Linux only). libc is loaded
-    here, in the parent: between fork and exec the child only makes the one call."""
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os._exit(1)
-
-    return preexec
-
-
 class Child:
     """One child process in a new session (its own process group), output to a log file."""
 
@@ -108,6 +93,7 @@ class Child:
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
         die_with_parent: bool = False,
+        fork_server: ForkServer | None = None,
     ):
         self.name = name
         self.argv = list(argv)
@@ -116,30 +102,49 @@ class Child:
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         if env:
             full_env.update(env)
+        self._log = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
+        self.started_by = "exec"
+        """"fork" (from `fork_server`), "exec" (a fresh interpreter), or "exec (why the fork
+        server did not start it)"."""
+        if fork_server is not None:
+            self._fork(fork_server, full_env, cwd, die_with_parent)
+        if self.proc is None:
+            self._popen(full_env, cwd, die_with_parent)
+        try:
+            self.started_at = psutil.Process(self.pid).create_time()
+        except psutil.Error:  # already gone
+            self.started_at = time.time()
+        """The kernel's start time of the child (with the pid, it names the process uniquely)."""
+
+    def _fork(self, server: ForkServer, env, cwd, die_with_parent: bool) -> None:
+        why = server.failure or server.can_start(self.argv, env)
+        if why is None:
+            try:
+                self.proc = server.spawn(self.argv, env, cwd, self.log_path, die_with_parent)
+                self.started_by = "fork"
+                return
+            except ForkServerError as e:
+                why = str(e)
+        self.started_by = f"exec ({why})"
+
+    def _popen(self, env, cwd, die_with_parent: bool) -> None:
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-            out = self._log
-        else:
-            self._log = None
-            out = None
+        out = self._log
         self.proc = subprocess.Popen(
             self.argv,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             stdin=subprocess.DEVNULL,
-            env=full_env,
+            env=env,
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_die_with(os.getpid())
+            preexec_fn=die_with(os.getpid())
             if die_with_parent and sys.platform == "linux"
             else None,
         )
-        try:
-            self.started_at = psutil.Process(self.proc.pid).create_time()
-        except psutil.Error:  # already gone
-            self.started_at = time.time()
-        """The kernel's start time of the child (with the pid, it names the process uniquely)."""
 
     @property
     def pid(self) -> int:

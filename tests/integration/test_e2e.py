@@ -94,6 +94,14 @@ def test_pipeline_runs_pushes_and_loses_nothing(tiny_setup, mode):
     assert set(final["dropped_trajectories"]) <= {"stale", "late_member_of_dropped_group"}
     assert final["dropped_stale"]["policy"] == "keep" and final["dropped_stale"]["groups"] == 0
 
+    # At the defaults on a machine without a visible GPU, every role was forked from the fork
+    # server, which ended with the run.
+    log = (run_dir / "logs" / "supervisor.log").read_text()
+    for role in ("buffer", "engine0", "generator0", "learner"):
+        assert re.search(rf"started {role} \(pid \d+, fork, log ", log), log
+    assert "was not forked" not in log and "the fork server exited" not in log
+    assert json.loads((run_dir / "children.json").read_text()) == {}
+
 
 @pytest.mark.slow
 def test_interrupted_run_resumes_without_loss_or_repeat(tiny_setup):

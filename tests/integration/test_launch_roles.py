@@ -6,11 +6,13 @@ tests/unit/launch/test_supervisor_launch.py."""
 import argparse
 import io
 import json
+import re
 import sys
 import textwrap
 
 import pytest
 
+from slime_async.launch import preload
 from slime_async.launch import table as launch
 from slime_async.launch.supervisor import RoleSpec, Supervisor, ready_file_exists
 from slime_async.metrics import metrics_path, read_metrics
@@ -204,7 +206,13 @@ def test_real_buffer_engines_and_router_start_and_stop(tmp_path):
     stages[-1] = [probe]  # the real buffer, engines and router; a learner that checks its wiring
     err = io.StringIO()
     sup = Supervisor(
-        run_dir, stages, ready_timeout_s=120, stop_grace_s=10, poll_interval_s=0.05, err=err
+        run_dir,
+        stages,
+        ready_timeout_s=120,
+        stop_grace_s=10,
+        poll_interval_s=0.05,
+        err=err,
+        preload=preload.modules(),  # what `run` gives it on a machine without a visible GPU
     )
     assert sup.run() == 0, err.getvalue()
     out = run_dir.log("learner").read_text()
@@ -218,3 +226,14 @@ def test_real_buffer_engines_and_router_start_and_stop(tmp_path):
     log = run_dir.log("supervisor").read_text()
     for role_name in ("buffer", "engine0", "engine1", "router"):
         assert f"{role_name} is ready" in log and f"stopped {role_name}" in log
+    # The python -m roles were forked from the fork server; the router and the probe (not
+    # `python -m`) started as programs of their own, and the log says why.
+    for role_name in ("buffer", "engine0", "engine1"):
+        assert re.search(rf"started {role_name} \(pid \d+, fork, log ", log), log
+    router = "sglang_router.launch_router is not a module of slime_async"
+    assert f"router was not forked: started exec ({router})" in log, log
+    assert "learner was not forked" in log
+    assert "fork server ready: " in log
+    server = sup.fork_server
+    assert server is not None and server.proc.returncode == 0  # closed at the end, not killed
+    assert run_dir.read_children() == {}

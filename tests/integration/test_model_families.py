@@ -20,7 +20,7 @@ import torch.distributed as dist
 from slime_async.actors.learner.trainer import Learner
 from slime_async.config import AlgoConfig, LearnerConfig
 from tests.support.engine_util import greedy_with_runner
-from tests.support.repo import REPO, pythonpath_with_repo
+from tests.support.repo import REPO, torchrun_two_ranks
 
 SEQS = [[2, 5, 6, 7, 8, 9, 10, 11, 12], [2, 20, 21, 22], [2, 30, 31, 32, 33, 34, 35]]
 SHAPES = {
@@ -120,26 +120,9 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(model_dirs, tmp_path_factory):
-    from slime_async.utils.procs import Child, free_port, python_module, wait_until
-
     out = tmp_path_factory.mktemp("two_ranks")
-    argv = python_module(
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        __file__,
-        str(out),
-        *(f"{k}={v}" for k, v in model_dirs.items()),
-    )
-    # The worker imports tests.support and this checkout's package.
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_with_repo()}
-    child = Child("torchrun-families", argv, log_path=out / "log.txt", env=env)
-    try:
-        wait_until(lambda: child.poll() is not None, 300, "the two-rank families job to finish")
-        assert child.poll() == 0, child.tail(60)
-    finally:
-        child.stop()
+    args = [str(out), *(f"{k}={v}" for k, v in model_dirs.items())]
+    torchrun_two_ranks(__file__, args, out, "the two-rank families job to finish", 300)
     return out
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from slime_async.actors.engine.weight_push import WeightPusher
 from slime_async.config.engine import LivenessConfig
+from slime_async.launch import preload
 from slime_async.launch.router import http_ok
 from slime_async.launch.run_dir import RunDir
 from slime_async.launch.supervisor import RoleSpec, Supervisor, ready_file_exists
@@ -116,6 +117,7 @@ def test_an_engine_stuck_in_its_update_is_timed_out_restarted_and_rejoins(
         poll_interval_s=0.1,
         liveness=LIVENESS,
         progress=None,
+        preload=preload.modules(),  # what `run` gives it on a machine without a visible GPU
     )
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(sup.run()), daemon=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 from slime_async.config import BufferConfig
 from slime_async.queue.client import ping
 from slime_async.utils.procs import Child, free_port, python_module, wait_until
+from tests.support.forked import fork_server, role_env
 
 
 def wal_buffer_config(wal_dir: Path, **overrides) -> BufferConfig:
@@ -27,6 +28,12 @@ def start_buffer(cfg: BufferConfig, log: Path) -> Child:
         for k, v in cfg.model_dump(exclude={"curve"}).items()
         if v is not None
     ]
-    child = Child("buffer", python_module("slime_async", "buffer", *overrides), log_path=log)
+    child = Child(
+        "buffer",
+        python_module("slime_async", "buffer", *overrides),
+        log_path=log,
+        env=role_env(),
+        fork_server=fork_server(),
+    )
     wait_until(lambda: ping(cfg.consumer_endpoint, cfg) is not None, 60, "the buffer", child=child)
     return child

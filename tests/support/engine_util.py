@@ -13,6 +13,7 @@ import torch
 from slime_async.actors.engine.embedded.scheduler import Request, Scheduler
 from slime_async.config import PushConfig
 from slime_async.utils.procs import Child, free_port, python_module, wait_until
+from tests.support.forked import fork_server, role_env
 
 PROMPTS = [[2, 10, 11, 12, 13], [2, 20, 21], [2, 5, 6, 7, 8, 9, 10, 11, 12], [2, 30]]
 
@@ -58,7 +59,8 @@ def launch_engine(
         f"engine-{port}",
         python_module("slime_async", "engine", *args),
         log_path=log_dir / f"engine-{port}.log",
-        env={"OMP_NUM_THREADS": "1"},
+        env=role_env(),
+        fork_server=fork_server(),
     )
     return child, f"http://127.0.0.1:{port}"
 
