@@ -15,13 +15,11 @@ TORCH_SPEC ?= torch==2.13.0
 JOBS ?= 2
 CPU_TESTS := CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q -n $(JOBS) --dist loadfile
 
-# --no-compile: pip would byte-compile every module it installs (most of torch's and
-# transformers' are never imported); Python compiles those it imports on first use and keeps them.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-compile -e ".[dev,plot,ray]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,plot,ray]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -42,5 +42,6 @@ def gpu_visible() -> str | None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return None
-    devices = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/kfd")
+    # NVIDIA's device files, AMD's (ROCm), and WSL's GPU device
+    devices = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/kfd") + glob.glob("/dev/dxg")
     return f"{devices[0]} exists" if devices else None

@@ -112,10 +112,10 @@ def _preload(specs: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def _send(msg: dict[str, Any]) -> None:
+def _send(fd: int, msg: dict[str, Any]) -> None:
     data = (json.dumps(msg) + "\n").encode()
     while data:
-        data = data[os.write(1, data) :]
+        data = data[os.write(fd, data) :]
 
 
 def serve(specs: Sequence[str]) -> dict[str, Any] | None:
@@ -125,8 +125,12 @@ def serve(specs: Sequence[str]) -> dict[str, Any] | None:
     # (an ignored signal stays ignored, as it would across the client's own exec of a role).
     initial = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGCHLD)}
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops it; Ctrl-C is its to handle
+    # The answers go out on a copy of stdout; stdout itself goes to the log (stderr), so that
+    # what an import prints cannot garble them.
+    out = os.dup(1)
+    os.dup2(2, 1)
     ready = _preload(specs)
-    _send(ready)
+    _send(out, ready)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -134,7 +138,7 @@ def serve(specs: Sequence[str]) -> dict[str, Any] | None:
     me = os.getpid()
     buf = b""
     while True:
-        _reap()
+        _reap(out)
         try:
             readable, _, _ = select.select([0, wake_r], [], [], 1.0)
         except InterruptedError:
@@ -152,20 +156,22 @@ def serve(specs: Sequence[str]) -> dict[str, Any] | None:
             line, buf = buf.split(b"\n", 1)
             req = json.loads(line)
             if ready["threads"] != 1:
-                _send({"id": req["id"], "error": f"{ready['threads']} Python threads: no fork"})
+                _send(
+                    out, {"id": req["id"], "error": f"{ready['threads']} Python threads: no fork"}
+                )
                 continue
             try:
                 pid = os.fork()
             except OSError as e:
-                _send({"id": req["id"], "error": f"fork: {e}"})
+                _send(out, {"id": req["id"], "error": f"fork: {e}"})
                 continue
             if pid == 0:
                 _become_child(req, me, (wake_r, wake_w), initial)
                 return req
-            _send({"id": req["id"], "pid": pid})
+            _send(out, {"id": req["id"], "pid": pid})
 
 
-def _reap() -> None:
+def _reap(out: int) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -173,7 +179,7 @@ def _reap() -> None:
             return
         if pid == 0:
             return
-        _send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        _send(out, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 def _become_child(
@@ -313,7 +319,10 @@ class ForkServer:
     def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except ValueError:  # not an answer (the server's answers are JSON lines)
+                continue
             with self._cond:
                 if "ready" in msg:
                     self.ready = msg

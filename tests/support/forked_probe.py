@@ -30,6 +30,11 @@ def start_thread() -> None:
     THREAD.start()
 
 
+def chatty() -> None:
+    """A preload that prints on stdout (the server's answers must not be garbled by it)."""
+    print("an import that talks", flush=True)
+
+
 def _handler(sig: int) -> str:
     h = signal.getsignal(sig)
     return {

@@ -179,6 +179,17 @@ def test_when_the_server_dies_its_children_die_are_reported_killed_and_roles_sta
     assert code == 0 and after.started_by == "exec (the fork server exited with code -9)"
 
 
+def test_what_an_import_prints_goes_to_the_log_not_into_the_answers(tmp_path):
+    s = _server(tmp_path, ["tests.support.forked_probe:chatty"])
+    try:
+        child, code = _run(tmp_path, "after", ["exit:0"], s)
+        assert code == 0 and child.started_by == "fork"
+        assert "an import that talks" in (tmp_path / "server.log").read_text()
+        assert "an import that talks" not in child.log_path.read_text()
+    finally:
+        s.close()
+
+
 def test_closing_the_server_ends_it(tmp_path):
     s = _server(tmp_path, ["json"])
     child, code = _run(tmp_path, "one", ["exit:0"], s)
