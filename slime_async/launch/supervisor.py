@@ -65,8 +65,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TextIO
 
-import psutil
-
 from slime_async.config.engine import LivenessConfig
 from slime_async.launch.liveness import RoleLiveness
 from slime_async.launch.progress import ProgressDisplay
@@ -80,6 +78,7 @@ from slime_async.utils.procs import (
     Child,
     kill_groups,
     python_module,
+    start_time,
     wait_until,
 )
 
@@ -190,7 +189,8 @@ class Supervisor:
         """What the fork server imports (None: every role starts as a fresh interpreter)."""
         self.fork_server: ForkServer | None = None
         """Forks the roles from a process that imported `preload` once (started by `run`)."""
-        self._fork_server_child: _Started | None = None
+        self._fork_server_record: tuple[int, float] | None = None
+        """The fork server's (pid, start time), recorded with the children."""
         self._fork_server_noted = False
 
     # ----- the whole run ---------------------------------------------------------------------
@@ -442,9 +442,8 @@ class Supervisor:
         if self.spawn is not None:
             return  # not this machine's processes: nothing a local successor could stop
         children = {n: (c.pid, c.started_at) for n, c in self.children.items()}
-        if self._fork_server_child is not None:
-            server = self._fork_server_child
-            children[FORK_SERVER] = (server.pid, server.started_at)
+        if self._fork_server_record is not None:
+            children[FORK_SERVER] = self._fork_server_record
         self.run_dir.write_children(children)
 
     # ----- the fork server ---------------------------------------------------------------------
@@ -459,7 +458,7 @@ class Supervisor:
             ready_timeout_s=self.ready_timeout_s,
             packages=("slime_async",),  # not the router's program, nor a user's own
         ).start()
-        self._fork_server_child = _Started(self.fork_server.pid)
+        self._fork_server_record = (self.fork_server.pid, start_time(self.fork_server.pid))
         self._record_children()
         self.event(
             f"started the fork server (pid {self.fork_server.pid}, log "
@@ -486,7 +485,7 @@ class Supervisor:
         if self.fork_server is None:
             return
         code = self.fork_server.close()
-        self._fork_server_child = None
+        self._fork_server_record = None
         self._record_children()
         if code not in (0, None):
             self.event(f"the fork server exited with code {code}")
@@ -538,20 +537,6 @@ class Supervisor:
         if self._signal is not None:
             raise Interrupted(self._signal)
         return False
-
-
-@dataclass
-class _Started:
-    """A process by its pid and the kernel's start time (what the children record holds)."""
-
-    pid: int
-    started_at: float = 0.0
-
-    def __post_init__(self):
-        try:
-            self.started_at = psutil.Process(self.pid).create_time()
-        except psutil.Error:
-            self.started_at = time.time()
 
 
 class RoleFailed(Exception):

@@ -111,10 +111,7 @@ class Child:
             self._fork(fork_server, full_env, cwd, die_with_parent)
         if self.proc is None:
             self._popen(full_env, cwd, die_with_parent)
-        try:
-            self.started_at = psutil.Process(self.pid).create_time()
-        except psutil.Error:  # already gone
-            self.started_at = time.time()
+        self.started_at = start_time(self.pid)
         """The kernel's start time of the child (with the pid, it names the process uniquely)."""
 
     def _fork(self, server: ForkServer, env, cwd, die_with_parent: bool) -> None:
@@ -196,6 +193,14 @@ class Child:
             return ""
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
+
+
+def start_time(pid: int) -> float:
+    """The kernel's start time of process `pid` (now, if it is already gone)."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return time.time()
 
 
 def group_alive(pgid: int) -> bool:
