@@ -161,6 +161,16 @@ def start_engine(
     return child, url
 
 
+def engine_log_dir(args: argparse.Namespace, work: Path) -> Path:
+    """Where the engine's log goes: `--engine-logs` (kept after the run), else the run's
+    temporary directory."""
+    if not args.engine_logs:
+        return work
+    out = Path(args.engine_logs)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(batch)
     return [
@@ -298,7 +308,7 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
         device,
         args.dtype,
         max(batches),
-        work / "engine.log",
+        engine_log_dir(args, work) / "engine.log",
         threads,
         (f"engine.embedded.mem_fraction={args.mem_fraction}", *engine_options(args)),
         max_context_len=max(1024, context),
@@ -321,6 +331,11 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
             row["prompt_tokens_prefilled"] = prefilled  # the warm-up and the timed run
             row["prefill_attention"] = after.get("prefill_attention")
             row["engine_loop"] = timing  # the timed run only
+            row["cuda_allocator"] = {  # the warm-up and the timed run
+                k: after["memory"].get(k, 0) - before["memory"].get(k, 0)
+                for k in ("alloc_retries", "device_mallocs")
+            }
+            row["engine_gc"] = gc_delta(timed_before, after)  # the timed run
             row["decode_steps_of_roofline"] = decode_steps_of_roofline(
                 timing, shape, args.prompt_len, args.new_tokens, args.hbm_tbps
             )
@@ -336,7 +351,13 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
                     "roofline of a step of their mean batch"
                     if row["decode_steps_of_roofline"]
                     else ""
-                ),
+                )
+                + (
+                    f"\n    CUDA allocator (warm-up and timed run): {row['cuda_allocator']}"
+                    if any(row["cuda_allocator"].values())
+                    else ""
+                )
+                + f"\n    {describe_gc(row['engine_gc'])}",
                 flush=True,
             )
             spy_report(spy, spy_out)
@@ -543,6 +564,32 @@ def decode_steps_of_roofline(
     return limit / t["decode_device_ms_per_step"]
 
 
+def gc_delta(before: dict, after: dict) -> dict:
+    """The engine process's garbage collections between two /get_server_info answers: how many
+    (by generation), their seconds, the longest so far, how many were long (over
+    engine.embedded.gc_warning_s)."""
+    if "gc_collections" not in after:
+        return {}
+    return {
+        "collections": [
+            a - b for a, b in zip(after["gc_collections"], before["gc_collections"], strict=True)
+        ],
+        "seconds": round(sum(after["gc_seconds"]) - sum(before["gc_seconds"]), 4),
+        "long": after["gc_long_collections"] - before["gc_long_collections"],
+        "longest_s_so_far": after["gc_longest_s"],
+        "frozen_objects": after["gc_frozen_objects"],
+    }
+
+
+def describe_gc(g: dict) -> str:
+    if not g:
+        return "engine garbage collections: not reported"
+    return (
+        f"engine garbage collections: {g['collections']} (by generation), "
+        f"{g['seconds']:.3f} s, {g['long']} long; {g['frozen_objects']} objects frozen"
+    )
+
+
 def describe_loop(t: dict) -> str:
     if not t["decode_steps"]:
         return (
@@ -591,7 +638,7 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
             args.device,
             args.dtype,
             slots,
-            work / f"engine_{sharing}.log",
+            engine_log_dir(args, work) / f"engine_{sharing}.log",
             threads,
             extra,
             max_context_len=max(1024, args.grpo_prompt_len + new),
@@ -618,6 +665,7 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
                         - before["prefill_tokens"],
                         "memory": info.get("memory", {}),
                         "engine_loop": loop_timing(before, info),  # warm-up included
+                        "engine_gc": gc_delta(before, info),  # warm-up included
                         "decode_shared_prefix": info.get("decode_shared_prefix"),
                         "decode_shared_steps": info.get("decode_shared_steps", 0)
                         - before.get("decode_shared_steps", 0),
@@ -639,7 +687,8 @@ def bench_grpo(args: argparse.Namespace, work: Path) -> dict:
                         f"{describe_loop(row['engine_loop'])}; CUDA graphs up to batch "
                         f"{max(info.get('cuda_graph_batch_sizes') or [0])}; shared prompt "
                         f"blocks read once: {row['decode_shared_prefix']} "
-                        f"({row['decode_shared_steps']} steps)",
+                        f"({row['decode_shared_steps']} steps)\n    "
+                        f"{describe_gc(row['engine_gc'])}",
                         flush=True,
                     )
                     spy_report(spy, spy_out)
@@ -875,6 +924,7 @@ def bench_scheduler(args: argparse.Namespace, work: Path) -> None:
         for b in batches:
             run(b, 4)  # warm-up
             before = sched.timing.stats()
+            mem_before = allocator_counts(args.device)
             prof = None
             if args.trace and b == max(batches):
                 from torch.profiler import ProfilerActivity, profile
@@ -900,6 +950,13 @@ def bench_scheduler(args: argparse.Namespace, work: Path) -> None:
                 f"({row['engine_of_roofline']:.3g} of it)\n    {describe_loop(t)}",
                 flush=True,
             )
+            if mem_before:
+                mem = allocator_counts(args.device)
+                print(
+                    "    CUDA allocator in the timed run: "
+                    + ", ".join(f"{k} {mem[k] - mem_before[k]}" for k in mem),
+                    flush=True,
+                )
             if prof is not None:
                 sched.call(host.disable).result()
                 prof.__exit__(None, None, None)
@@ -913,6 +970,16 @@ def bench_scheduler(args: argparse.Namespace, work: Path) -> None:
                 pstats.Stats(host).sort_stats("tottime").print_stats(20)
     finally:
         sched.stop()
+
+
+def allocator_counts(device: str) -> dict[str, int]:
+    """The CUDA caching allocator's cumulative counts (a retry frees the cache and synchronizes:
+    slow); empty off a GPU."""
+    if not device.startswith("cuda"):
+        return {}
+    s = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+    return {k: int(s.get(k, 0)) for k in keys}
 
 
 def device_busy(trace: Path) -> str:
@@ -1181,6 +1248,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory bandwidth of the decode roofline, TB/s (default: an H200's 4.8)",
     )
     ap.add_argument("--json", help="also write the results (each row with its roofline) here")
+    ap.add_argument(
+        "--engine-logs",
+        metavar="DIR",
+        help="keep the engine's log here (generation and --grpo; e.g. with TORCH_LOGS=recompiles)",
+    )
     ap.add_argument(
         "--cpu-threads", type=int, default=1, help="torch threads of the engine and of HF on CPU"
     )

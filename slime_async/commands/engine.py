@@ -32,11 +32,16 @@ def main(args: argparse.Namespace) -> int:
 
     # Imported here, not at the top: torch and transformers would make `--help` take seconds.
     from slime_async.actors.engine.embedded.server import EmbeddedEngine, serve
+    from slime_async.utils.gc_watch import freeze
 
     engine = EmbeddedEngine(cfg, model_path, group_timeout_s=full.push.group_timeout_s)
 
     async def run() -> int:
         runner, url = await serve(engine, host, port)
+        # This process serves one engine: what start-up made (the model, compiled kernels, CUDA
+        # graphs, the tokenizer) goes out of the collector's sight before the first request, as
+        # SGLang's server after its warm-up (a full collection of it stalls every request).
+        freeze("engine start-up")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -21,4 +21,4 @@ def main(args: argparse.Namespace) -> int:
     from slime_async.actors.learner.process import run_learner
 
     run_dir = Path(cfg.run.run_dir) if cfg.run.run_dir else None
-    return run_learner(cfg, run_dir)
+    return run_learner(cfg, run_dir, freeze_start_up=True)

@@ -71,6 +71,11 @@ class EmbeddedEngineConfig(Section):
     """Launch decode step t+1 before the host reads step t's tokens (host work overlaps the GPU),
     and prefill arriving requests behind the step in flight; off: the host reads every step and
     prefill before launching the next."""
+    gc_warning_s: float = Field(0.05, gt=0)
+    """A garbage collection of the engine's process longer than this is logged as a warning and
+    counted (`gc_long_collections` in /get_server_info; every collection is timed there). The
+    engine freezes what start-up made out of the collector's sight once it is ready, and again
+    on POST /freeze_gc, as SGLang after its warm-up."""
     health_delay_s: float | None = Field(None, ge=0)
     """Least time GET /health and /health_generate take before answering (SGLang's answer no
     sooner than the first 1 s sleep of their wait loop); None: 1 s in strict mode, 0 otherwise."""

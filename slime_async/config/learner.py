@@ -57,6 +57,11 @@ class LearnerConfig(Section):
     """Optimizer steps to train."""
     torch_threads: int = Field(0, ge=0)
     """CPU threads of each learner process (torch.set_num_threads); 0: torch's default."""
+    gc_warning_s: float = Field(0.05, gt=0)
+    """A garbage collection of a learner process longer than this is logged as a warning with its
+    rank and counted (`learner/gc_long`); every rank freezes what start-up made out of the
+    collector's sight before its first step, and rank 0 records each step's collection time
+    (`learner/gc_s`)."""
     prox_compare_interval: int = Field(10, ge=0)
     """With algo.prox_source = "interpolate": also run the exact pi_prox forward pass on every this
     many-th batch and log how far the interpolation is from it (prox/interp_abs_err; 0: never)."""

@@ -54,6 +54,11 @@ TRAIN_TOKENS_PER_S = "train/tokens_per_s"
 PUSH_S = "push/seconds"
 """Wall time of the weight push after this step (0 when none)."""
 STEP_SECONDS = "step/seconds"
+LEARNER_GC_S = "learner/gc_s"
+"""Seconds rank 0 spent in Python's garbage collections since the previous record (the whole
+process: a collection stops every thread)."""
+LEARNER_GC_LONG = "learner/gc_long"
+"""Rank 0's collections so far longer than learner.gc_warning_s (each logged)."""
 CHECKPOINT_S = "learner/checkpoint_s"
 """Wall time of the checkpoint saved after the previous step (in the next step's record; a
 run's last checkpoint is in the learner's log only)."""

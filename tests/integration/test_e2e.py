@@ -101,6 +101,12 @@ def test_pipeline_runs_pushes_and_loses_nothing(tiny_setup, mode):
         assert re.search(rf"started {role} \(pid \d+, fork, log ", log), log
     assert "was not forked" not in log and "the fork server exited" not in log
     assert json.loads((run_dir / "children.json").read_text()) == {}
+    # The engine and learner processes froze their start-up heap out of the garbage collector's
+    # sight before serving / training, and the learner's records time its collections.
+    for role, context in (("engine0", "engine start-up"), ("learner", "learner rank 0 start-up")):
+        role_log = (run_dir / "logs" / f"{role}.log").read_text()
+        assert re.search(rf"{context}: \d+ objects frozen out of the garbage collector", role_log)
+    assert all(r["learner/gc_s"] >= 0 and r["learner/gc_long"] >= 0 for r in learner)
 
 
 @pytest.mark.slow

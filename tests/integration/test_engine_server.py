@@ -4,6 +4,7 @@ one-at-a-time decoding, abort, pause, bad requests and the API key."""
 import asyncio
 import contextlib
 import json
+import re
 
 import aiohttp
 import pytest
@@ -29,10 +30,15 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, tmp_path_factory):
+def engine_logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, engine_logs):
     child, url = start_engine(
         model_dir,
-        tmp_path_factory.mktemp("logs"),
+        engine_logs,
         "engine.embedded.max_context_len=1024",
         api_key=KEY,
     )
@@ -137,6 +143,31 @@ async def test_info_endpoints(engine, model_dir):
     async with EngineClient(engine, api_key=KEY) as c:
         assert await c.health() and await c.health_generate()
         assert await c.get_weight_version() == 0
+
+
+async def test_start_up_is_frozen_out_of_the_collector_and_freeze_gc_answers_as_sglang(
+    engine, engine_logs
+):
+    """The engine process freezes what start-up made before serving (a full collection of it
+    would stall every request; SGLang freezes after its warm-up), times every collection in
+    /get_server_info, and serves SGLang's /freeze_gc (GET and POST, ADMIN_OPTIONAL, a text
+    answer)."""
+    port = engine.rsplit(":", 1)[1]
+    log_text = (engine_logs / f"engine-{port}.log").read_text()
+    assert re.search(r"engine start-up: \d+ objects frozen out of the garbage collector", log_text)
+    status, info = await _get(engine, "/get_server_info")
+    assert status == 200 and info["gc_frozen_objects"] > 0
+    assert len(info["gc_collections"]) == len(info["gc_seconds"]) == 3
+    assert info["gc_long_collections"] >= 0 and info["gc_longest_s"] >= 0
+    async with aiohttp.ClientSession() as s:
+        async with s.post(engine + "/freeze_gc") as r:  # the API key opens admin routes here
+            assert r.status == 401
+        for method in ("GET", "POST"):
+            async with s.request(method, engine + "/freeze_gc", headers=AUTH) as r:
+                assert (r.status, await r.text()) == (200, "Garbage collection frozen.\n")
+    after = (await _get(engine, "/get_server_info"))[1]
+    assert after["gc_frozen_objects"] > info["gc_frozen_objects"]
+    assert "GET /freeze_gc: " in (engine_logs / f"engine-{port}.log").read_text()
 
 
 async def test_64_concurrent_equal_one_at_a_time(engine):

@@ -59,6 +59,7 @@ from slime_async.queue.client import Batch, ConsumerClient
 from slime_async.queue.lineage import SUPERSEDED_POSITION, Line, plan_restart
 from slime_async.queue.schema import decode_trajectory, encode_trajectory
 from slime_async.utils.eval_pin import read_result, request_path, write_json_atomic
+from slime_async.utils.gc_watch import GcWatch, freeze
 from slime_async.utils.readiness import announce_ready
 from slime_async.utils.restart_requests import request_restart
 
@@ -209,8 +210,10 @@ def _scatter_groups(learner: Learner, groups: list[TrainGroup] | None) -> list[T
     return [TrainGroup(tuple(decode_trajectory(b) for b in blobs), s) for s, blobs in mine]
 
 
-def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
-    """Train `learner.num_steps` optimizer steps on batches from the buffer; 0 when done."""
+def run_learner(cfg: SlimeConfig, run_dir: Path | None, freeze_start_up: bool = False) -> int:
+    """Train `learner.num_steps` optimizer steps on batches from the buffer; 0 when done.
+    `freeze_start_up` (the `slime-async learner` process, which owns its heap): before the first
+    step, what start-up made goes out of the garbage collector's sight (`gc_watch.freeze`)."""
     lc = cfg.learner
     if lc.torch_threads:
         torch.set_num_threads(lc.torch_threads)
@@ -243,6 +246,7 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
     backend = push_backend(cfg.push.backend, torch.cuda.is_available())
     push = cfg.push.model_copy(update={"backend": backend})
     rank0 = _Rank0(cfg, run_dir, push) if learner.is_rank0 else None
+    gc_watch = GcWatch(f"learner rank {learner.rank}", lc.gc_warning_s).install()
     try:
         plan = None
         if rank0 is not None:
@@ -281,13 +285,20 @@ def run_learner(cfg: SlimeConfig, run_dir: Path | None) -> int:
             dist.barrier()
         if learner.is_rank0:
             announce_ready(f"version {learner.version}")
-        code = _train(cfg, learner, rank0, save_dir, has_pusher)
+        if freeze_start_up:
+            # What start-up made (megatron's model and optimizer, the modules imported) out of
+            # the collector's sight: a full collection of it would stop this rank for a fraction
+            # of a second at no particular step, and with several ranks the others wait for it
+            # in the next collective.
+            freeze(f"learner rank {learner.rank} start-up")
+        code = _train(cfg, learner, rank0, save_dir, has_pusher, gc_watch)
         if rank0 is not None and run_dir is not None:
             # The buffer's final accounting, for the run's "nothing lost" check.
             stats = rank0.consumer.stats()
             (run_dir / "buffer_final.json").write_text(json.dumps(stats, indent=2) + "\n")
         return code
     finally:
+        gc_watch.close()
         if rank0 is not None:
             rank0.close()
         learner.close()
@@ -448,9 +459,11 @@ def _train(
     rank0: _Rank0 | None,
     save_dir: Path | None,
     has_pusher: bool,
+    gc_watch: GcWatch,
 ) -> int:
     lc = cfg.learner
     pushed = learner.version  # what the engines hold (pushed at start-up when > 0)
+    gc_mark = sum(gc_watch.seconds)  # collection seconds up to the last record
     while learner.step < lc.num_steps:
         t_step = time.perf_counter()
         info, given = {}, None
@@ -518,7 +531,10 @@ def _train(
                 M.PUSH_S: push_s,
                 **(rank0.pusher.metrics() if rank0.pusher is not None else {}),
                 M.STEP_SECONDS: step_s,
+                M.LEARNER_GC_S: sum(gc_watch.seconds) - gc_mark,
+                M.LEARNER_GC_LONG: float(gc_watch.long),
             }
+            gc_mark = sum(gc_watch.seconds)
             rank0.next_record = {}
             if rank0.metrics is not None:
                 rank0.metrics.log(learner.step, record)

@@ -66,6 +66,7 @@ NOT_DEFAULT = {
     "decode_shared_prefix": "off",
     "compile": False,
     "overlap_schedule": False,
+    "gc_warning_s": 0.2,
     "health_delay_s": 0.5,
     "health_timeout_s": 5.0,
 }

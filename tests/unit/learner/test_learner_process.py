@@ -16,6 +16,7 @@ from slime_async.queue.lineage import Line
 from slime_async.queue.schema import decode_trajectory, encode_trajectory
 from slime_async.queue.state import BufferState
 from slime_async.testing.trajectories import synthetic_group
+from slime_async.utils.gc_watch import GcWatch
 
 
 def _ckpt(path):
@@ -222,11 +223,12 @@ def test_fixed_lag_holds_every_push_the_last_one_too_until_the_served_versions_g
 
     monkeypatch.setattr(process, "_push", push)
     monkeypatch.setattr(process, "_scatter_groups", lambda learner, groups: groups)
-    assert process._train(cfg, Learner(), Rank0(), None, has_pusher=True) == 0
+    assert process._train(cfg, Learner(), Rank0(), None, True, GcWatch("test")) == 0
     # Every push, the last one (version 3) too, came once all the groups of the version it
     # replaced had arrived: (k + 1) x gps at the first version, gps at the others.
     assert pushes == [(1, 0, 4, 4), (2, 1, 2, 2), (3, 2, 2, 2)]
     assert all(M.FIXED_LAG_WAIT_S in r for r in records)
+    assert all(r[M.LEARNER_GC_S] == 0.0 and r[M.LEARNER_GC_LONG] == 0.0 for r in records)
     while buffer.inflight:  # the run is over: the rollouts still running finish (at version 3)
         buffer.tick()
     assert buffer.state.stats()["dropped"] == {}

@@ -351,6 +351,31 @@ def test_bench_engine_context_on_cpu_prints_and_writes_the_roofline(tmp_path):
     assert_roofline_row(row, "engine")
     assert_roofline_row(row, "hf")
     assert row["hbm_tbps"] == 2.0
+    # the engine process froze its start-up heap; its collections in the timed run are reported
+    gc = row["engine_gc"]
+    assert gc["frozen_objects"] > 0 and len(gc["collections"]) == 3 and gc["long"] >= 0
+    assert "engine garbage collections: [" in r.stdout
+    assert row["cuda_allocator"] == {"alloc_retries": 0, "device_mallocs": 0}  # no GPU
+
+
+def test_bench_gc_runs_each_side_in_its_own_process(tmp_path):
+    """The baseline serves without freezing, the other side after gc.freeze; both time every
+    collection while they serve and one full collection after."""
+    out = tmp_path / "gc.json"
+    r = run_bench(
+        "bench/bench_gc.py", "--batch", "3", "--new-tokens", "2", "--rounds", "2",
+        "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| side | full collections | their s |" in r.stdout
+    base, frozen = json.loads(out.read_text())["sides"]
+    assert (base["side"], frozen["side"]) == ("baseline", "frozen")
+    assert base["frozen_objects"] == 0 < frozen["frozen_objects"]
+    for side in (base, frozen):
+        assert len(side["rounds_s"]) == 2 and len(side["gc_collections"]) == 3
+        assert side["forced_full_collection_s"] > 0
+    r = run_bench("bench/bench_gc.py", "--rounds", "0")
+    assert r.returncode != 0 and "--rounds must be at least 1" in r.stderr
 
 
 TINY_LEARNER = (

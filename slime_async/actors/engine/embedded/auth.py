@@ -25,6 +25,7 @@ ROUTE_LEVELS: dict[str, Level] = {
     "/server_info": Level.NORMAL,  # 863
     "/get_weight_version": Level.NORMAL,  # not in 0.5.23 (an older route; NORMAL there)
     "/flush_cache": Level.ADMIN_OPTIONAL,  # 1025-1026
+    "/freeze_gc": Level.ADMIN_OPTIONAL,  # 1254-1255
     "/update_weights_from_disk": Level.ADMIN_OPTIONAL,  # 1300-1301
     "/init_weights_update_group": Level.ADMIN_OPTIONAL,  # 1404-1405
     "/destroy_weights_update_group": Level.ADMIN_OPTIONAL,  # 1420-1421

@@ -1,7 +1,8 @@
-"""The embedded engine's control routes: weight version, pause/continue, abort, cache flush.
+"""The embedded engine's control routes: weight version, pause/continue, abort, cache flush,
+garbage-collector freeze.
 
 Serves /get_weight_version, /update_weight_version, /pause_generation, /continue_generation,
-/abort_request and /flush_cache with SGLang 0.5.23's request fields and defaults
+/abort_request, /flush_cache and /freeze_gc with SGLang 0.5.23's request fields and defaults
 (`srt/managers/io_struct.py`) and answers (`srt/entrypoints/http_server.py`). Waits on: the
 scheduler thread, which runs every command between two steps.
 """
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from slime_async.actors.engine.embedded.http import BadRequest, error, read_body
+from slime_async.utils.gc_watch import freeze
 
 if TYPE_CHECKING:
     from slime_async.actors.engine.embedded.server import EmbeddedEngine
@@ -33,6 +35,8 @@ class ControlRoutes:
         # http_server.py: flush_cache is served on GET and POST.
         for method in ("GET", "POST"):
             router.add_route(method, "/flush_cache", self.flush_cache)
+            # http_server.py: freeze_gc_async, GET and POST as well.
+            router.add_route(method, "/freeze_gc", self.freeze_gc)
         for name in ("pause_generation", "continue_generation", "abort_request"):
             router.add_post(f"/{name}", getattr(self, name))
 
@@ -87,6 +91,12 @@ class ControlRoutes:
             return web.json_response({"success": True, "message": "aborted 0 request(s)"})
         n = await self.engine._on_scheduler(lambda: self._sched.abort(rid, abort_all))
         return web.json_response({"success": True, "message": f"aborted {n} request(s)"})
+
+    async def freeze_gc(self, request: web.Request) -> web.Response:
+        # As SGLang's scheduler and tokenizer manager (utils/common.py: freeze_gc): every object
+        # alive now goes out of the garbage collector's sight, without a collection first.
+        freeze(f"{request.method} /freeze_gc", collect=False)
+        return web.Response(text="Garbage collection frozen.\n", status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         # As SGLang: a text body, 200 when flushed, 400 when requests were running (strict).

@@ -716,6 +716,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             info["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
             info["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            # A retry is an allocation that failed until the allocator freed its whole cache
+            # (a device synchronization and cudaFree of every cached segment): steps stall.
+            stats = torch.cuda.memory_stats(self.device)
+            info["alloc_retries"] = int(stats.get("num_alloc_retries", 0))
+            info["device_mallocs"] = int(stats.get("num_device_alloc", 0))
         info["blocks_in_use"] = self.pool.in_use()
         return info
 

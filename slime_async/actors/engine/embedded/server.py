@@ -55,6 +55,7 @@ from slime_async.actors.engine.weight_sync import gpu_uuid
 from slime_async.config import EngineConfig, PushConfig
 from slime_async.config.engine import SGLANG_HEALTH_MIN_S, EmbeddedEngineConfig
 from slime_async.models.tokenizer import load_tokenizer
+from slime_async.utils.gc_watch import GcWatch
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,9 @@ class EmbeddedEngine:
         (managers/tokenizer_control_mixin.py: `_update_weight_version_if_provided` after
         `success`), so an update whose flush was refused leaves it behind the version the
         scheduler serves (`scheduler.version`, the spans of new tokens)."""
+        self.gc = GcWatch("engine", emb.gc_warning_s)
+        """Every garbage collection of this process timed while it serves; a long one logged and
+        counted."""
         self.health_delay_s = _health_delay(emb)
         """Least time /health and /health_generate take (SGLang's wait loop sleeps 1 s first)."""
         self.ignored_fields = 0
@@ -250,10 +254,12 @@ class EmbeddedEngine:
         return app
 
     async def _start(self, app: web.Application) -> None:
+        self.gc.install()
         self.scheduler.start()
 
     async def _stop(self, app: web.Application) -> None:
         await asyncio.to_thread(self.scheduler.stop)
+        self.gc.close()
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
@@ -681,6 +687,7 @@ class EmbeddedEngine:
                 "sampling_kernels": self.runner.sampling_kernels(),
                 "cuda_graph_batch_sizes": self.runner.graphs.sizes if self.runner.graphs else [],
                 "memory": self.runner.memory_info(),
+                **self.gc.stats(),
                 "ignored_fields": self.ignored_fields,
                 "routed_unavailable": self.routed_unavailable,
                 "started_at": self.started_at,
