@@ -331,10 +331,9 @@ def bench_generation(args: argparse.Namespace, work: Path) -> dict:
             row["prompt_tokens_prefilled"] = prefilled  # the warm-up and the timed run
             row["prefill_attention"] = after.get("prefill_attention")
             row["engine_loop"] = timing  # the timed run only
-            row["cuda_allocator"] = {  # the warm-up and the timed run
-                k: after["memory"].get(k, 0) - before["memory"].get(k, 0)
-                for k in ("alloc_retries", "device_mallocs")
-            }
+            row["cuda_allocator"] = allocator_delta(
+                before["memory"], after["memory"]
+            )  # warm-up too
             row["engine_gc"] = gc_delta(timed_before, after)  # the timed run
             row["decode_steps_of_roofline"] = decode_steps_of_roofline(
                 timing, shape, args.prompt_len, args.new_tokens, args.hbm_tbps
@@ -562,6 +561,12 @@ def decode_steps_of_roofline(
     batch = max(1, round(t["mean_decode_batch"]))
     limit = roofline.decode_roofline(shape, batch, prompt_len, new, hbm)["roofline_step_ms"]
     return limit / t["decode_device_ms_per_step"]
+
+
+def allocator_delta(before: dict, after: dict) -> dict[str, int]:
+    """The CUDA caching allocator's counts between two readings of the engine's `memory` (a
+    retry freed the allocator's whole cache and synchronized: a stall); zeros off a GPU."""
+    return {k: after.get(k, 0) - before.get(k, 0) for k in ("alloc_retries", "device_mallocs")}
 
 
 def gc_delta(before: dict, after: dict) -> dict:
@@ -924,7 +929,7 @@ def bench_scheduler(args: argparse.Namespace, work: Path) -> None:
         for b in batches:
             run(b, 4)  # warm-up
             before = sched.timing.stats()
-            mem_before = allocator_counts(args.device)
+            mem_before = runner.memory_info()
             prof = None
             if args.trace and b == max(batches):
                 from torch.profiler import ProfilerActivity, profile
@@ -950,13 +955,9 @@ def bench_scheduler(args: argparse.Namespace, work: Path) -> None:
                 f"({row['engine_of_roofline']:.3g} of it)\n    {describe_loop(t)}",
                 flush=True,
             )
-            if mem_before:
-                mem = allocator_counts(args.device)
-                print(
-                    "    CUDA allocator in the timed run: "
-                    + ", ".join(f"{k} {mem[k] - mem_before[k]}" for k in mem),
-                    flush=True,
-                )
+            alloc = allocator_delta(mem_before, runner.memory_info())
+            if any(alloc.values()):
+                print(f"    CUDA allocator in the timed run: {alloc}", flush=True)
             if prof is not None:
                 sched.call(host.disable).result()
                 prof.__exit__(None, None, None)
@@ -970,16 +971,6 @@ def bench_scheduler(args: argparse.Namespace, work: Path) -> None:
                 pstats.Stats(host).sort_stats("tottime").print_stats(20)
     finally:
         sched.stop()
-
-
-def allocator_counts(device: str) -> dict[str, int]:
-    """The CUDA caching allocator's cumulative counts (a retry frees the cache and synchronizes:
-    slow); empty off a GPU."""
-    if not device.startswith("cuda"):
-        return {}
-    s = torch.cuda.memory_stats()
-    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
-    return {k: int(s.get(k, 0)) for k in keys}
 
 
 def device_busy(trace: Path) -> str:

@@ -245,6 +245,20 @@ async def test_admin_key_opens_control_routes_and_plain_key_the_rest(keyed):
     assert (await _call(keyed, "GET", "/server_info", key=ADMIN))[0] == 401
     for path in ("/health", "/health_generate", "/ready"):
         assert (await _call(keyed, "GET", path))[0] == 200, path
+    # /freeze_gc is ADMIN_OPTIONAL too (http_server.py: freeze_gc_async)
+    assert (await _post(keyed, "/freeze_gc", {}, KEY))[0] == 401
+    assert (await _post(keyed, "/freeze_gc", {}, ADMIN)) == (200, "Garbage collection frozen.\n")
+
+
+async def test_strict_engine_freezes_at_start_and_serves_freeze_gc(strict):
+    """The strict engine as the e2e runs use it: its start-up heap frozen before the first
+    request, /freeze_gc answered as SGLang's (GET and POST, a text body)."""
+    _, before = await _call(strict, "GET", "/get_server_info")
+    assert before["strict_sglang"] and before["gc_frozen_objects"] > 0
+    for method in ("GET", "POST"):
+        assert (await _call(strict, method, "/freeze_gc")) == (200, "Garbage collection frozen.\n")
+    _, after = await _call(strict, "GET", "/get_server_info")
+    assert after["gc_frozen_objects"] > before["gc_frozen_objects"]
 
 
 async def test_update_weight_version_aborts_running_requests_by_default(strict):

@@ -223,6 +223,12 @@ def test_job_on_three_nodes_places_trains_replaces_a_killed_engine_and_loses_not
     assert "engine0 is ready (GET http://127.0.0.2:" in sup
     # Both ranks ran the learner (rank 1 logs to learner.rank1.log), under gloo over 127.0.0.3.
     assert (run_dir / "logs" / "learner.rank1.log").is_file()
+    # The role command lines ran as under the local launcher: each learner rank and the engine
+    # froze their start-up heap out of the garbage collector's sight before training / serving.
+    for name, rank in (("learner.log", 0), ("learner.rank1.log", 1)):
+        text = (run_dir / "logs" / name).read_text()
+        assert f"learner rank {rank} start-up: " in text and "objects frozen" in text, name
+    assert "engine start-up: " in (run_dir / "logs" / "engine0.log").read_text()
 
     # The killed engine: reported with its signal, replaced, ready again, counted.
     assert "engine0 (pid" in sup and "was killed by SIGKILL" in sup, sup[-3000:]
